@@ -1,0 +1,48 @@
+"""Layout-invariant initialisation (GPT-2/3 scheme).
+
+Every parameter is drawn as its *full* tensor from a generator seeded by (seed, layer index,
+parameter name), then cut to the local shard, so the same seed gives the same full weights
+whatever the tensor/pipeline layout and whichever parameters a rank holds. A sharded parameter
+announces itself with two attributes set by whoever sharded it:
+  p.full_shape: the unsharded shape to draw
+  p.shard_of:   a function mapping the full tensor to this rank's piece
+Scheme: weights ~ N(0, std²); residual output projections (attn.proj, mlp.proj) ~ N(0, std²/(2L));
+biases 0; LayerNorm γ=1, β=0.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+from torch import nn
+
+RESIDUAL_PROJECTIONS = ("attn.proj.weight", "mlp.proj.weight")
+
+
+def parameter_seed(seed: int, layer_index: int, name: str) -> int:
+    """A stable 63-bit seed for one parameter, independent of process, order and layout."""
+    return (zlib.crc32(f"{layer_index}/{name}".encode()) << 20) ^ (seed & 0xFFFFF) ^ (seed << 32)
+
+
+def init_layer_(layer: nn.Module, layer_index: int, seed: int, n_layer: int, std: float) -> None:
+    """Initialise every parameter of one layer in place (see module docstring)."""
+    for name, param in layer.named_parameters():
+        full_shape = tuple(getattr(param, "full_shape", param.shape))
+        if _is_layernorm(layer, name):
+            full = torch.ones(full_shape) if name.endswith("weight") else torch.zeros(full_shape)
+        elif name.endswith("bias"):
+            full = torch.zeros(full_shape)
+        else:
+            scale = std / (2 * n_layer) ** 0.5 if name.endswith(RESIDUAL_PROJECTIONS) else std
+            gen = torch.Generator().manual_seed(parameter_seed(seed, layer_index, name))
+            full = torch.randn(full_shape, generator=gen) * scale
+        shard_of = getattr(param, "shard_of", None)
+        local = shard_of(full) if shard_of is not None else full
+        with torch.no_grad():
+            param.copy_(local.to(dtype=param.dtype, device=param.device))
+
+
+def _is_layernorm(layer: nn.Module, param_name: str) -> bool:
+    owner = layer.get_submodule(param_name.rpartition(".")[0]) if "." in param_name else layer
+    return isinstance(owner, nn.LayerNorm)
