@@ -26,6 +26,7 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.layers = nn.ModuleList(layers if layers is not None else layer_list(config))
+        self.loss_fn = lm_loss  # (logits, targets) → scalar; tensor parallelism swaps in a vocab-parallel one
         self.tie_weights()
 
     @property
@@ -58,7 +59,7 @@ class GPT(nn.Module):
         x = idx
         for layer in self.layers:
             x = layer(x)
-        return x if targets is None else lm_loss(x, targets)
+        return x if targets is None else self.loss_fn(x, targets)
 
 
 def build(config: GPTConfig, device: torch.device | str = "cpu", seed: int = 0) -> GPT:
