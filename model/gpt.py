@@ -47,8 +47,15 @@ class GPT(nn.Module):
             init_layer_(layer, index, seed, self.config.n_layer, self.config.init_std)
 
     def materialize(self, device: torch.device | str, seed: int) -> "GPT":
-        """Allocate storage for a meta-built model on `device`, re-tie, and initialise."""
+        """Allocate storage for a meta-built model on `device`, re-tie, and initialise.
+
+        `to_empty` makes new Parameter objects, so attributes set on the meta parameters (the
+        sharding hints `full_shape` / `shard_of`, DeepSpeed's `model_parallel`) are carried over.
+        """
+        attributes = {name: dict(p.__dict__) for name, p in self.named_parameters(remove_duplicate=False)}
         self.to_empty(device=device)
+        for name, param in self.named_parameters(remove_duplicate=False):
+            param.__dict__.update(attributes[name])
         self.tie_weights()
         self.init_weights(seed)
         return self

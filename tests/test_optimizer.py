@@ -1,0 +1,67 @@
+"""GPT-3's optimizer settings and the token-based warmup + cosine schedule."""
+
+import math
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from train.optimizer import make_lr_scheduler, make_optimizer, make_schedule, param_groups, Schedule
+
+OPTIM = OmegaConf.create(
+    {
+        "lr": None, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "grad_clip": 1.0,
+        "warmup_tokens": 1000, "decay_tokens": 11000, "min_lr_ratio": 0.1,
+    }
+)
+
+
+def test_schedule_at_warmup_end_mid_decay_and_floor():
+    s = make_schedule(OPTIM, "gpt3-125m", tokens_per_step=100, max_steps=1000)
+    peak = 6.0e-4  # the paper's 125M learning rate
+    assert s.lr_at(0) == 0.0
+    assert s.lr_at(500) == pytest.approx(peak / 2)
+    assert s.lr_at(1000) == pytest.approx(peak)  # warmup end
+    # halfway through the cosine: ½(1 + cos(π/2)) = ½, so 0.1 + 0.9·½ = 0.55 of the peak
+    assert s.lr_at(6000) == pytest.approx(0.55 * peak)
+    # a quarter through: ½(1 + cos(π/4))
+    assert s.lr_at(3500) == pytest.approx(peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 4))))
+    assert s.lr_at(11000) == pytest.approx(0.1 * peak)  # the floor
+    assert s.lr_at(10**9) == pytest.approx(0.1 * peak)
+
+
+def test_short_runs_cap_warmup_at_a_tenth_and_decay_over_the_run():
+    cfg = OmegaConf.merge(OPTIM, {"warmup_tokens": 375_000_000, "decay_tokens": None, "lr": 1e-3})
+    s = make_schedule(cfg, "toy", tokens_per_step=1024, max_steps=200)
+    assert s.warmup_tokens == 1024 * 20 and s.decay_tokens == 1024 * 200 and s.peak_lr == 1e-3
+
+
+def test_explicit_lr_overrides_the_paper_and_unknown_names_need_one():
+    assert make_schedule(OmegaConf.merge(OPTIM, {"lr": 3e-4}), "gpt3-175b", 10, 10_000).peak_lr == 3e-4
+    with pytest.raises(ValueError, match="optim.lr is null and model.name='mine'"):
+        make_schedule(OPTIM, "mine", 10, 10_000)
+
+
+def test_lr_scheduler_steps_follow_tokens():
+    model = torch.nn.Linear(4, 4)
+    s = Schedule(peak_lr=1.0, warmup_tokens=400, decay_tokens=2000, min_lr_ratio=0.1)
+    opt = make_optimizer(model, OPTIM, s.peak_lr)
+    sched = make_lr_scheduler(opt, s, tokens_per_step=100)
+    seen = []
+    for _ in range(25):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    # step s runs at the rate for (s + 1)·100 tokens
+    assert seen[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert seen[24] == pytest.approx(0.1)
+
+
+def test_weight_decay_only_on_matrices_and_adam_settings():
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    groups = param_groups(model, 0.1)
+    assert {p.dim() for p in groups[0]["params"]} == {2} and len(groups[0]["params"]) == 2
+    assert {p.dim() for p in groups[1]["params"]} == {1} and len(groups[1]["params"]) == 3
+    opt = make_optimizer(model, OPTIM, 1e-3)
+    assert opt.defaults["betas"] == (0.9, 0.95) and opt.defaults["eps"] == 1e-8
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]

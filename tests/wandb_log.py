@@ -1,0 +1,49 @@
+"""Read the history rows of an offline W&B run file (`run-<id>.wandb`), for tests.
+
+The file is a LevelDB-style log: a 7-byte header (":W&B", magic, version), then 32 KiB blocks of
+records, each with a 7-byte header (crc32c: 4, length: 2 little-endian, type: 1; type 1 = a whole
+record, 2/3/4 = first/middle/last piece), whose payloads are protobuf `Record` messages.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+BLOCK = 32 * 1024
+HEADER = 7
+
+
+def records(path: Path) -> list[bytes]:
+    data = Path(path).read_bytes()
+    assert data[:4] == b":W&B", f"{path} is not a W&B run file"
+    out, pending, pos = [], b"", HEADER
+    while pos + HEADER <= len(data):
+        left_in_block = BLOCK - pos % BLOCK
+        if left_in_block < HEADER:  # block trailer padding
+            pos += left_in_block
+            continue
+        length, kind = struct.unpack("<HB", data[pos + 4 : pos + HEADER])
+        payload = data[pos + HEADER : pos + HEADER + length]
+        pos += HEADER + length
+        if kind == 0 and length == 0:
+            continue
+        pending += payload
+        if kind in (1, 4):
+            out.append(pending)
+            pending = b""
+    return out
+
+
+def history(path: Path) -> list[dict]:
+    """The logged rows, each {key: value, '_step': step}."""
+    from wandb.proto import wandb_internal_pb2
+
+    rows = []
+    for raw in records(path):
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(raw)
+        if record.WhichOneof("record_type") == "history":
+            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item})
+    return rows

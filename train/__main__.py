@@ -1,0 +1,46 @@
+"""Entry point: `python -m train [hydra overrides]`, also under torchrun or the deepspeed launcher.
+
+Examples:
+  python -m train                                    # the toy on this machine's CPU
+  python -m train model=gpt3-125m train.max_steps=5000 optim.lr=6e-4
+  torchrun --nproc_per_node 8 -m train model=gpt3-1.3b
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
+
+
+@hydra.main(version_base=None, config_path=CONFIG_DIR, config_name="config")
+def main(cfg: DictConfig) -> None:
+    from train.validate import ConfigError, check
+
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        check(cfg)
+    except ConfigError as err:
+        _discard_if_empty(run_dir)
+        print(f"gpt3d: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+    from train.loop import run
+
+    run(cfg, run_dir)
+
+
+def _discard_if_empty(run_dir: Path) -> None:
+    """Remove a run directory that holds nothing but Hydra's own bookkeeping (a run that never started)."""
+    if run_dir.is_dir() and all(p.name == ".hydra" or p.suffix == ".log" for p in run_dir.iterdir()):
+        shutil.rmtree(run_dir)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,211 @@
+"""What one run does: build, shard, wrap in DeepSpeed, stream data, step, evaluate, log, save.
+
+One optimizer step = one global batch of `train.global_batch_size` windows. This rank takes its
+data-parallel slice (global / dp windows) and runs it as micro batches of
+`train.micro_batch_size`; DeepSpeed accumulates and steps at the boundary.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from model import GPT, GPTConfig, count_parameters, generate
+from parallel import engine as engines
+from train import checkpoint, data, metrics
+from train.optimizer import make_lr_scheduler, make_optimizer, make_schedule
+from train.tokenizer import gpt2
+
+
+@dataclass
+class Progress:
+    """Loop counters that survive a resume."""
+
+    step: int = 0
+    tokens: int = 0
+
+
+def run(cfg, run_dir: Path) -> Progress:
+    """Train per `cfg` into `run_dir`; returns the final step and token count."""
+    device = engines.resolve_device(cfg.train.device)
+    engines.init_distributed(device)
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dp_rank, dp_size = rank, world  # one data-parallel group spanning every rank (tp = pp = 1)
+    model_cfg = GPTConfig.from_dict(OmegaConf.to_container(cfg.model))
+    seq_len = model_cfg.seq_len
+    tokens_per_step = cfg.train.global_batch_size * seq_len
+
+    torch.manual_seed(cfg.train.seed)
+    with torch.device("meta"):
+        model = GPT(model_cfg)
+    model.materialize(device, cfg.train.seed)
+    schedule = make_schedule(cfg.optim, model_cfg.name, tokens_per_step, cfg.train.max_steps)
+    optimizer = make_optimizer(model, cfg.optim, schedule.peak_lr)
+    engine = engines.create_engine(
+        model,
+        optimizer,
+        make_lr_scheduler(optimizer, schedule, tokens_per_step),
+        engines.deepspeed_config(cfg, dp_size, device),
+    )
+    engine_clips = engines.engine_clips(cfg)
+
+    batches = data.TrainBatches(cfg.data, seq_len, cfg.train.global_batch_size, dp_rank, dp_size, cfg.train.seed)
+    val_batches = (
+        data.validation_batches(cfg.data, seq_len, cfg.train.global_batch_size, cfg.train.eval_batches, dp_rank, dp_size)
+        if cfg.train.eval_interval > 0 and cfg.train.eval_batches > 0
+        else []
+    )
+
+    progress = Progress()
+    resume_path = checkpoint.find_resume_path(cfg.train.resume, run_dir)
+    if resume_path is not None:
+        state = checkpoint.load(engine, resume_path)
+        progress = Progress(state["step"], state["tokens"])
+        batches.load_state_dict(state["data"])
+        _say(rank, f"resumed from {resume_path} at step {progress.step}")
+
+    flops_tok = metrics.flops_per_token(
+        count_parameters(model, exclude_positions=True), model_cfg.n_layer, model_cfg.d_model, seq_len
+    )
+    peak = engines.peak_tflops(device, cfg.logging.peak_tflops)
+    logger = metrics.MetricsLogger(
+        run_dir, cfg.logging, OmegaConf.to_container(cfg, resolve=True), active=rank == 0, resumed=resume_path is not None
+    )
+    _say(
+        rank,
+        f"model {model_cfg.name}: {count_parameters(model) / 1e6:.2f}M parameters | {world} process(es) on {device} | "
+        f"{tokens_per_step} tokens/step | run dir {run_dir}",
+    )
+
+    loss_sum, steps_since_log, tokens_since_log, clock = 0.0, 0, 0, time.perf_counter()
+    while progress.step < cfg.train.max_steps:
+        window = next(batches).to(device)  # (G/dp, T+1)
+        engine.train()
+        lr = engine.get_lr()[0]  # the rate this step uses; DeepSpeed advances the schedule in step()
+        step_loss, grad_norm = 0.0, None
+        micro_batches = window.split(cfg.train.micro_batch_size)
+        for micro in micro_batches:  # (mb, T+1)
+            loss = engine(micro[:, :-1], micro[:, 1:])
+            engine.backward(loss)
+            grad_norm = engines.clip_and_step(engine, float(cfg.optim.grad_clip), engine_clips) or grad_norm
+            step_loss += loss.detach().float() / len(micro_batches)
+        progress.step += 1
+        progress.tokens += tokens_per_step
+        loss_sum += _mean_over_ranks(step_loss)
+        steps_since_log += 1
+        tokens_since_log += tokens_per_step
+        last = progress.step == cfg.train.max_steps
+
+        if progress.step % cfg.logging.log_interval == 0 or last:
+            elapsed = time.perf_counter() - clock
+            tokens_per_s = tokens_since_log / elapsed
+            record = {
+                "step": progress.step,
+                "tokens": progress.tokens,
+                "train/loss": loss_sum / steps_since_log,
+                "train/lr": lr,
+                "train/grad_norm": grad_norm,
+                "perf/tokens_per_s": tokens_per_s,
+                "perf/tflops": tokens_per_s * flops_tok / world / 1e12,
+                "perf/mfu": metrics.mfu(tokens_per_s, flops_tok, peak, world),
+                "perf/max_mem_gib": _max_memory_gib(device),
+            }
+            if val_batches and (progress.step % cfg.train.eval_interval == 0 or last):
+                record["val/loss"] = evaluate(engine, val_batches, cfg.train.micro_batch_size, device)
+            logger.log(record)
+            _say(rank, _progress_line(record, cfg.train.max_steps, elapsed / steps_since_log))
+            loss_sum, steps_since_log, tokens_since_log, clock = 0.0, 0, 0, time.perf_counter()
+
+        interval = cfg.train.checkpoint_interval
+        if last or (interval > 0 and progress.step % interval == 0):
+            started = time.perf_counter()
+            path = checkpoint.save(engine, run_dir, progress.step, progress.tokens, batches.state_dict())
+            _say(rank, f"checkpoint {path}")
+            clock += time.perf_counter() - started  # saving time is not training throughput
+
+    if cfg.train.sample_tokens > 0 and rank == 0:
+        _say(rank, "sample:\n" + sample(engine.module, cfg.train.sample_prompt, cfg.train.sample_tokens, device, cfg.train.seed))
+    logger.close()
+    return progress
+
+
+@torch.no_grad()
+def evaluate(engine, val_batches: list[torch.Tensor], micro_batch_size: int, device) -> float:
+    """Mean next-token loss over this rank's held-out windows, averaged over data-parallel ranks."""
+    engine.eval()
+    total, count = 0.0, 0
+    for window in val_batches:
+        for micro in window.to(device).split(micro_batch_size):  # (mb, T+1)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                total += float(engine(micro[:, :-1], micro[:, 1:]))
+            count += 1
+    engine.train()
+    return _mean_over_ranks(total / max(count, 1))
+
+
+@torch.no_grad()
+def sample(model: GPT, prompt: str, max_new_tokens: int, device, seed: int) -> str:
+    """A top-k sample continuing `prompt`, decoded with the GPT-2 BPE."""
+    encoder = gpt2()
+    idx = torch.tensor([encoder.encode_ordinary(prompt)], device=device)  # (1, T0)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    was_training = model.training
+    model.eval()
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        out = generate(model, idx, max_new_tokens, temperature=0.8, top_k=50, generator=generator)
+    model.train(was_training)
+    return encoder.decode(out[0].tolist())
+
+
+def _mean_over_ranks(value) -> float:
+    import torch.distributed as dist
+
+    tensor = torch.as_tensor(value, dtype=torch.float64).reshape(1)
+    if dist.get_world_size() > 1:
+        dist.all_reduce(tensor)
+        tensor /= dist.get_world_size()
+    return float(tensor)
+
+
+def _max_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # kB → GiB
+
+
+def _progress_line(record: dict, max_steps: int, seconds_per_step: float) -> str:
+    eta = (max_steps - record["step"]) * seconds_per_step
+    parts = [
+        f"step {record['step']:>{len(str(max_steps))}}/{max_steps}",
+        f"loss {record['train/loss']:.4f}",
+        f"lr {record['train/lr']:.2e}",
+    ]
+    if record["train/grad_norm"] is not None:
+        parts.append(f"grad {record['train/grad_norm']:.2f}")
+    if "val/loss" in record:
+        parts.append(f"val {record['val/loss']:.4f}")
+    parts.append(f"{record['perf/tokens_per_s']:,.0f} tok/s")
+    if record["perf/mfu"] is not None:
+        parts.append(f"mfu {100 * record['perf/mfu']:.1f}%")
+    parts.append(f"eta {_duration(eta)}")
+    return " | ".join(parts)
+
+
+def _duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+def _say(rank: int, text: str) -> None:
+    if rank == 0:
+        print(text, flush=True)

@@ -1,0 +1,83 @@
+"""Run metrics: Weights & Biases (offline by default) plus a local mirror, <run dir>/metrics.jsonl.
+
+Throughput and utilisation use the PaLM (Chowdhery et al. 2022, App. B) count of training
+FLOPs per token:  6·N + 12·L·d·T,
+N the parameters doing matrix multiplies (all but the position table; the tied embedding counted
+once, as the unembedding), L layers, d = d_model, T = seq_len (the attention score and value
+products). MFU = achieved FLOP/s ÷ (peak FLOP/s per device × devices).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+def flops_per_token(matmul_params: int, n_layer: int, d_model: int, seq_len: int) -> int:
+    """PaLM's training FLOPs per token (forward + backward): 6N + 12·L·d·T."""
+    return 6 * matmul_params + 12 * n_layer * d_model * seq_len
+
+
+def mfu(tokens_per_s: float, flops_per_tok: int, peak_tflops_per_device: float | None, devices: int):
+    """Model FLOPs utilisation, or None when the device's peak is unknown."""
+    if not peak_tflops_per_device:
+        return None
+    return tokens_per_s * flops_per_tok / (peak_tflops_per_device * 1e12 * devices)
+
+
+class MetricsLogger:
+    """Writes one JSON object per logged step to metrics.jsonl and the same dict to W&B.
+
+    Only the process that should log (rank 0) constructs an active logger; others pass active=False.
+    """
+
+    def __init__(self, run_dir: Path, logging_cfg, run_config: dict, active: bool, resumed: bool):
+        self.active = active
+        self.run = None
+        if not active:
+            return
+        self.path = Path(run_dir) / "metrics.jsonl"
+        mode = logging_cfg.wandb.mode
+        if mode not in WANDB_MODES:
+            raise ValueError(f"logging.wandb.mode={mode!r}: must be one of {list(WANDB_MODES)}")
+        if mode != "disabled":
+            import wandb
+
+            os.environ.setdefault("WANDB_SILENT", "true")
+            self.run = wandb.init(
+                project=logging_cfg.wandb.project,
+                entity=logging_cfg.wandb.entity,
+                name=logging_cfg.wandb.name or Path(run_dir).name,
+                dir=str(run_dir),
+                mode=mode,
+                config=run_config,
+                resume="allow" if resumed else None,
+                id=_stable_run_id(run_dir),
+            )
+
+    def log(self, record: dict) -> None:
+        if not self.active:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.run is not None:
+            self.run.log({k: v for k, v in record.items() if v is not None and k != "step"}, step=record["step"])
+
+    def summary(self, values: dict) -> None:
+        if self.run is not None:
+            self.run.summary.update(values)
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
+
+
+def _stable_run_id(run_dir: Path) -> str:
+    """One W&B run per run directory, so a resumed run continues its curves."""
+    import hashlib
+
+    return hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]

@@ -1,0 +1,105 @@
+"""AdamW with GPT-3's settings and its token-based learning-rate schedule.
+
+Schedule, as a function of tokens seen τ (GPT-3 §B): with peak η, warmup W and decay horizon D,
+  η(τ) = η · τ / W                                              for τ < W
+  η(τ) = η · (r + (1 − r) · ½ · (1 + cos(π · (τ − W) / (D − W))))   for W ≤ τ < D
+  η(τ) = η · r                                                  for τ ≥ D
+where r = min_lr_ratio (0.1: decay to 10% of the peak).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+# Peak learning rates of Table 2.1 of the GPT-3 paper, by config name; the toy's is ours.
+PAPER_PEAK_LR = {
+    "toy": 1e-3,
+    "gpt3-125m": 6.0e-4,
+    "gpt3-350m": 3.0e-4,
+    "gpt3-760m": 2.5e-4,
+    "gpt3-1.3b": 2.0e-4,
+    "gpt3-2.7b": 1.6e-4,
+    "gpt3-6.7b": 1.2e-4,
+    "gpt3-13b": 1.0e-4,
+    "gpt3-175b": 0.6e-4,
+}
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Linear warmup then cosine decay to a floor, in tokens (see module docstring)."""
+
+    peak_lr: float
+    warmup_tokens: int
+    decay_tokens: int
+    min_lr_ratio: float
+
+    def lr_at(self, tokens: int) -> float:
+        if tokens < self.warmup_tokens:
+            return self.peak_lr * tokens / self.warmup_tokens
+        if tokens >= self.decay_tokens:
+            return self.peak_lr * self.min_lr_ratio
+        progress = (tokens - self.warmup_tokens) / (self.decay_tokens - self.warmup_tokens)
+        cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.peak_lr * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * cosine)
+
+
+def resolve_peak_lr(optim_cfg, model_name: str) -> float:
+    """optim.lr, or the paper's peak LR for this model size when optim.lr is null."""
+    if optim_cfg.lr is not None:
+        return float(optim_cfg.lr)
+    if model_name not in PAPER_PEAK_LR:
+        raise ValueError(
+            f"optim.lr is null and model.name={model_name!r} has no paper LR; set optim.lr "
+            f"(paper LRs exist for {sorted(PAPER_PEAK_LR)})"
+        )
+    return PAPER_PEAK_LR[model_name]
+
+
+def make_schedule(optim_cfg, model_name: str, tokens_per_step: int, max_steps: int) -> Schedule:
+    """The run's schedule; warmup is capped at 10% of the run so short runs still decay."""
+    total_tokens = tokens_per_step * max_steps
+    decay = int(optim_cfg.decay_tokens) if optim_cfg.decay_tokens is not None else total_tokens
+    warmup = min(int(optim_cfg.warmup_tokens), max(total_tokens // 10, 1))
+    if decay <= warmup:
+        raise ValueError(
+            f"optim.decay_tokens={decay} must exceed the warmup ({warmup} tokens); "
+            f"raise it or lower optim.warmup_tokens"
+        )
+    return Schedule(resolve_peak_lr(optim_cfg, model_name), warmup, decay, float(optim_cfg.min_lr_ratio))
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices (dim ≥ 2: linear weights, embeddings) only; none on biases or LayerNorm."""
+    decay, no_decay = [], []
+    for param in model.parameters():  # unique parameters: the tied matrix appears once
+        if param.requires_grad:
+            (decay if param.dim() >= 2 else no_decay).append(param)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def make_optimizer(model: nn.Module, optim_cfg, peak_lr: float) -> torch.optim.AdamW:
+    return torch.optim.AdamW(
+        param_groups(model, float(optim_cfg.weight_decay)),
+        lr=peak_lr,
+        betas=tuple(optim_cfg.betas),
+        eps=float(optim_cfg.eps),
+    )
+
+
+def make_lr_scheduler(optimizer: torch.optim.Optimizer, schedule: Schedule, tokens_per_step: int):
+    """A LambdaLR stepping once per optimizer step.
+
+    Optimizer step s (0-based) uses η at the tokens seen once it is done, (s + 1)·tokens_per_step,
+    so the first step already has a non-zero rate.
+    """
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: schedule.lr_at((step + 1) * tokens_per_step) / schedule.peak_lr
+    )
