@@ -42,9 +42,12 @@ class GPT(nn.Module):
         self.head.lm_head.weight = self.embedding.wte.weight
 
     def init_weights(self, seed: int) -> None:
-        """Layout-invariant GPT-2/3 init: see model/init.py. The tied matrix is drawn as `wte`."""
+        """Layout-invariant GPT-2/3 init: see model/init.py. The tied matrix is drawn once, as
+        layer 0's `wte.weight`, so a pipeline stage holding only the embedding draws the same."""
+        done: set[int] = set()
         for index, layer in enumerate(self.layers):
-            init_layer_(layer, index, seed, self.config.n_layer, self.config.init_std)
+            init_layer_(layer, index, seed, self.config.n_layer, self.config.init_std, frozenset(done))
+            done.update(id(p) for p in layer.parameters())
 
     def materialize(self, device: torch.device | str, seed: int) -> "GPT":
         """Allocate storage for a meta-built model on `device`, re-tie, and initialise.

@@ -25,9 +25,14 @@ def parameter_seed(seed: int, layer_index: int, name: str) -> int:
     return (zlib.crc32(f"{layer_index}/{name}".encode()) << 20) ^ (seed & 0xFFFFF) ^ (seed << 32)
 
 
-def init_layer_(layer: nn.Module, layer_index: int, seed: int, n_layer: int, std: float) -> None:
-    """Initialise every parameter of one layer in place (see module docstring)."""
+def init_layer_(
+    layer: nn.Module, layer_index: int, seed: int, n_layer: int, std: float, skip: frozenset[int] = frozenset()
+) -> None:
+    """Initialise every parameter of one layer in place (see module docstring), except those whose
+    id() is in `skip` (a tied matrix already drawn by the layer that owns it)."""
     for name, param in layer.named_parameters():
+        if id(param) in skip:
+            continue
         full_shape = tuple(getattr(param, "full_shape", param.shape))
         if _is_layernorm(layer, name):
             full = torch.ones(full_shape) if name.endswith("weight") else torch.zeros(full_shape)

@@ -157,3 +157,16 @@ def test_sequence_longer_than_position_table_is_refused():
     model = build(GPTConfig(n_layer=1, n_head=1, d_model=8, seq_len=4, vocab_size=10))
     with pytest.raises(ValueError, match="exceeds model.seq_len=4"):
         model(torch.zeros(1, 5, dtype=torch.long))
+
+
+def test_tied_matrix_is_drawn_as_the_embedding():
+    """A layer holding only the embedding (a first pipeline stage) draws the same tied matrix."""
+    from model.init import init_layer_
+    from model.layers import Embedding
+
+    cfg = GPTConfig(n_layer=2, n_head=2, d_model=16, seq_len=8, vocab_size=50)
+    model = build(cfg, seed=5)
+    alone = Embedding(cfg)
+    init_layer_(alone, 0, seed=5, n_layer=2, std=0.02)
+    assert torch.equal(model.embedding.wte.weight, alone.wte.weight)
+    assert torch.equal(model.head.lm_head.weight, alone.wte.weight)
