@@ -3,6 +3,16 @@
 attention(q, k, v) = softmax(q kᵀ / √D + mask) v on (B, H, T, D) tensors, where the mask is
 −∞ above the diagonal when causal and, with window=w, also for keys more than w−1 positions
 behind the query (query t sees keys in (t−w, t]).
+
+Every mask used here is a band on the offset j − i between key j and query i:
+key j is visible to query i iff lo ≤ j − i ≤ hi (see `band_limits`). The fused implementations
+take (lo, hi) and nothing else, so causal, banded and dense attention are one code path.
+
+Implementations (`impl`):
+  "triton"     the fused FlashAttention-2 kernel, forward and backward (model/attention_triton.py)
+  "torch"      the same tiled math in torch ops, for CPU (model/attention_torch.py)
+  "reference"  plain softmax(QKᵀ/√D)V with autograd; materialises the (T, T) scores
+  "auto"       "triton" on CUDA tensors, "torch" otherwise
 """
 
 from __future__ import annotations
@@ -11,26 +21,49 @@ import math
 
 import torch
 
+from model import attention_torch
+from model.config import ATTENTION_IMPLS
+
 
 def attention(q, k, v, causal: bool = True, window: int | None = None, impl: str = "auto"):
     """Scaled dot-product attention; q, k, v: (B, H, T, D). Returns (B, H, T, D)."""
-    return reference_attention(q, k, v, causal=causal, window=window)
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention impl={impl!r}: must be one of {list(ATTENTION_IMPLS)}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"attention window={window!r}: must be None or a positive integer")
+    if impl == "reference":
+        return reference_attention(q, k, v, causal=causal, window=window)
+    lo, hi = band_limits(q.shape[-2], causal, window)
+    if impl == "torch" or (impl == "auto" and not q.is_cuda):
+        return attention_torch.banded_attention(q, k, v, lo, hi)
+    from model import attention_triton  # triton is imported only when the kernel is used
+
+    return attention_triton.banded_attention(q, k, v, lo, hi)
+
+
+def band_limits(t: int, causal: bool, window: int | None) -> tuple[int, int]:
+    """(lo, hi) such that key j is visible to query i iff lo ≤ j − i ≤ hi, in sequences of length ≤ t.
+
+    causal → hi = 0; window w → lo = −(w−1) (and hi = w−1 when not causal); otherwise ±t, which
+    no offset in a length-t sequence reaches.
+    """
+    lo = -(window - 1) if window is not None else -t
+    if causal:
+        hi = 0
+    else:
+        hi = window - 1 if window is not None else t
+    return lo, hi
 
 
 def band_mask(t_q: int, t_k: int, causal: bool, window: int | None, device) -> torch.Tensor | None:
     """Boolean (t_q, t_k) mask, True where a query may attend; None when nothing is masked."""
     if not causal and window is None:
         return None
+    lo, hi = band_limits(max(t_q, t_k), causal, window)
     qi = torch.arange(t_q, device=device)[:, None]  # (Tq, 1)
     kj = torch.arange(t_k, device=device)[None, :]  # (1, Tk)
-    allowed = torch.ones(t_q, t_k, dtype=torch.bool, device=device)
-    if causal:
-        allowed &= kj <= qi
-    if window is not None:
-        allowed &= (qi - kj) < window
-        if not causal:
-            allowed &= (kj - qi) < window
-    return allowed
+    offset = kj - qi  # (Tq, Tk)
+    return (offset >= lo) & (offset <= hi)
 
 
 def reference_attention(q, k, v, causal: bool = True, window: int | None = None):
@@ -39,5 +72,6 @@ def reference_attention(q, k, v, causal: bool = True, window: int | None = None)
     mask = band_mask(q.shape[-2], k.shape[-2], causal, window, q.device)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)  # (B, H, T, T)
+    softmax_dtype = torch.promote_types(q.dtype, torch.float32)  # half precision upcast, float64 kept
+    probs = torch.softmax(scores.to(softmax_dtype), dim=-1).to(q.dtype)  # (B, H, T, T)
     return probs @ v  # (B, H, T, D)
