@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from model.config import GPTConfig
-from model.init import init_layer_
+from model.init import init_layer_, materialize_
 from model.layers import Block, Embedding, Head, lm_loss
 
 
@@ -27,6 +28,7 @@ class GPT(nn.Module):
         self.config = config
         self.layers = nn.ModuleList(layers if layers is not None else layer_list(config))
         self.loss_fn = lm_loss  # (logits, targets) → scalar; tensor parallelism swaps in a vocab-parallel one
+        self.activation_checkpointing = 0  # k > 0: recompute each run of k blocks in backward
         self.tie_weights()
 
     @property
@@ -50,15 +52,9 @@ class GPT(nn.Module):
             done.update(id(p) for p in layer.parameters())
 
     def materialize(self, device: torch.device | str, seed: int) -> "GPT":
-        """Allocate storage for a meta-built model on `device`, re-tie, and initialise.
-
-        `to_empty` makes new Parameter objects, so attributes set on the meta parameters (the
-        sharding hints `full_shape` / `shard_of`, DeepSpeed's `model_parallel`) are carried over.
-        """
-        attributes = {name: dict(p.__dict__) for name, p in self.named_parameters(remove_duplicate=False)}
-        self.to_empty(device=device)
-        for name, param in self.named_parameters(remove_duplicate=False):
-            param.__dict__.update(attributes[name])
+        """Allocate storage for a meta-built model on `device` (keeping parameter attributes such as
+        sharding hints), re-tie, and initialise."""
+        materialize_(self, device)
         self.tie_weights()
         self.init_weights(seed)
         return self
@@ -66,10 +62,22 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         if idx.shape[1] > self.config.seq_len:
             raise ValueError(f"sequence of {idx.shape[1]} tokens exceeds model.seq_len={self.config.seq_len}")
-        x = idx
-        for layer in self.layers:
-            x = layer(x)
+        k = self.activation_checkpointing
+        if k and self.training and torch.is_grad_enabled():
+            blocks = list(self.layers[1:-1])
+            x = self.embedding(idx)  # (B, T, d)
+            for start in range(0, len(blocks), k):  # keep only each segment's input; recompute inside
+                x = checkpoint(_run_layers, blocks[start : start + k], x, use_reentrant=False)
+            x = self.head(x)  # (B, T, V)
+        else:
+            x = _run_layers(self.layers, idx)
         return x if targets is None else self.loss_fn(x, targets)
+
+
+def _run_layers(layers, x: torch.Tensor) -> torch.Tensor:
+    for layer in layers:
+        x = layer(x)
+    return x
 
 
 def build(config: GPTConfig, device: torch.device | str = "cpu", seed: int = 0) -> GPT:

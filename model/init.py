@@ -51,3 +51,16 @@ def init_layer_(
 def _is_layernorm(layer: nn.Module, param_name: str) -> bool:
     owner = layer.get_submodule(param_name.rpartition(".")[0]) if "." in param_name else layer
     return isinstance(owner, nn.LayerNorm)
+
+
+def materialize_(module: nn.Module, device: torch.device | str) -> None:
+    """Allocate storage for a meta-built module on `device`, keeping parameter attributes.
+
+    `to_empty` makes new Parameter objects, which would drop the sharding hints (`full_shape`,
+    `shard_of`) and DeepSpeed's `model_parallel`; they are carried over by parameter name. Ties
+    between parameters are not kept: re-tie afterwards.
+    """
+    attributes = {name: dict(p.__dict__) for name, p in module.named_parameters(remove_duplicate=False)}
+    module.to_empty(device=device)
+    for name, param in module.named_parameters(remove_duplicate=False):
+        param.__dict__.update(attributes[name])

@@ -1,8 +1,10 @@
 """The DeepSpeed engine every run trains through, one process included.
 
 A one-process CPU run and a 1,000-GPU run share this code: `init_distributed` fills in the
-single-process rendezvous when no launcher did, `deepspeed_config` turns the Hydra config into
-DeepSpeed's JSON, and `create_engine` wraps model, optimizer and LR schedule.
+single-process rendezvous when no launcher did, `build_model` makes this rank's part of the
+model for the layout (tensor-parallel GPT, or one pipeline stage), `deepspeed_config` turns the
+Hydra config into DeepSpeed's JSON, and `create_engine` wraps model, optimizer and LR schedule:
+a DeepSpeedEngine (ZeRO 0–3, optional optimizer offload) or, with pp > 1, a PipelineEngine.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import os
 import socket
 
 import torch
+from omegaconf import OmegaConf
 
 # Peak dense bf16 tensor-core FLOP/s by GPU name fragment (vendor data sheets, without sparsity).
 GPU_PEAK_TFLOPS = {
@@ -58,57 +61,67 @@ def init_distributed(device: torch.device) -> None:
     deepspeed.init_distributed(verbose=False)
 
 
+def build_model(model_cfg, cfg, topology, device: torch.device) -> torch.nn.Module:
+    """This rank's model: a (tensor-parallel) GPT, or with pp > 1 its pipeline stage; initialised so
+    that the full weights are the one-process model's for the same seed."""
+    from model import GPT
+    from parallel.pipeline import build_pipeline
+    from parallel.tensor import shard
+
+    if topology.pp_size > 1:
+        return build_pipeline(
+            model_cfg, topology, cfg.train.seed, device, checkpoint_every=cfg.parallel.activation_checkpointing
+        )
+    with torch.device("meta"):
+        model = GPT(model_cfg)
+    shard(model, topology, sequence_parallel=cfg.parallel.sequence_parallel)
+    model.activation_checkpointing = cfg.parallel.activation_checkpointing
+    return model.materialize(device, cfg.train.seed)
+
+
 def deepspeed_config(cfg, dp_size: int, device: torch.device) -> dict:
-    """DeepSpeed's config from ours: batch geometry, ZeRO stage, clipping, mixed precision."""
+    """DeepSpeed's config from ours: batch geometry, ZeRO stage and offload, clipping, mixed
+    precision, then any `deepspeed.*` extras (already validated) on top."""
     train, parallel = cfg.train, cfg.parallel
     accumulation = train.global_batch_size // (train.micro_batch_size * dp_size)
+    zero = {"stage": int(parallel.zero_stage)}
+    if parallel.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": device.type == "cuda"}
     config = {
         "train_batch_size": train.global_batch_size,
         "train_micro_batch_size_per_gpu": train.micro_batch_size,
         "gradient_accumulation_steps": accumulation,
-        # At ZeRO-0 in fp32 DeepSpeed clips but discards the norm: clip_and_step does it instead.
-        "gradient_clipping": float(cfg.optim.grad_clip) if engine_clips(cfg) else 0.0,
-        "zero_optimization": {"stage": int(parallel.zero_stage)},
+        # ZeRO ≥ 1: DeepSpeed's ZeRO optimizer clips. ZeRO-0: our ClippingAdamW does (train/optimizer.py),
+        # since DeepSpeed's own ZeRO-0 clipping neither reports the norm nor counts pipeline stages right.
+        "gradient_clipping": float(cfg.optim.grad_clip) if int(parallel.zero_stage) > 0 else 0.0,
+        "zero_optimization": zero,
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,
+        # our AdamW (GPT-3 settings, exact one-process equivalence) also when its state is offloaded
+        "zero_force_ds_cpu_optimizer": False,
     }
     if device.type == "cuda":
         config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
-    return config
+    return _merge(config, OmegaConf.to_container(cfg.deepspeed, resolve=True) if "deepspeed" in cfg else {})
 
 
-def engine_clips(cfg) -> bool:
-    """Whether DeepSpeed's own optimizer wrapper clips and reports the norm (ZeRO ≥ 1)."""
-    return int(cfg.parallel.zero_stage) > 0
+def _merge(base: dict, extra: dict) -> dict:
+    """base with extra's keys laid over it, recursively."""
+    merged = dict(base)
+    for key, value in extra.items():
+        merged[key] = _merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
+    return merged
 
 
 def create_engine(model, optimizer, lr_scheduler, ds_config: dict, mpu=None):
-    """deepspeed.initialize with our optimizer and scheduler; returns the engine."""
+    """deepspeed.initialize with our optimizer and scheduler; a PipelineModule gives a PipelineEngine."""
     import deepspeed
 
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=ds_config, mpu=mpu
     )
     return engine
-
-
-def clip_and_step(engine, max_norm: float, engine_clips_itself: bool) -> float | None:
-    """engine.step() after one micro batch; at the accumulation boundary returns the global grad norm.
-
-    The norm is measured before clipping, over all ranks (model-parallel shards counted once).
-    """
-    norm = None
-    if engine.is_gradient_accumulation_boundary() and not engine_clips_itself:
-        from deepspeed.runtime.utils import clip_grad_norm_
-
-        norm = float(clip_grad_norm_(engine.module.parameters(), max_norm, mpu=engine.mpu))
-    boundary = engine.is_gradient_accumulation_boundary()
-    engine.step()
-    if boundary and engine_clips_itself:
-        value = engine.get_global_grad_norm()
-        norm = float(value) if value is not None else None
-    return norm
 
 
 def peak_tflops(device: torch.device, configured: float | None) -> float | None:

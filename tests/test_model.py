@@ -170,3 +170,14 @@ def test_tied_matrix_is_drawn_as_the_embedding():
     init_layer_(alone, 0, seed=5, n_layer=2, std=0.02)
     assert torch.equal(model.embedding.wte.weight, alone.wte.weight)
     assert torch.equal(model.head.lm_head.weight, alone.wte.weight)
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    cfg = GPTConfig(n_layer=3, n_head=2, d_model=16, seq_len=8, vocab_size=30)
+    plain, ckpt = build(cfg, seed=4), build(cfg, seed=4)
+    ckpt.activation_checkpointing = 2  # segments [block 0, block 1], [block 2]
+    idx = torch.randint(0, 30, (2, 8))
+    plain(idx, idx).backward()
+    ckpt(idx, idx).backward()
+    for (name, a), b in zip(plain.named_parameters(), ckpt.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7, msg=name)

@@ -65,3 +65,20 @@ def test_weight_decay_only_on_matrices_and_adam_settings():
     opt = make_optimizer(model, OPTIM, 1e-3)
     assert opt.defaults["betas"] == (0.9, 0.95) and opt.defaults["eps"] == 1e-8
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+
+
+def test_clipping_adamw_clips_to_the_global_norm_and_records_it():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    reference = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(16, 8) * 10
+    for net in (model, reference):
+        net(x).pow(2).sum().backward()
+    expected_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm=0.5)  # torch's own
+    opt = make_optimizer(model, OmegaConf.merge(OPTIM, {"grad_clip": 0.5}), 1e-2)
+    assert expected_norm > 0.5  # clipping is active
+    opt.step()
+    assert opt._global_grad_norm == pytest.approx(float(expected_norm), rel=1e-6)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-8)  # clipped in place, as torch clips

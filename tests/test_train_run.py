@@ -2,58 +2,30 @@
 
 from __future__ import annotations
 
-import inspect
 import math
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 import wandb_log
+from cli import metrics, write_corpus
+from cli import train as run_train
 
-REPO = Path(__file__).resolve().parent.parent
-TINY = [
-    "model.n_layer=2", "model.n_head=2", "model.d_model=32", "model.seq_len=32",
-    "train.global_batch_size=4", "train.micro_batch_size=2", "train.eval_batches=1",
-    "logging.log_interval=1", "train.sample_tokens=8", "data=files", "data.val_permille=250",
-    "optim.warmup_tokens=32", "optim.decay_tokens=2000", "optim.lr=3e-3",
-]
+# 2 layers, micro batches of 2 (accumulation 2), shorter warmup: the one-process path in detail.
+ONE_PROCESS = ["model.n_layer=2", "train.micro_batch_size=2"]
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    """A few dozen real documents: the source of some standard-library modules, as .txt files."""
-    import argparse, csv, json as js, logging, pathlib, string, textwrap  # noqa: E401
-
-    folder = tmp_path_factory.mktemp("corpus")
-    for module in (argparse, csv, js, logging, pathlib, string, textwrap):
-        for name, obj in inspect.getmembers(module, inspect.isfunction):
-            if obj.__module__ == module.__name__:
-                (folder / f"{module.__name__}.{name}.txt").write_text(inspect.getsource(obj))
-    return folder
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
 
 
-def train(run_dir: Path, corpus: Path, *overrides: str, check: bool = True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1"}
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
-    cmd = [sys.executable, "-m", "train", f"hydra.run.dir={run_dir}", *TINY, f"data.paths=[{corpus}/*.txt]", *overrides]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    if check:
-        assert proc.returncode == 0, f"train failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return proc
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def train(run_dir, corpus, *overrides, check=True):
+    return run_train(run_dir, corpus, *ONE_PROCESS, *overrides, check=check)
 
 
 def test_run_writes_metrics_wandb_checkpoints_and_a_sample(tmp_path, corpus):
     run_dir = tmp_path / "run"
-    proc = train(run_dir, corpus, "train.max_steps=6", "train.eval_interval=3", "train.checkpoint_interval=3")
+    proc = train(run_dir, corpus, "train.max_steps=6", "train.eval_interval=3", "train.checkpoint_interval=3", "train.sample_tokens=8")
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert [r["tokens"] for r in rows] == [128 * s for s in range(1, 7)]  # 4 sequences × 32 tokens per step

@@ -14,9 +14,15 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
+
+from train.launch_info import is_rank_zero, launch_timestamp
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
+# Used by configs/config.yaml so that all ranks of one launch agree on the run directory and only
+# rank 0 writes Hydra's record of the config (.hydra/).
+OmegaConf.register_new_resolver("launch_stamp", launch_timestamp, replace=True)
+OmegaConf.register_new_resolver("rank_zero_only", lambda value: value if is_rank_zero() else None, replace=True)
 
 
 @hydra.main(version_base=None, config_path=CONFIG_DIR, config_name="config")
@@ -42,5 +48,21 @@ def _discard_if_empty(run_dir: Path) -> None:
         shutil.rmtree(run_dir)
 
 
+def _drop_launcher_arguments(argv: list[str]) -> list[str]:
+    """The deepspeed launcher appends --local_rank=N (also in LOCAL_RANK); Hydra takes only overrides."""
+    kept, skip_next = [], False
+    for arg in argv:
+        if skip_next:
+            skip_next = False
+        elif arg.startswith("--local_rank=") or arg.startswith("--local-rank="):
+            continue
+        elif arg in ("--local_rank", "--local-rank"):
+            skip_next = True
+        else:
+            kept.append(arg)
+    return kept
+
+
 if __name__ == "__main__":
+    sys.argv = _drop_launcher_arguments(sys.argv)
     main()

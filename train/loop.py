@@ -33,33 +33,39 @@ class Progress:
 
 def run(cfg, run_dir: Path) -> Progress:
     """Train per `cfg` into `run_dir`; returns the final step and token count."""
+    from parallel.topology import Topology
+
     device = engines.resolve_device(cfg.train.device)
     engines.init_distributed(device)
-    import torch.distributed as dist
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    dp_rank, dp_size = rank, world  # one data-parallel group spanning every rank (tp = pp = 1)
+    topology = Topology.create(cfg.parallel.tp, cfg.parallel.pp)
+    rank = topology.rank
     model_cfg = GPTConfig.from_dict(OmegaConf.to_container(cfg.model))
     seq_len = model_cfg.seq_len
     tokens_per_step = cfg.train.global_batch_size * seq_len
 
     torch.manual_seed(cfg.train.seed)
-    with torch.device("meta"):
-        model = GPT(model_cfg)
-    model.materialize(device, cfg.train.seed)
+    model = engines.build_model(model_cfg, cfg, topology, device)
+    pipelined = topology.pp_size > 1
+    # A PipelineModule brings its own grid (same topology) and DeepSpeed then wants no mpu of ours.
+    mpu = model.mpu() if pipelined else topology.mpu
     schedule = make_schedule(cfg.optim, model_cfg.name, tokens_per_step, cfg.train.max_steps)
-    optimizer = make_optimizer(model, cfg.optim, schedule.peak_lr)
+    optimizer = make_optimizer(model, cfg.optim, schedule.peak_lr, clip=cfg.parallel.zero_stage == 0, mpu=mpu)
     engine = engines.create_engine(
         model,
         optimizer,
         make_lr_scheduler(optimizer, schedule, tokens_per_step),
-        engines.deepspeed_config(cfg, dp_size, device),
+        engines.deepspeed_config(cfg, topology.dp_size, device),
+        mpu=None if pipelined else mpu,
     )
-    engine_clips = engines.engine_clips(cfg)
 
-    batches = data.TrainBatches(cfg.data, seq_len, cfg.train.global_batch_size, dp_rank, dp_size, cfg.train.seed)
+    # Ranks of one data-parallel replica (its tp and pp ranks) read the same windows.
+    batches = data.TrainBatches(
+        cfg.data, seq_len, cfg.train.global_batch_size, topology.dp_rank, topology.dp_size, cfg.train.seed
+    )
     val_batches = (
-        data.validation_batches(cfg.data, seq_len, cfg.train.global_batch_size, cfg.train.eval_batches, dp_rank, dp_size)
+        data.validation_batches(
+            cfg.data, seq_len, cfg.train.global_batch_size, cfg.train.eval_batches, topology.dp_rank, topology.dp_size
+        )
         if cfg.train.eval_interval > 0 and cfg.train.eval_batches > 0
         else []
     )
@@ -72,8 +78,9 @@ def run(cfg, run_dir: Path) -> Progress:
         batches.load_state_dict(state["data"])
         _say(rank, f"resumed from {resume_path} at step {progress.step}")
 
+    n_params = _full_parameter_count(model_cfg)
     flops_tok = metrics.flops_per_token(
-        count_parameters(model, exclude_positions=True), model_cfg.n_layer, model_cfg.d_model, seq_len
+        n_params - model_cfg.seq_len * model_cfg.d_model, model_cfg.n_layer, model_cfg.d_model, seq_len
     )
     peak = engines.peak_tflops(device, cfg.logging.peak_tflops)
     logger = metrics.MetricsLogger(
@@ -81,22 +88,28 @@ def run(cfg, run_dir: Path) -> Progress:
     )
     _say(
         rank,
-        f"model {model_cfg.name}: {count_parameters(model) / 1e6:.2f}M parameters | {world} process(es) on {device} | "
+        f"model {model_cfg.name}: {n_params / 1e6:.2f}M parameters | {topology.world_size} process(es) on {device} "
+        f"(tp={topology.tp_size} pp={topology.pp_size} dp={topology.dp_size} zero={cfg.parallel.zero_stage}) | "
         f"{tokens_per_step} tokens/step | run dir {run_dir}",
     )
 
+    world = topology.world_size
     loss_sum, steps_since_log, tokens_since_log, clock = 0.0, 0, 0, time.perf_counter()
     while progress.step < cfg.train.max_steps:
         window = next(batches).to(device)  # (G/dp, T+1)
+        micro_batches = [(m[:, :-1], m[:, 1:]) for m in window.split(cfg.train.micro_batch_size)]  # (mb, T) pairs
         engine.train()
         lr = engine.get_lr()[0]  # the rate this step uses; DeepSpeed advances the schedule in step()
-        step_loss, grad_norm = 0.0, None
-        micro_batches = window.split(cfg.train.micro_batch_size)
-        for micro in micro_batches:  # (mb, T+1)
-            loss = engine(micro[:, :-1], micro[:, 1:])
-            engine.backward(loss)
-            grad_norm = engines.clip_and_step(engine, float(cfg.optim.grad_clip), engine_clips) or grad_norm
-            step_loss += loss.detach().float() / len(micro_batches)
+        if pipelined:
+            step_loss = engine.train_batch(data_iter=iter(micro_batches))  # 1F1B over all micro batches
+        else:
+            step_loss = 0.0
+            for inputs, targets in micro_batches:
+                loss = engine(inputs, targets)
+                engine.backward(loss)
+                engine.step()
+                step_loss += loss.detach().float() / len(micro_batches)
+        grad_norm = engine.get_global_grad_norm()
         progress.step += 1
         progress.tokens += tokens_per_step
         loss_sum += _mean_over_ranks(step_loss)
@@ -112,14 +125,14 @@ def run(cfg, run_dir: Path) -> Progress:
                 "tokens": progress.tokens,
                 "train/loss": loss_sum / steps_since_log,
                 "train/lr": lr,
-                "train/grad_norm": grad_norm,
+                "train/grad_norm": None if grad_norm is None else float(grad_norm),
                 "perf/tokens_per_s": tokens_per_s,
                 "perf/tflops": tokens_per_s * flops_tok / world / 1e12,
                 "perf/mfu": metrics.mfu(tokens_per_s, flops_tok, peak, world),
                 "perf/max_mem_gib": _max_memory_gib(device),
             }
             if val_batches and (progress.step % cfg.train.eval_interval == 0 or last):
-                record["val/loss"] = evaluate(engine, val_batches, cfg.train.micro_batch_size, device)
+                record["val/loss"] = evaluate(engine, val_batches, cfg.train.micro_batch_size, device, pipelined)
             logger.log(record)
             _say(rank, _progress_line(record, cfg.train.max_steps, elapsed / steps_since_log))
             loss_sum, steps_since_log, tokens_since_log, clock = 0.0, 0, 0, time.perf_counter()
@@ -131,36 +144,46 @@ def run(cfg, run_dir: Path) -> Progress:
             _say(rank, f"checkpoint {path}")
             clock += time.perf_counter() - started  # saving time is not training throughput
 
-    if cfg.train.sample_tokens > 0 and rank == 0:
-        _say(rank, "sample:\n" + sample(engine.module, cfg.train.sample_prompt, cfg.train.sample_tokens, device, cfg.train.seed))
+    if cfg.train.sample_tokens > 0:
+        if pipelined:
+            _say(rank, "sample: skipped (generation across pipeline stages is not supported; load the checkpoint at pp=1)")
+        else:  # every rank runs it: tensor-parallel ranks compute the logits together
+            text = sample(engine.module, topology, cfg.train.sample_prompt, cfg.train.sample_tokens, device, cfg.train.seed)
+            _say(rank, "sample:\n" + text)
     logger.close()
     return progress
 
 
 @torch.no_grad()
-def evaluate(engine, val_batches: list[torch.Tensor], micro_batch_size: int, device) -> float:
+def evaluate(engine, val_batches: list[torch.Tensor], micro_batch_size: int, device, pipelined: bool) -> float:
     """Mean next-token loss over this rank's held-out windows, averaged over data-parallel ranks."""
     engine.eval()
-    total, count = 0.0, 0
+    losses = []
     for window in val_batches:
-        for micro in window.to(device).split(micro_batch_size):  # (mb, T+1)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                total += float(engine(micro[:, :-1], micro[:, 1:]))
-            count += 1
+        micro_batches = [(m[:, :-1], m[:, 1:]) for m in window.to(device).split(micro_batch_size)]  # (mb, T) pairs
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            if pipelined:
+                losses.append(float(engine.eval_batch(data_iter=iter(micro_batches), num_micro_batches=len(micro_batches))))
+            else:
+                losses += [float(engine(inputs, targets)) for inputs, targets in micro_batches]
     engine.train()
-    return _mean_over_ranks(total / max(count, 1))
+    return _mean_over_ranks(sum(losses) / max(len(losses), 1))
 
 
 @torch.no_grad()
-def sample(model: GPT, prompt: str, max_new_tokens: int, device, seed: int) -> str:
-    """A top-k sample continuing `prompt`, decoded with the GPT-2 BPE."""
+def sample(model: GPT, topology, prompt: str, max_new_tokens: int, device, seed: int) -> str:
+    """A top-k sample continuing `prompt`, decoded with the GPT-2 BPE (tensor-parallel ranks
+    gather the vocabulary shards of the logits; equal seeds make them draw the same tokens)."""
+    from parallel.tensor import FullLogits
+
     encoder = gpt2()
     idx = torch.tensor([encoder.encode_ordinary(prompt)], device=device)  # (1, T0)
     generator = torch.Generator(device=device).manual_seed(seed)
     was_training = model.training
     model.eval()
+    whole = FullLogits(model) if topology.tp_size > 1 else model
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-        out = generate(model, idx, max_new_tokens, temperature=0.8, top_k=50, generator=generator)
+        out = generate(whole, idx, max_new_tokens, temperature=0.8, top_k=50, generator=generator)
     model.train(was_training)
     return encoder.decode(out[0].tolist())
 
@@ -173,6 +196,12 @@ def _mean_over_ranks(value) -> float:
         dist.all_reduce(tensor)
         tensor /= dist.get_world_size()
     return float(tensor)
+
+
+def _full_parameter_count(model_cfg: GPTConfig) -> int:
+    """Parameters of the whole (unsharded) model, counted on the meta device."""
+    with torch.device("meta"):
+        return count_parameters(GPT(model_cfg))
 
 
 def _max_memory_gib(device: torch.device) -> float:

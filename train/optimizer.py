@@ -85,9 +85,57 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def make_optimizer(model: nn.Module, optim_cfg, peak_lr: float) -> torch.optim.AdamW:
-    return torch.optim.AdamW(
+class ClippingAdamW(torch.optim.AdamW):
+    """AdamW that first clips the gradients to a global L2 norm and records that norm (pre-clip) as
+    `_global_grad_norm`, where DeepSpeed's engines read it after each step.
+
+    g ← g · min(1, max_norm / (‖g‖ + 1e-6)), ‖g‖ over the whole model whatever the layout (see
+    `global_grad_norm`). Used at ZeRO stage 0; at stages ≥ 1 DeepSpeed's ZeRO optimizer clips
+    instead (max_norm=None).
+    """
+
+    def __init__(self, params, max_norm: float | None, mpu=None, **adamw_kwargs):
+        super().__init__(params, **adamw_kwargs)
+        self.max_norm, self.mpu = max_norm, mpu
+        self._global_grad_norm = None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if self.max_norm is not None:
+            params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+            norm = global_grad_norm(params, self.mpu)
+            self._global_grad_norm = norm
+            if math.isfinite(norm) and self.max_norm / (norm + 1e-6) < 1.0:
+                torch._foreach_mul_([p.grad for p in params], self.max_norm / (norm + 1e-6))
+        return super().step(closure)
+
+
+def global_grad_norm(params: list[torch.Tensor], mpu=None) -> float:
+    """‖g‖₂ of the whole model's gradient from this rank's parameters, equal on every rank.
+
+    Each rank squares what it alone holds: tensor-parallel shards (`model_parallel`) on every tp
+    rank, replicated parameters on tp rank 0 only, and a pipeline-tied matrix only on the stage that
+    owns it (DeepSpeed marks the other copies `ds_pipe_replicated`); DeepSpeed's
+    `get_global_norm_of_tensors` then sums the squares over the model-parallel (pp × tp) group.
+    """
+    from deepspeed.runtime.utils import get_global_norm_of_tensors, is_model_parallel_parameter
+
+    tp_rank = mpu.get_slice_parallel_rank() if mpu is not None else 0
+    grads = [
+        p.grad
+        for p in params
+        if not getattr(p, "ds_pipe_replicated", False) and (tp_rank == 0 or is_model_parallel_parameter(p))
+    ]
+    local = grads if grads else [torch.zeros(1, device=params[0].device if params else "cpu")]
+    return float(get_global_norm_of_tensors(local, mpu=mpu))
+
+
+def make_optimizer(model: nn.Module, optim_cfg, peak_lr: float, clip: bool = True, mpu=None) -> ClippingAdamW:
+    """GPT-3's AdamW; clip=False leaves clipping to DeepSpeed's ZeRO optimizer."""
+    return ClippingAdamW(
         param_groups(model, float(optim_cfg.weight_decay)),
+        max_norm=float(optim_cfg.grad_clip) if clip else None,
+        mpu=mpu,
         lr=peak_lr,
         betas=tuple(optim_cfg.betas),
         eps=float(optim_cfg.eps),

@@ -59,16 +59,70 @@ def _check_batches(cfg) -> None:
 
 
 def _check_parallel(cfg, model_cfg: GPTConfig) -> None:
-    tp = _positive_int("parallel.tp", cfg.parallel.tp)
-    pp = _positive_int("parallel.pp", cfg.parallel.pp)
-    zero = cfg.parallel.zero_stage
-    if (tp, pp, zero) != (1, 1, 0):
+    from parallel.topology import check_layout
+
+    par = cfg.parallel
+    tp = _positive_int("parallel.tp", par.tp)
+    pp = _positive_int("parallel.pp", par.pp)
+    try:
+        check_layout(model_cfg.n_head, model_cfg.d_ff, tp, pp, model_cfg.n_layer, world_size())
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    zero = par.zero_stage
+    if zero not in (0, 1, 2, 3):
+        raise ConfigError(f"parallel.zero_stage={zero!r}: must be one of [0, 1, 2, 3]")
+    if pp > 1 and zero > 1:
         raise ConfigError(
-            f"parallel.tp={tp}, parallel.pp={pp}, parallel.zero_stage={zero}: this build trains with "
-            f"tp=1, pp=1, zero_stage=0 only (tensor, pipeline and ZeRO parallelism are not wired in yet)"
+            f"parallel.zero_stage={zero} with parallel.pp={pp}: DeepSpeed's pipeline engine shards at most the "
+            f"optimizer state; use zero_stage 0 or 1 with pp > 1, or pp=1 for ZeRO-{zero}"
         )
-    if world_size() % (tp * pp):
-        raise ConfigError(f"world size {world_size()} is not a multiple of parallel.tp × parallel.pp = {tp * pp}")
+    if par.offload_optimizer and zero == 0:
+        raise ConfigError("parallel.offload_optimizer=true needs parallel.zero_stage ≥ 1 (ZeRO-Offload moves ZeRO's optimizer shards)")
+    if par.sequence_parallel and pp > 1:
+        raise ConfigError(f"parallel.sequence_parallel=true with parallel.pp={pp}: sequence parallelism needs pp=1")
+    if par.sequence_parallel and model_cfg.seq_len % tp:
+        raise ConfigError(
+            f"parallel.sequence_parallel=true needs model.seq_len={model_cfg.seq_len} divisible by parallel.tp={tp}"
+        )
+    ckpt = par.activation_checkpointing
+    if not isinstance(ckpt, int) or isinstance(ckpt, bool) or ckpt < 0:
+        raise ConfigError(f"parallel.activation_checkpointing={ckpt!r}: must be 0 (off) or a positive block count")
+    _check_deepspeed_extras(cfg)
+
+
+# Settings gpt3d derives from train.* / parallel.* / optim.*; the deepspeed group may not set them.
+OWNED_DEEPSPEED_KEYS = {
+    "train_batch_size": "train.global_batch_size",
+    "train_micro_batch_size_per_gpu": "train.micro_batch_size",
+    "gradient_accumulation_steps": "train.global_batch_size / (train.micro_batch_size · dp)",
+    "gradient_clipping": "optim.grad_clip",
+    "optimizer": "optim.*",
+    "scheduler": "optim.*",
+    "zero_optimization.stage": "parallel.zero_stage",
+    "zero_optimization.offload_optimizer": "parallel.offload_optimizer",
+}
+
+
+def _check_deepspeed_extras(cfg) -> None:
+    """The `deepspeed` group: known top-level DeepSpeed keys only, none that gpt3d derives itself."""
+    if "deepspeed" not in cfg or not cfg.deepspeed:
+        return
+    import difflib
+
+    from deepspeed.runtime import constants
+
+    extras = OmegaConf.to_container(cfg.deepspeed, resolve=True)
+    known = {v for k, v in vars(constants).items() if k.isupper() and isinstance(v, str)}
+    known |= {"zero_optimization", "comms_logger", "flops_profiler", "activation_checkpointing", "tensorboard",
+              "wandb", "csv_monitor", "aio", "compile", "torch_autocast", "data_types", "timers"}
+    for key, value in extras.items():
+        paths = [f"{key}.{sub}" for sub in value] if isinstance(value, dict) else []
+        for owned in [key, *paths]:
+            if owned in OWNED_DEEPSPEED_KEYS:
+                raise ConfigError(f"deepspeed.{owned} is set by gpt3d from {OWNED_DEEPSPEED_KEYS[owned]}; set that instead")
+        if key not in known:
+            near = difflib.get_close_matches(key, sorted(known), n=3)
+            raise ConfigError(f"deepspeed.{key} is not a DeepSpeed setting" + (f"; did you mean {near}?" if near else ""))
 
 
 def _check_train(cfg) -> None:

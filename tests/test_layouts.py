@@ -1,0 +1,99 @@
+"""Every parallel layout reproduces the one-process loss curve, through the real launchers.
+
+Each case starts `python -m train` under torchrun or the deepspeed launcher with gloo processes on
+the CPU and compares its metrics.jsonl with the one-process run of the same config, seed, data and
+global batch (4 sequences): per-step training loss within 1e-5 relative (float32).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from cli import metrics, train, write_corpus
+
+STEPS = ["train.max_steps=3", "train.eval_interval=0", "train.checkpoint_interval=0", "logging.wandb.mode=disabled"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, corpus):
+    run_dir = tmp_path_factory.mktemp("one_process")
+    train(run_dir, corpus, *STEPS)
+    return metrics(run_dir)
+
+
+def assert_same_losses(got: list[dict], expected: list[dict], rel: float = 1e-5) -> None:
+    assert [r["step"] for r in got] == [r["step"] for r in expected]
+    for g, e in zip(got, expected):
+        assert g["train/loss"] == pytest.approx(e["train/loss"], rel=rel), f"step {e['step']}"
+        assert g["train/grad_norm"] == pytest.approx(e["train/grad_norm"], rel=1e-4), f"step {e['step']}"
+        assert g["train/lr"] == pytest.approx(e["train/lr"], rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "kind, nproc, layout",
+    [
+        ("torchrun", 2, ["parallel.tp=2"]),
+        ("torchrun", 2, ["parallel.pp=2"]),
+        ("torchrun", 3, ["parallel.pp=3"]),  # one block per stage
+        ("torchrun", 4, ["parallel.tp=2", "parallel.pp=2"]),
+        ("torchrun", 2, ["parallel.zero_stage=1"]),
+        ("deepspeed", 2, ["parallel.zero_stage=2"]),
+        ("torchrun", 2, ["parallel.zero_stage=3"]),
+        ("torchrun", 2, ["parallel.zero_stage=1", "parallel.offload_optimizer=true"]),
+        ("torchrun", 2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+        ("deepspeed", 2, ["parallel.pp=2", "parallel.activation_checkpointing=1"]),
+    ],
+    ids=["tp2", "pp2", "pp3", "tp2-pp2", "zero1-dp2", "zero2-dp2-deepspeed", "zero3-dp2", "offload-dp2",
+         "tp2-sequence-parallel", "pp2-ckpt-deepspeed"],
+)
+def test_layout_matches_one_process(tmp_path, corpus, one_process, kind, nproc, layout):
+    train(tmp_path, corpus, *STEPS, *layout, kind=kind, nproc=nproc)
+    assert_same_losses(metrics(tmp_path), one_process)
+
+
+def test_3d_layout_on_8_processes_resumes_exactly(tmp_path, corpus):
+    """tp=2 × pp=2 × dp=2 with ZeRO-1, stopped after 2 of 4 steps and resumed at the same layout,
+    continues with exactly the uninterrupted run's losses (that run's match with one process is
+    test_8_process_3d_layout_matches_one_process)."""
+    layout = ["parallel.tp=2", "parallel.pp=2", "parallel.zero_stage=1"]
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    run = ["train.eval_interval=0", "logging.wandb.mode=disabled", "optim.warmup_tokens=16"]  # same schedule for 2 or 4 steps
+    train(straight, corpus, *run, "train.max_steps=4", "train.checkpoint_interval=0", *layout, kind="torchrun", nproc=8)
+    assert [r["step"] for r in metrics(straight)] == [1, 2, 3, 4]
+    train(stopped, corpus, *run, "train.max_steps=2", *layout, kind="torchrun", nproc=8)
+    proc = train(stopped, corpus, *run, "train.max_steps=4", *layout, kind="torchrun", nproc=8)
+    assert "resumed from" in proc.stdout
+    keys = ("step", "train/loss", "train/lr", "train/grad_norm")
+    assert [[r[k] for k in keys] for r in metrics(stopped)] == [[r[k] for k in keys] for r in metrics(straight)]
+
+
+def test_8_process_3d_layout_matches_one_process(tmp_path, corpus, one_process):
+    train(tmp_path, corpus, *STEPS, "parallel.tp=2", "parallel.pp=2", kind="torchrun", nproc=8)  # dp = 2
+    assert_same_losses(metrics(tmp_path), one_process)
+
+
+@pytest.mark.parametrize(
+    "world, overrides, message",
+    [
+        (4, ["parallel.tp=3"], "world size 4 is not a multiple of tp·pp"),
+        (2, ["parallel.tp=2", "model.n_head=3", "model.d_model=30"], "parallel.tp=2 does not divide model.n_head=3"),
+        (4, ["parallel.pp=4"], "parallel.pp=4 exceeds model.n_layer=3"),
+        (2, ["parallel.pp=2", "parallel.zero_stage=2"], "parallel.zero_stage=2 with parallel.pp=2"),
+        (2, ["train.micro_batch_size=3"], "not divisible by train.micro_batch_size=3 × data-parallel size 2"),
+        (2, ["parallel.offload_optimizer=true"], "needs parallel.zero_stage ≥ 1"),
+        (1, ["+deepspeed.train_batch_size=8"], "deepspeed.train_batch_size is set by gpt3d from train.global_batch_size"),
+        (1, ["+deepspeed.zero_optimisation={}"], "did you mean ['zero_optimization'"),
+    ],
+)
+def test_impossible_layout_fails_before_any_model_is_built(tmp_path, corpus, world, overrides, message):
+    """As a launcher would start rank 0 of `world` processes; the check runs before rendezvous."""
+    run_dir = tmp_path / "bad"
+    proc = train(run_dir, corpus, *overrides, check=False, env={"WORLD_SIZE": str(world), "RANK": "0", "LOCAL_RANK": "0"})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr and not run_dir.exists()
