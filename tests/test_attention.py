@@ -2,7 +2,6 @@
 match a float64 autograd reference; a Block's parameter gradients match impl="reference"; memory
 stays O(T·D); blocks outside the band are never touched."""
 
-import math
 
 import pytest
 import torch
@@ -11,45 +10,7 @@ from model.attention import attention
 from model.config import GPTConfig
 from model.layers import Block
 
-HEAD_DIMS = (64, 80, 96, 128)
-LENGTHS = (1, 17, 100, 130)
-MASKS = {"causal": (True, None), "full": (False, None), "window": (True, 37), "band": (False, 37)}
-TOL = 2e-4
-
-
-def float64_attention(q, k, v, causal, window):
-    """softmax(QKᵀ/√D + mask)V in float64, written out here independently of model code."""
-    t = q.shape[-2]
-    i = torch.arange(t)[:, None]  # (T, 1) query index
-    j = torch.arange(t)[None, :]  # (1, T) key index
-    visible = torch.ones(t, t, dtype=torch.bool)  # (T, T)
-    if causal:
-        visible &= j <= i
-    if window is not None:
-        visible &= (i - j < window) & (j - i < window)
-    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, H, T, T)
-    return torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1) @ v  # (B, H, T, D)
-
-
-def rel_err(x, ref):
-    """max |x − ref| / max(max |ref|, 1). Unit-variance inputs give max |ref| ≈ 1–5; the floor only
-    matters where the exact gradient is 0 (dQ, dK at T=1) and float32 leaves the rounding of dP − Δ."""
-    return ((x.double() - ref).abs().max() / ref.abs().max().clamp_min(1.0)).item()
-
-
-def errors_vs_float64(shape, causal, window, impl, dtype=torch.float32, seed=0):
-    """Relative errors of (O, dQ, dK, dV) of `impl` against float64 autograd on random inputs."""
-    gen = torch.Generator().manual_seed(seed)
-    q, k, v, do = (torch.randn(shape, generator=gen, dtype=torch.float64) for _ in range(4))  # (B, H, T, D)
-    ins = [x.to(dtype).requires_grad_() for x in (q, k, v)]
-    out = attention(*ins, causal=causal, window=window, impl=impl)
-    grads = torch.autograd.grad(out, ins, do.to(dtype))
-    ref_ins = [x.detach().double().requires_grad_() for x in ins]
-    ref = float64_attention(*ref_ins, causal, window)
-    ref_grads = torch.autograd.grad(ref, ref_ins, do.to(dtype).double())
-    assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
-    return [rel_err(x, r) for x, r in zip((out, *grads), (ref, *ref_grads))]
-
+from attention_reference import HEAD_DIMS, LENGTHS, MASKS, TOL, errors_vs_float64, rel_err
 
 @pytest.mark.parametrize("mask", MASKS)
 @pytest.mark.parametrize("t", LENGTHS)
