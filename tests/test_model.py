@@ -181,3 +181,12 @@ def test_activation_checkpointing_gives_the_same_gradients():
     ckpt(idx, idx).backward()
     for (name, a), b in zip(plain.named_parameters(), ckpt.parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("path", sorted(CONFIG_DIR.glob("*.yaml")), ids=lambda p: p.stem)
+def test_model_config_files_have_exactly_the_dataclass_fields(path):
+    import dataclasses
+
+    keys = set(yaml.safe_load(path.read_text()))
+    assert keys == {f.name for f in dataclasses.fields(GPTConfig)}
+    assert yaml.safe_load(path.read_text())["name"] == path.stem
