@@ -22,7 +22,7 @@ RESIDUAL_PROJECTIONS = ("attn.proj.weight", "mlp.proj.weight")
 
 def parameter_seed(seed: int, layer_index: int, name: str) -> int:
     """A stable 63-bit seed for one parameter, independent of process, order and layout."""
-    return (zlib.crc32(f"{layer_index}/{name}".encode()) << 20) ^ (seed & 0xFFFFF) ^ (seed << 32)
+    return ((zlib.crc32(f"{layer_index}/{name}".encode()) << 31) ^ seed) & (2**63 - 1)
 
 
 def init_layer_(

@@ -16,7 +16,8 @@ import socket
 import torch
 from omegaconf import OmegaConf
 
-# Peak dense bf16 tensor-core FLOP/s by GPU name fragment (vendor data sheets, without sparsity).
+# Peak dense bf16 tensor-core FLOP/s by GPU name fragment (vendor data sheets, without sparsity); the
+# first fragment found in the device name wins, so longer names come before their prefixes.
 GPU_PEAK_TFLOPS = {
     "H200": 989.0,
     "H100 SXM": 989.0,
@@ -26,6 +27,7 @@ GPU_PEAK_TFLOPS = {
     "A100": 312.0,
     "A10G": 125.0,
     "L40S": 362.0,
+    "L40": 181.0,
     "L4": 121.0,
     "V100": 125.0,
 }

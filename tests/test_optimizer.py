@@ -82,3 +82,29 @@ def test_clipping_adamw_clips_to_the_global_norm_and_records_it():
     assert opt._global_grad_norm == pytest.approx(float(expected_norm), rel=1e-6)
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-8)  # clipped in place, as torch clips
+
+
+def _one_layer_with_grads(scale: float):
+    model = torch.nn.Linear(4, 4)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, scale)
+    return model
+
+
+def test_grad_clip_zero_measures_without_clipping():
+    model = _one_layer_with_grads(3.0)
+    before = [p.grad.clone() for p in model.parameters()]
+    opt = make_optimizer(model, OmegaConf.merge(OPTIM, {"grad_clip": 0.0}), 1e-3)
+    opt.step()
+    assert opt._global_grad_norm == pytest.approx(3.0 * 20**0.5)  # 20 gradient entries of 3
+    for p, g in zip(model.parameters(), before):
+        assert torch.equal(p.grad, g)
+
+
+def test_non_finite_norm_is_recorded_as_nan_and_nothing_is_scaled():
+    model = _one_layer_with_grads(1.0)
+    model.weight.grad[0, 0] = float("inf")
+    opt = make_optimizer(model, OPTIM, 1e-3)
+    opt.step()
+    assert math.isnan(opt._global_grad_norm)
+    assert model.bias.grad.eq(1.0).all()  # not negated or scaled

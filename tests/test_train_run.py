@@ -68,6 +68,12 @@ def test_resume_continues_bit_for_bit(tmp_path, corpus):
         (["data.paths=[/nonexistent/corpus/*.txt]"], "/nonexistent/corpus/*.txt"),
         (["parallel.tp=2"], "parallel.tp=2"),
         (["model.activation=swish"], "model.activation='swish': must be one of ['gelu', 'relu']"),
+        (["parallel.tp=0"], "parallel.tp=0: must be a positive integer"),
+        (["model.vocab_size=1000"], "model.vocab_size=1000 is smaller than the GPT-2 BPE's 50257 tokens"),
+        (["train.seed=-1"], "train.seed=-1: must be an integer in [0, 2^31)"),
+        (["optim.min_lr_ratio=5"], "optim.min_lr_ratio=5: must be in [0, 1]"),
+        (["optim.lr=null", "model.name=mine"], "optim.lr is null and model.name='mine' has no paper LR"),
+        (["train.resume=/nonexistent/ckpt"], "train.resume='/nonexistent/ckpt': no DeepSpeed checkpoint there"),
     ],
 )
 def test_bad_config_fails_before_work_and_leaves_nothing(tmp_path, corpus, overrides, message):

@@ -31,7 +31,7 @@ def main(cfg: DictConfig) -> None:
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
-        check(cfg)
+        check(cfg, run_dir)
     except ConfigError as err:
         _discard_if_empty(run_dir)
         print(f"gpt3d: error: {err}", file=sys.stderr)

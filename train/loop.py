@@ -20,7 +20,7 @@ from model import GPT, GPTConfig, count_parameters, generate
 from parallel import engine as engines
 from train import checkpoint, data, metrics
 from train.optimizer import make_lr_scheduler, make_optimizer, make_schedule
-from train.tokenizer import gpt2
+from train.tokenizer import EOT, gpt2
 
 
 @dataclass
@@ -80,11 +80,15 @@ def run(cfg, run_dir: Path) -> Progress:
 
     n_params = _full_parameter_count(model_cfg)
     flops_tok = metrics.flops_per_token(
-        n_params - model_cfg.seq_len * model_cfg.d_model, model_cfg.n_layer, model_cfg.d_model, seq_len
+        _full_parameter_count(model_cfg, exclude_positions=True), model_cfg.n_layer, model_cfg.d_model, seq_len
     )
     peak = engines.peak_tflops(device, cfg.logging.peak_tflops)
     logger = metrics.MetricsLogger(
-        run_dir, cfg.logging, OmegaConf.to_container(cfg, resolve=True), active=rank == 0, resumed=resume_path is not None
+        run_dir,
+        cfg.logging,
+        OmegaConf.to_container(cfg, resolve=True),
+        active=rank == 0,
+        resumed_step=progress.step if resume_path is not None else None,
     )
     _say(
         rank,
@@ -145,8 +149,8 @@ def run(cfg, run_dir: Path) -> Progress:
             clock += time.perf_counter() - started  # saving time is not training throughput
 
     if cfg.train.sample_tokens > 0:
-        if pipelined:
-            _say(rank, "sample: skipped (generation across pipeline stages is not supported; load the checkpoint at pp=1)")
+        if pipelined or cfg.parallel.sequence_parallel:
+            _say(rank, "sample: skipped (generation needs pp=1 without sequence parallelism; load the checkpoint so)")
         else:  # every rank runs it: tensor-parallel ranks compute the logits together
             text = sample(engine.module, topology, cfg.train.sample_prompt, cfg.train.sample_tokens, device, cfg.train.seed)
             _say(rank, "sample:\n" + text)
@@ -177,7 +181,7 @@ def sample(model: GPT, topology, prompt: str, max_new_tokens: int, device, seed:
     from parallel.tensor import FullLogits
 
     encoder = gpt2()
-    idx = torch.tensor([encoder.encode_ordinary(prompt)], device=device)  # (1, T0)
+    idx = torch.tensor([encoder.encode_ordinary(prompt) or [EOT]], device=device)  # (1, T0); "" starts a document
     generator = torch.Generator(device=device).manual_seed(seed)
     was_training = model.training
     model.eval()
@@ -189,19 +193,21 @@ def sample(model: GPT, topology, prompt: str, max_new_tokens: int, device, seed:
 
 
 def _mean_over_ranks(value) -> float:
+    """Mean of a per-rank number over all ranks (on the accelerator: nccl reduces no CPU tensors)."""
     import torch.distributed as dist
 
-    tensor = torch.as_tensor(value, dtype=torch.float64).reshape(1)
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    tensor = torch.as_tensor(value, dtype=torch.float64, device=device).reshape(1)
     if dist.get_world_size() > 1:
         dist.all_reduce(tensor)
         tensor /= dist.get_world_size()
     return float(tensor)
 
 
-def _full_parameter_count(model_cfg: GPTConfig) -> int:
+def _full_parameter_count(model_cfg: GPTConfig, exclude_positions: bool = False) -> int:
     """Parameters of the whole (unsharded) model, counted on the meta device."""
     with torch.device("meta"):
-        return count_parameters(GPT(model_cfg))
+        return count_parameters(GPT(model_cfg), exclude_positions)
 
 
 def _max_memory_gib(device: torch.device) -> float:

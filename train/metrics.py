@@ -2,8 +2,8 @@
 
 Throughput and utilisation use the PaLM (Chowdhery et al. 2022, App. B) count of training
 FLOPs per token:  6·N + 12·L·d·T,
-N the parameters doing matrix multiplies (all but the position table; the tied embedding counted
-once, as the unembedding), L layers, d = d_model, T = seq_len (the attention score and value
+N the model's parameters without the position table (the tied embedding counted once, for the
+unembedding's matrix multiply; LayerNorm and bias parameters, a rounding error, included), L layers, d = d_model, T = seq_len (the attention score and value
 products). MFU = achieved FLOP/s ÷ (peak FLOP/s per device × devices).
 """
 
@@ -34,12 +34,17 @@ class MetricsLogger:
     Only the process that should log (rank 0) constructs an active logger; others pass active=False.
     """
 
-    def __init__(self, run_dir: Path, logging_cfg, run_config: dict, active: bool, resumed: bool):
+    def __init__(self, run_dir: Path, logging_cfg, run_config: dict, active: bool, resumed_step: int | None):
+        """resumed_step: the checkpoint's step when resuming; records logged after it by the run that
+        stopped are dropped from metrics.jsonl, since they are about to be logged again."""
         self.active = active
         self.run = None
         if not active:
             return
         self.path = Path(run_dir) / "metrics.jsonl"
+        if resumed_step is not None and self.path.exists():
+            _truncate_after(self.path, resumed_step)
+        resumed = resumed_step is not None
         mode = logging_cfg.wandb.mode
         if mode not in WANDB_MODES:
             raise ValueError(f"logging.wandb.mode={mode!r}: must be one of {list(WANDB_MODES)}")
@@ -74,6 +79,14 @@ class MetricsLogger:
         if self.run is not None:
             self.run.finish()
             self.run = None
+
+
+def _truncate_after(path: Path, step: int) -> None:
+    """Keep the records of steps ≤ step (written to a temporary file, then renamed over the old one)."""
+    kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
 
 
 def _stable_run_id(run_dir: Path) -> str:

@@ -90,8 +90,9 @@ class ClippingAdamW(torch.optim.AdamW):
     `_global_grad_norm`, where DeepSpeed's engines read it after each step.
 
     g ← g · min(1, max_norm / (‖g‖ + 1e-6)), ‖g‖ over the whole model whatever the layout (see
-    `global_grad_norm`). Used at ZeRO stage 0; at stages ≥ 1 DeepSpeed's ZeRO optimizer clips
-    instead (max_norm=None).
+    `global_grad_norm`); max_norm = 0 measures without clipping, as DeepSpeed reads 0. A non-finite
+    norm is recorded as nan and nothing is scaled. Used at ZeRO stage 0; at stages ≥ 1 DeepSpeed's
+    ZeRO optimizer clips instead (max_norm=None).
     """
 
     def __init__(self, params, max_norm: float | None, mpu=None, **adamw_kwargs):
@@ -105,7 +106,7 @@ class ClippingAdamW(torch.optim.AdamW):
             params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
             norm = global_grad_norm(params, self.mpu)
             self._global_grad_norm = norm
-            if math.isfinite(norm) and self.max_norm / (norm + 1e-6) < 1.0:
+            if self.max_norm > 0 and math.isfinite(norm) and self.max_norm / (norm + 1e-6) < 1.0:
                 torch._foreach_mul_([p.grad for p in params], self.max_norm / (norm + 1e-6))
         return super().step(closure)
 
@@ -127,7 +128,8 @@ def global_grad_norm(params: list[torch.Tensor], mpu=None) -> float:
         if not getattr(p, "ds_pipe_replicated", False) and (tp_rank == 0 or is_model_parallel_parameter(p))
     ]
     local = grads if grads else [torch.zeros(1, device=params[0].device if params else "cpu")]
-    return float(get_global_norm_of_tensors(local, mpu=mpu))
+    norm = float(get_global_norm_of_tensors(local, mpu=mpu))
+    return float("nan") if norm < 0 else norm  # DeepSpeed reports an inf/nan norm as -1
 
 
 def make_optimizer(model: nn.Module, optim_cfg, peak_lr: float, clip: bool = True, mpu=None) -> ClippingAdamW:

@@ -7,25 +7,35 @@ value costs a second, names itself and says what would be valid.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from omegaconf import OmegaConf
 
 from model import GPTConfig
 
 
+GPT2_VOCAB = 50257  # token ids reach 50256 (<|endoftext|>)
+
+
 class ConfigError(ValueError):
     """A configuration value that cannot work; the message names it and the valid choices."""
 
 
-def check(cfg) -> GPTConfig:
-    """Validate the whole run config; returns the model config. Raises ConfigError."""
+def check(cfg, run_dir: Path) -> GPTConfig:
+    """Validate the whole run config (for a run in `run_dir`); returns the model config. Raises ConfigError."""
     try:
         model_cfg = GPTConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
     except (TypeError, ValueError) as err:
         raise ConfigError(str(err)) from None
-    _check_batches(cfg)
+    if model_cfg.vocab_size < GPT2_VOCAB:
+        raise ConfigError(
+            f"model.vocab_size={model_cfg.vocab_size} is smaller than the GPT-2 BPE's {GPT2_VOCAB} tokens; "
+            f"use {GPT2_VOCAB} (or more)"
+        )
     _check_parallel(cfg, model_cfg)
-    _check_train(cfg)
+    _check_batches(cfg)
+    _check_train(cfg, run_dir)
+    _check_optim(cfg, model_cfg)
     from train import data
 
     try:
@@ -125,8 +135,17 @@ def _check_deepspeed_extras(cfg) -> None:
             raise ConfigError(f"deepspeed.{key} is not a DeepSpeed setting" + (f"; did you mean {near}?" if near else ""))
 
 
-def _check_train(cfg) -> None:
+def _check_train(cfg, run_dir: Path) -> None:
     _positive_int("train.max_steps", cfg.train.max_steps)
+    seed = cfg.train.seed
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**31:
+        raise ConfigError(f"train.seed={seed!r}: must be an integer in [0, 2^31)")
+    from train.checkpoint import find_resume_path
+
+    try:
+        find_resume_path(cfg.train.resume, run_dir)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     _positive_int("logging.log_interval", cfg.logging.log_interval)
     for key in ("eval_interval", "eval_batches", "checkpoint_interval", "sample_tokens"):
         value = cfg.train[key]
@@ -138,3 +157,31 @@ def _check_train(cfg) -> None:
         raise ConfigError(
             f"logging.wandb.mode={cfg.logging.wandb.mode!r}: must be one of ['offline', 'online', 'disabled']"
         )
+
+
+def _check_optim(cfg, model_cfg: GPTConfig) -> None:
+    """AdamW's values in range, and a schedule that can be built for this run."""
+    optim = cfg.optim
+    checks = [
+        (optim.lr is None or (_is_number(optim.lr) and optim.lr > 0), "optim.lr", optim.lr, "null or > 0"),
+        (_is_number(optim.eps) and optim.eps > 0, "optim.eps", optim.eps, "> 0"),
+        (_is_number(optim.weight_decay) and optim.weight_decay >= 0, "optim.weight_decay", optim.weight_decay, "≥ 0"),
+        (_is_number(optim.grad_clip) and optim.grad_clip >= 0, "optim.grad_clip", optim.grad_clip, "≥ 0 (0: no clipping)"),
+        (_is_number(optim.min_lr_ratio) and 0 <= optim.min_lr_ratio <= 1, "optim.min_lr_ratio", optim.min_lr_ratio, "in [0, 1]"),
+        (_is_number(optim.warmup_tokens) and optim.warmup_tokens >= 0, "optim.warmup_tokens", optim.warmup_tokens, "≥ 0"),
+        (len(optim.betas) == 2 and all(_is_number(b) and 0 <= b < 1 for b in optim.betas), "optim.betas",
+         list(optim.betas), "two numbers in [0, 1)"),
+    ]
+    for ok, key, value, valid in checks:
+        if not ok:
+            raise ConfigError(f"{key}={value!r}: must be {valid}")
+    from train.optimizer import make_schedule
+
+    try:
+        make_schedule(optim, model_cfg.name, cfg.train.global_batch_size * model_cfg.seq_len, cfg.train.max_steps)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
