@@ -78,9 +78,11 @@ def run(cfg, run_dir: Path) -> Progress:
         batches.load_state_dict(state["data"])
         _say(rank, f"resumed from {resume_path} at step {progress.step}")
 
-    n_params = _full_parameter_count(model_cfg)
+    with torch.device("meta"):
+        full_model = GPT(model_cfg)  # the unsharded model's shapes, for counting
+    n_params = count_parameters(full_model)
     flops_tok = metrics.flops_per_token(
-        _full_parameter_count(model_cfg, exclude_positions=True), model_cfg.n_layer, model_cfg.d_model, seq_len
+        count_parameters(full_model, exclude_positions=True), model_cfg.n_layer, model_cfg.d_model, seq_len
     )
     peak = engines.peak_tflops(device, cfg.logging.peak_tflops)
     logger = metrics.MetricsLogger(
@@ -98,10 +100,10 @@ def run(cfg, run_dir: Path) -> Progress:
     )
 
     world = topology.world_size
-    loss_sum, steps_since_log, tokens_since_log, clock = 0.0, 0, 0, time.perf_counter()
+    # The loss stays on the device between log steps: no all-reduce or host sync in every step.
+    loss_sum, steps_since_log, clock = torch.zeros((), dtype=torch.float64, device=device), 0, time.perf_counter()
     while progress.step < cfg.train.max_steps:
-        window = next(batches).to(device)  # (G/dp, T+1)
-        micro_batches = [(m[:, :-1], m[:, 1:]) for m in window.split(cfg.train.micro_batch_size)]  # (mb, T) pairs
+        micro_batches = _micro_batches(next(batches).to(device), cfg.train.micro_batch_size)
         engine.train()
         lr = engine.get_lr()[0]  # the rate this step uses; DeepSpeed advances the schedule in step()
         if pipelined:
@@ -116,18 +118,17 @@ def run(cfg, run_dir: Path) -> Progress:
         grad_norm = engine.get_global_grad_norm()
         progress.step += 1
         progress.tokens += tokens_per_step
-        loss_sum += _mean_over_ranks(step_loss)
+        loss_sum += step_loss
         steps_since_log += 1
-        tokens_since_log += tokens_per_step
         last = progress.step == cfg.train.max_steps
 
         if progress.step % cfg.logging.log_interval == 0 or last:
             elapsed = time.perf_counter() - clock
-            tokens_per_s = tokens_since_log / elapsed
+            tokens_per_s = steps_since_log * tokens_per_step / elapsed
             record = {
                 "step": progress.step,
                 "tokens": progress.tokens,
-                "train/loss": loss_sum / steps_since_log,
+                "train/loss": _mean_over_ranks(loss_sum) / steps_since_log,
                 "train/lr": lr,
                 "train/grad_norm": None if grad_norm is None else float(grad_norm),
                 "perf/tokens_per_s": tokens_per_s,
@@ -139,7 +140,7 @@ def run(cfg, run_dir: Path) -> Progress:
                 record["val/loss"] = evaluate(engine, val_batches, cfg.train.micro_batch_size, device, pipelined)
             logger.log(record)
             _say(rank, _progress_line(record, cfg.train.max_steps, elapsed / steps_since_log))
-            loss_sum, steps_since_log, tokens_since_log, clock = 0.0, 0, 0, time.perf_counter()
+            loss_sum, steps_since_log, clock = torch.zeros_like(loss_sum), 0, time.perf_counter()
 
         interval = cfg.train.checkpoint_interval
         if last or (interval > 0 and progress.step % interval == 0):
@@ -164,7 +165,7 @@ def evaluate(engine, val_batches: list[torch.Tensor], micro_batch_size: int, dev
     engine.eval()
     losses = []
     for window in val_batches:
-        micro_batches = [(m[:, :-1], m[:, 1:]) for m in window.to(device).split(micro_batch_size)]  # (mb, T) pairs
+        micro_batches = _micro_batches(window.to(device), micro_batch_size)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             if pipelined:
                 losses.append(float(engine.eval_batch(data_iter=iter(micro_batches), num_micro_batches=len(micro_batches))))
@@ -192,6 +193,11 @@ def sample(model: GPT, topology, prompt: str, max_new_tokens: int, device, seed:
     return encoder.decode(out[0].tolist())
 
 
+def _micro_batches(window: torch.Tensor, size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(inputs, targets) pairs of `size` sequences from windows (n, T+1): inputs (size, T), targets shifted by one."""
+    return [(m[:, :-1], m[:, 1:]) for m in window.split(size)]
+
+
 def _mean_over_ranks(value) -> float:
     """Mean of a per-rank number over all ranks (on the accelerator: nccl reduces no CPU tensors)."""
     import torch.distributed as dist
@@ -202,12 +208,6 @@ def _mean_over_ranks(value) -> float:
         dist.all_reduce(tensor)
         tensor /= dist.get_world_size()
     return float(tensor)
-
-
-def _full_parameter_count(model_cfg: GPTConfig, exclude_positions: bool = False) -> int:
-    """Parameters of the whole (unsharded) model, counted on the meta device."""
-    with torch.device("meta"):
-        return count_parameters(GPT(model_cfg), exclude_positions)
 
 
 def _max_memory_gib(device: torch.device) -> float:

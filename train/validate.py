@@ -32,8 +32,8 @@ def check(cfg, run_dir: Path) -> GPTConfig:
             f"model.vocab_size={model_cfg.vocab_size} is smaller than the GPT-2 BPE's {GPT2_VOCAB} tokens; "
             f"use {GPT2_VOCAB} (or more)"
         )
-    _check_parallel(cfg, model_cfg)
-    _check_batches(cfg)
+    dp = _check_parallel(cfg, model_cfg)
+    _check_batches(cfg, dp)
     _check_train(cfg, run_dir)
     _check_optim(cfg, model_cfg)
     from train import data
@@ -56,10 +56,9 @@ def _positive_int(name: str, value) -> int:
     return value
 
 
-def _check_batches(cfg) -> None:
+def _check_batches(cfg, dp: int) -> None:
     global_batch = _positive_int("train.global_batch_size", cfg.train.global_batch_size)
     micro = _positive_int("train.micro_batch_size", cfg.train.micro_batch_size)
-    dp = world_size() // (cfg.parallel.tp * cfg.parallel.pp) or 1
     if global_batch % (micro * dp):
         fits = [m for m in range(1, global_batch + 1) if global_batch % (m * dp) == 0]
         raise ConfigError(
@@ -68,14 +67,14 @@ def _check_batches(cfg) -> None:
         )
 
 
-def _check_parallel(cfg, model_cfg: GPTConfig) -> None:
+def _check_parallel(cfg, model_cfg: GPTConfig) -> int:
+    """The layout and its options; returns the data-parallel size."""
     from parallel.topology import check_layout
 
     par = cfg.parallel
-    tp = _positive_int("parallel.tp", par.tp)
-    pp = _positive_int("parallel.pp", par.pp)
+    tp, pp = par.tp, par.pp
     try:
-        check_layout(model_cfg.n_head, model_cfg.d_ff, tp, pp, model_cfg.n_layer, world_size())
+        dp = check_layout(model_cfg.n_head, model_cfg.d_ff, tp, pp, model_cfg.n_layer, world_size())
     except ValueError as err:
         raise ConfigError(str(err)) from None
     zero = par.zero_stage
@@ -98,6 +97,7 @@ def _check_parallel(cfg, model_cfg: GPTConfig) -> None:
     if not isinstance(ckpt, int) or isinstance(ckpt, bool) or ckpt < 0:
         raise ConfigError(f"parallel.activation_checkpointing={ckpt!r}: must be 0 (off) or a positive block count")
     _check_deepspeed_extras(cfg)
+    return dp
 
 
 # Settings gpt3d derives from train.* / parallel.* / optim.*; the deepspeed group may not set them.
@@ -151,12 +151,15 @@ def _check_train(cfg, run_dir: Path) -> None:
         value = cfg.train[key]
         if not isinstance(value, int) or value < 0:
             raise ConfigError(f"train.{key}={value!r}: must be a non-negative integer")
-    if cfg.train.device not in ("auto", "cpu", "cuda"):
-        raise ConfigError(f"train.device={cfg.train.device!r}: must be one of ['auto', 'cpu', 'cuda']")
-    if cfg.logging.wandb.mode not in ("offline", "online", "disabled"):
-        raise ConfigError(
-            f"logging.wandb.mode={cfg.logging.wandb.mode!r}: must be one of ['offline', 'online', 'disabled']"
-        )
+    from parallel.engine import resolve_device
+    from train.metrics import WANDB_MODES
+
+    try:
+        resolve_device(cfg.train.device)  # also: cuda asked for where none is visible
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if cfg.logging.wandb.mode not in WANDB_MODES:
+        raise ConfigError(f"logging.wandb.mode={cfg.logging.wandb.mode!r}: must be one of {list(WANDB_MODES)}")
 
 
 def _check_optim(cfg, model_cfg: GPTConfig) -> None:
