@@ -16,9 +16,9 @@ TOL = 2e-4
 def float64_attention(q, k, v, causal, window):
     """softmax(QKᵀ/√D + mask)V in float64, written out here independently of model code."""
     t = q.shape[-2]
-    i = torch.arange(t)[:, None]  # (T, 1) query index
-    j = torch.arange(t)[None, :]  # (1, T) key index
-    visible = torch.ones(t, t, dtype=torch.bool)  # (T, T)
+    i = torch.arange(t, device=q.device)[:, None]  # (T, 1) query index
+    j = torch.arange(t, device=q.device)[None, :]  # (1, T) key index
+    visible = torch.ones(t, t, dtype=torch.bool, device=q.device)  # (T, T)
     if causal:
         visible &= j <= i
     if window is not None:
@@ -33,10 +33,13 @@ def rel_err(x, ref):
     return ((x.double() - ref).abs().max() / ref.abs().max().clamp_min(1.0)).item()
 
 
-def errors_vs_float64(shape, causal, window, impl, dtype=torch.float32, seed=0):
-    """Relative errors of (O, dQ, dK, dV) of `impl` against float64 autograd on random inputs."""
+def errors_vs_float64(shape, causal, window, impl, dtype=torch.float32, seed=0, device="cpu"):
+    """Relative errors of (O, dQ, dK, dV) of `impl` against float64 autograd on random inputs.
+
+    The inputs are drawn in float64 on the CPU and rounded to `dtype` on `device`; the reference
+    runs in float64 (on `device`) on those rounded values, so only the kernel's arithmetic is measured."""
     gen = torch.Generator().manual_seed(seed)
-    q, k, v, do = (torch.randn(shape, generator=gen, dtype=torch.float64) for _ in range(4))  # (B, H, T, D)
+    q, k, v, do = (torch.randn(shape, generator=gen, dtype=torch.float64).to(device) for _ in range(4))  # (B, H, T, D)
     ins = [x.to(dtype).requires_grad_() for x in (q, k, v)]
     out = attention(*ins, causal=causal, window=window, impl=impl)
     grads = torch.autograd.grad(out, ins, do.to(dtype))
