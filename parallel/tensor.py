@@ -276,8 +276,8 @@ class FullLogits(nn.Module):
         super().__init__()
         self.model, self.config = model, model.config
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        logits = self.model(idx)
+    def forward(self, idx: torch.Tensor, cache=None) -> torch.Tensor:
+        logits = self.model(idx) if cache is None else self.model(idx, cache=cache)
         head = self.model.head.lm_head
         if isinstance(head, VocabParallelUnembedding):
             logits = gather_logits(logits, head.group, head.vocab_size)
