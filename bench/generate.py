@@ -4,11 +4,13 @@
     python -m bench.generate --quick         # 256-token context, 16 new tokens: a smoke run
     python -m bench.generate --layers 12 --d-model 768 --heads 12 --device cuda
 
-One model, one prompt of `context` tokens, greedy decoding of `new` tokens, timed end to end
-(prompt encoding included) in both modes in the same run; the baseline (*) is the uncached mode,
-which runs the whole context (≤ seq_len = context + new tokens) through the model for every token.
-Each mode runs `--repeats` times after one warm-up; the median counts. Both modes must produce
-the same tokens (checked), so the ratio compares equal work products.
+One model, one prompt of `context` tokens, greedy decoding of `new` tokens in both modes in the
+same run; the baseline (*) is the uncached mode, which runs the whole context (≤ seq_len =
+context + new tokens) through the model for every token. Columns: `tokens/s` and `ms/token` end
+to end (encoding the prompt included); `step ms` the cost of one more token once the prompt is
+in, (t(new) − t(1)) / (new − 1); `speed×` and `step×` the baseline's time over the row's. Each
+timing is the median of `--repeats` runs after one warm-up. Both modes must produce the same
+tokens (checked).
 """
 
 from __future__ import annotations
@@ -35,6 +37,12 @@ def measure(model, prompt: torch.Tensor, new: int, use_cache: bool, repeats: int
     return statistics.median(times), out
 
 
+def step_seconds(model, prompt, new, use_cache, repeats, sync, total: float) -> float:
+    """Seconds per token after the first: (t(new) − t(1)) / (new − 1)."""
+    first, _ = measure(model, prompt, 1, use_cache, repeats, sync)
+    return (total - first) / (new - 1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="256-token context, 16 new tokens")
@@ -59,17 +67,23 @@ def main() -> None:
     prompt = torch.randint(0, config.vocab_size, (1, args.context), generator=torch.Generator().manual_seed(0)).to(device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
-    uncached, reference = measure(model, prompt, args.new, False, args.repeats, sync)
-    cached, out = measure(model, prompt, args.new, True, args.repeats, sync)
+    if args.new < 2:
+        raise SystemExit(f"--new={args.new}: needs at least 2 tokens")
+    rows = {}
+    for name, use_cache in (("uncached *", False), ("cached", True)):
+        total, out = measure(model, prompt, args.new, use_cache, args.repeats, sync)
+        rows[name] = (total, step_seconds(model, prompt, args.new, use_cache, args.repeats, sync, total), out)
+    (base_total, base_step, reference), (_, _, out) = rows["uncached *"], rows["cached"]
     if not torch.equal(out, reference):
         raise SystemExit("cached and uncached generation produced different tokens")
 
     threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
     print(f"greedy generation, GPT L={args.layers} d={args.d_model} H={args.heads} {args.pattern}: context "
           f"{args.context} tokens, {args.new} new, {device.type} float32{threads}, median of {args.repeats}")
-    print(f"{'mode':<12}{'tokens/s':>12}{'ms/token':>12}{'speed×':>10}")
-    for name, seconds in (("uncached *", uncached), ("cached", cached)):
-        print(f"{name:<12}{args.new / seconds:>12.1f}{1000 * seconds / args.new:>12.2f}{uncached / seconds:>10.2f}")
+    print(f"{'mode':<12}{'tokens/s':>10}{'ms/token':>10}{'speed×':>8}{'step ms':>10}{'step×':>8}")
+    for name, (total, step, _) in rows.items():
+        print(f"{name:<12}{args.new / total:>10.1f}{1000 * total / args.new:>10.2f}{base_total / total:>8.2f}"
+              f"{1000 * step:>10.2f}{base_step / step:>8.2f}")
 
 
 if __name__ == "__main__":

@@ -12,25 +12,13 @@ import json
 
 import pytest
 
-from cli import generate, metrics, train, write_corpus
-from test_layouts import STEPS, assert_same_losses
+from cli import generate, metrics, train
+from test_layouts import STEPS, assert_same_losses, corpus, one_process  # noqa: F401 (fixtures: the same runs)
 
 # A model that barely trained (small LR) still has varied greedy continuations; GPT-3's banded
 # layers with a window of 8, and 32 new tokens after the prompt run past seq_len = 32.
 ALTERNATING = ["model.attention_pattern=alternating", "model.local_window=8"]
 GREEDY = ["generate.temperature=0", "generate.max_new_tokens=32", "generate.prompt='import os'"]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_corpus(tmp_path_factory.mktemp("corpus"))
-
-
-@pytest.fixture(scope="module")
-def one_process(tmp_path_factory, corpus):
-    run_dir = tmp_path_factory.mktemp("one_process")
-    train(run_dir, corpus, *STEPS)
-    return metrics(run_dir)
 
 
 @pytest.mark.parametrize("nproc", [4, 8], ids=["tp2-pp2", "tp2-pp2-dp2"])

@@ -120,7 +120,9 @@ def read_model_weights(folder: Path, config) -> dict[str, torch.Tensor]:
             tp_rank = int(re.fullmatch(r"mp_rank_(\d+)_model_states\.pt", file.name)[1])
             pieces += [(*split_local_name(name), tp_rank, tensor) for name, tensor in _load(file)["module"].items()]
     if not pieces:
-        raise ValueError(f"checkpoint {folder} holds no model weights (no layer_*-model_states.pt or mp_rank_*_model_states.pt)")
+        zero3 = any(folder.glob("zero_pp_rank_*_model_states.pt"))
+        raise ValueError(f"checkpoint {folder} holds no model weights (no layer_*-model_states.pt or mp_rank_*_model_states.pt)"
+                         + ("; a ZeRO-3 checkpoint keeps them partitioned (readable here: ZeRO stage 0–2)" if zero3 else ""))
     tp = 1 + max(piece[2] for piece in pieces)
     full = {}
     for layer, name, tp_rank, tensor in pieces:
@@ -130,7 +132,6 @@ def read_model_weights(folder: Path, config) -> dict[str, torch.Tensor]:
             raise ValueError(
                 f"checkpoint {folder}: layer {layer} {name} of shape {tuple(tensor.shape)} (tp rank {tp_rank} of {tp}) "
                 f"does not fit the configured model ({expected}); use the model.* settings of the run that saved it"
-                + (" (a ZeRO-3 checkpoint keeps its weights partitioned: not readable here)" if tensor.numel() == 0 else "")
             )
         if not shard.tied:
             full.setdefault(shard.name, torch.zeros(shard.full_shape, dtype=tensor.dtype))[shard.index] = tensor[shard.local_index]

@@ -44,13 +44,13 @@ def init_distributed(device: torch.device) -> None:
     import deepspeed
 
     _quiet_deepspeed()
-    _skip_shared_memory_op()
+    skip_shared_memory_op()
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     deepspeed.init_distributed(verbose=False)
 
 
-def _skip_shared_memory_op() -> None:
+def skip_shared_memory_op() -> None:
     """Keep DeepSpeed from compiling its shared-memory all-reduce op, which gpt3d never calls.
 
     When its communication layer starts, DeepSpeed JIT-compiles `deepspeed_shm_comm` (C++, into
