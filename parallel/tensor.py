@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from model.layers import Embedding, lm_loss
 from parallel.comm import (
     all_reduce,
     copy_to_tp_region,
@@ -45,7 +46,6 @@ from parallel.comm import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tp_region,
 )
-from model.layers import Embedding, lm_loss
 from parallel.topology import check_layout
 
 TP_PLAN = {

@@ -30,6 +30,10 @@ class Progress:
     step: int = 0
     tokens: int = 0
 
+    def advance(self, tokens: int) -> None:
+        self.step += 1
+        self.tokens += tokens
+
 
 @dataclass
 class Trainer:
@@ -51,28 +55,23 @@ def run(cfg, run_dir: Path) -> Progress:
     """Train per `cfg` into `run_dir`; returns the final step and token count."""
     trainer = build(cfg, run_dir)
     progress, resumed = resume(trainer)
-    logger = metrics.MetricsLogger(run_dir, cfg.logging, OmegaConf.to_container(cfg, resolve=True),
-                                   active=trainer.topology.rank == 0, resumed_step=progress.step if resumed else None)
-    meter = Meter(trainer)
-    while progress.step < cfg.train.max_steps:
+    logger, meter = open_logger(trainer, progress.step if resumed else None), Meter(trainer)
+    last = cfg.train.max_steps
+    while progress.step < last:
         result = trainer.step(next(trainer.batches))
-        progress.step += 1
-        progress.tokens += trainer.tokens_per_step
+        progress.advance(trainer.tokens_per_step)
         meter.add(result.loss)
-        if _due(progress.step, cfg.logging.log_interval, cfg.train.max_steps):
+        if _due(progress.step, cfg.logging.log_interval, last):
             record = meter.take(progress, result)
-            if trainer.val_batches and _due(progress.step, cfg.train.eval_interval, cfg.train.max_steps):
-                record["val/loss"] = _mean_over_ranks(_mean(trainer.step.evaluate(trainer.val_batches)))
+            if trainer.val_batches and _due(progress.step, cfg.train.eval_interval, last):
+                record["val/loss"] = evaluate(trainer)
             logger.log(record)
-            _say(trainer, _progress_line(record, cfg.train.max_steps, meter.seconds_per_step))
+            _say(trainer, _progress_line(record, last, meter.seconds_per_step))
             meter.restart()
-        if _due(progress.step, cfg.train.checkpoint_interval, cfg.train.max_steps):
+        if _due(progress.step, cfg.train.checkpoint_interval, last):
             with meter.paused():  # saving time is not training throughput
-                path = checkpoint.save(trainer.engine, run_dir, progress.step, progress.tokens, trainer.batches.state_dict(),
-                                       model=trainer.model_cfg)
-            _say(trainer, f"checkpoint {path}")
-    finish(trainer)
-    logger.close()
+                save_checkpoint(trainer, progress)
+    finish(trainer, logger)
     return progress
 
 
@@ -130,8 +129,27 @@ def resume(trainer: Trainer) -> tuple[Progress, bool]:
     return Progress(state["step"], state["tokens"]), True
 
 
-def finish(trainer: Trainer) -> None:
-    """The end-of-run sample: every rank takes part (stages pass activations, tp ranks share logits)."""
+def open_logger(trainer: Trainer, resumed_step: int | None) -> metrics.MetricsLogger:
+    """metrics.jsonl and W&B, on rank 0 only."""
+    run_config = OmegaConf.to_container(trainer.cfg, resolve=True)
+    return metrics.MetricsLogger(trainer.run_dir, trainer.cfg.logging, run_config, active=trainer.topology.rank == 0,
+                                 resumed_step=resumed_step)
+
+
+def evaluate(trainer: Trainer) -> float:
+    """Mean next-token loss over the held-out windows, averaged over all ranks."""
+    return _mean_over_ranks(_mean(trainer.step.evaluate(trainer.val_batches)))
+
+
+def save_checkpoint(trainer: Trainer, progress: Progress) -> None:
+    data_state = trainer.batches.state_dict()
+    path = checkpoint.save(trainer.engine, trainer.run_dir, progress.step, progress.tokens, data_state, model=trainer.model_cfg)
+    _say(trainer, f"checkpoint {path}")
+
+
+def finish(trainer: Trainer, logger: metrics.MetricsLogger) -> None:
+    """The end-of-run sample (every rank takes part: stages pass activations, tp ranks share
+    logits), then the logger is closed."""
     train = trainer.cfg.train
     if train.sample_tokens > 0:
         from train.generate import sample_text
@@ -139,6 +157,7 @@ def finish(trainer: Trainer) -> None:
         text, _ = sample_text(trainer.engine.module, trainer.model_cfg, trainer.topology, train.sample_prompt,
                               train.sample_tokens, trainer.device, train.seed)
         _say(trainer, "sample:\n" + text)
+    logger.close()
 
 
 class Meter:
