@@ -143,7 +143,10 @@ def _import_before_fork() -> None:
     import torch._dynamo  # noqa: F401
     from deepspeed.utils import logger
 
+    from train.engine import skip_shared_memory_op
+
     logger.setLevel("WARNING")
+    skip_shared_memory_op()  # as a training run does: no C++ build at start-up
 
 
 def _free_port() -> int:

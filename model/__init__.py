@@ -2,7 +2,11 @@
 
 from model.attention import attention
 from model.config import GPTConfig
-from model.generate import generate
-from model.gpt import GPT, build, count_parameters, layer_list
+from model.generate import Decoder, generate
+from model.gpt import GPT, build, count_parameters, layer_list, make_layer
+from model.kv_cache import KVCache
 
-__all__ = ["GPT", "GPTConfig", "attention", "build", "count_parameters", "generate", "layer_list"]
+__all__ = [
+    "GPT", "GPTConfig", "Decoder", "KVCache", "attention", "build", "count_parameters", "generate", "layer_list",
+    "make_layer",
+]

@@ -1,4 +1,11 @@
-"""GPT: Embedding → Block × L → Head, held as one flat list of layers."""
+"""GPT: Embedding → Block × L → Head, held as one flat list of layers.
+
+Layer i of the list is `make_layer(config, i)`: 0 the Embedding, 1 … L the Blocks, L + 1 the Head.
+Any part of the list (a pipeline stage) is built and initialised by global index, so the weights
+of every part are the one-process model's. The Head's unembedding is the token embedding: its
+`lm_head.weight` is layer 0's `wte.weight` (TIED), one Parameter when both live in one model,
+drawn from layer 0's seed wherever it lives.
+"""
 
 from __future__ import annotations
 
@@ -7,19 +14,56 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from model.config import GPTConfig
-from model.init import init_layer_, materialize_
+from model.init import init_layer_, init_parameter_, materialize_
 from model.layers import Block, Embedding, Head, lm_loss
+
+# The tied matrix: (layer index, name) of the copy in the Head → of the owner in the Embedding.
+TIED_COPY, TIED_OWNER = "lm_head.weight", (0, "wte.weight")
+
+
+def make_layer(config: GPTConfig, index: int) -> nn.Module:
+    """Layer `index` of the flat list (untied, uninitialised): 0 Embedding, 1 … L Block, L + 1 Head."""
+    if index == 0:
+        return Embedding(config)
+    if 1 <= index <= config.n_layer:
+        return Block(config, index - 1)
+    if index == config.n_layer + 1:
+        return Head(config)
+    raise IndexError(f"layer {index} of a {config.n_layer}-block GPT: layers are 0 … {config.n_layer + 1}")
 
 
 def layer_list(config: GPTConfig) -> list[nn.Module]:
     """The model as a flat list: [Embedding, Block_0, …, Block_{L-1}, Head] (untied, uninitialised)."""
-    return [Embedding(config), *(Block(config, i) for i in range(config.n_layer)), Head(config)]
+    return [make_layer(config, i) for i in range(config.n_layer + 2)]
+
+
+def tied_names(config: GPTConfig) -> dict[str, str]:
+    """Full parameter name of the tied copy → full name of the matrix it is: the unembedding is the
+    token embedding. `GPT.named_parameters()` lists only the owner."""
+    owner_layer, owner_name = TIED_OWNER
+    return {f"layers.{config.n_layer + 1}.{TIED_COPY}": f"layers.{owner_layer}.{owner_name}"}
+
+
+def init_layers_(layers: dict[int, nn.Module], config: GPTConfig, seed: int) -> None:
+    """Layout-invariant GPT-2/3 init (model/init.py) of any part of the layer list, given as
+    {index in the full list: layer}. The tied matrix is drawn once, as layer 0's `wte.weight`; a Head
+    without the Embedding beside it draws its `lm_head.weight` from that same seed."""
+    done: set[int] = set()
+    for index, layer in sorted(layers.items()):
+        init_layer_(layer, index, seed, config.n_layer, config.init_std, frozenset(done))
+        done.update(id(p) for p in layer.parameters())
+    head = layers.get(config.n_layer + 1)
+    if head is not None and 0 not in layers:
+        owner_layer, owner_name = TIED_OWNER
+        tied = head.get_parameter(TIED_COPY)
+        init_parameter_(tied, owner_layer, owner_name, seed, config.n_layer, config.init_std)
 
 
 class GPT(nn.Module):
     """A decoder-only transformer; `layers[i]` maps one tensor to the next.
 
-    forward(idx) returns logits (B, T, V); forward(idx, targets) returns the mean cross-entropy.
+    forward(idx) returns logits (B, T, V); forward(idx, targets) returns the mean cross-entropy;
+    forward(idx, cache=KVCache()) encodes only the new tokens idx after those the cache holds.
     Construct under `torch.device("meta")` to get shapes without memory, then `materialize`.
     """
 
@@ -44,12 +88,8 @@ class GPT(nn.Module):
         self.head.lm_head.weight = self.embedding.wte.weight
 
     def init_weights(self, seed: int) -> None:
-        """Layout-invariant GPT-2/3 init: see model/init.py. The tied matrix is drawn once, as
-        layer 0's `wte.weight`, so a pipeline stage holding only the embedding draws the same."""
-        done: set[int] = set()
-        for index, layer in enumerate(self.layers):
-            init_layer_(layer, index, seed, self.config.n_layer, self.config.init_std, frozenset(done))
-            done.update(id(p) for p in layer.parameters())
+        """Layout-invariant GPT-2/3 init of every layer (see init_layers_)."""
+        init_layers_(dict(enumerate(self.layers)), self.config, seed)
 
     def materialize(self, device: torch.device | str, seed: int) -> "GPT":
         """Allocate storage for a meta-built model on `device` (keeping parameter attributes such as
@@ -59,24 +99,34 @@ class GPT(nn.Module):
         self.init_weights(seed)
         return self
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        if idx.shape[1] > self.config.seq_len:
-            raise ValueError(f"sequence of {idx.shape[1]} tokens exceeds model.seq_len={self.config.seq_len}")
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        seen = 0 if cache is None else cache.seen
+        if seen + idx.shape[1] > self.config.seq_len:
+            raise ValueError(
+                f"sequence of {seen + idx.shape[1]} tokens exceeds model.seq_len={self.config.seq_len}"
+            )
         k = self.activation_checkpointing
-        if k and self.training and torch.is_grad_enabled():
+        if cache is not None:
+            x = run_layers(self.layers, idx, cache)
+        elif k and self.training and torch.is_grad_enabled():
             blocks = list(self.layers[1:-1])
             x = self.embedding(idx)  # (B, T, d)
             for start in range(0, len(blocks), k):  # keep only each segment's input; recompute inside
-                x = checkpoint(_run_layers, blocks[start : start + k], x, use_reentrant=False)
+                x = checkpoint(run_layers, blocks[start : start + k], x, use_reentrant=False)
             x = self.head(x)  # (B, T, V)
         else:
-            x = _run_layers(self.layers, idx)
+            x = run_layers(self.layers, idx)
         return x if targets is None else self.loss_fn(x, targets)
 
 
-def _run_layers(layers, x: torch.Tensor) -> torch.Tensor:
+def run_layers(layers, x: torch.Tensor, cache=None) -> torch.Tensor:
+    """x through `layers` in order; with a KVCache, each layer attends to the cached tokens too and
+    the cache then counts x's tokens as seen."""
+    tokens = x.shape[1]
     for layer in layers:
-        x = layer(x)
+        x = layer(x) if cache is None else layer(x, cache=cache)
+    if cache is not None:
+        cache.advance(tokens)
     return x
 
 

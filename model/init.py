@@ -31,21 +31,27 @@ def init_layer_(
     """Initialise every parameter of one layer in place (see module docstring), except those whose
     id() is in `skip` (a tied matrix already drawn by the layer that owns it)."""
     for name, param in layer.named_parameters():
-        if id(param) in skip:
-            continue
-        full_shape = tuple(getattr(param, "full_shape", param.shape))
-        if _is_layernorm(layer, name):
-            full = torch.ones(full_shape) if name.endswith("weight") else torch.zeros(full_shape)
-        elif name.endswith("bias"):
-            full = torch.zeros(full_shape)
-        else:
-            scale = std / (2 * n_layer) ** 0.5 if name.endswith(RESIDUAL_PROJECTIONS) else std
-            gen = torch.Generator().manual_seed(parameter_seed(seed, layer_index, name))
-            full = torch.randn(full_shape, generator=gen) * scale
-        shard_of = getattr(param, "shard_of", None)
-        local = shard_of(full) if shard_of is not None else full
-        with torch.no_grad():
-            param.copy_(local.to(dtype=param.dtype, device=param.device))
+        if id(param) not in skip:
+            init_parameter_(param, layer_index, name, seed, n_layer, std, layernorm=_is_layernorm(layer, name))
+
+
+def init_parameter_(
+    param: nn.Parameter, layer_index: int, name: str, seed: int, n_layer: int, std: float, layernorm: bool = False
+) -> None:
+    """Draw one parameter as the full tensor `name` of layer `layer_index` and keep this rank's piece."""
+    full_shape = tuple(getattr(param, "full_shape", param.shape))
+    if layernorm:
+        full = torch.ones(full_shape) if name.endswith("weight") else torch.zeros(full_shape)
+    elif name.endswith("bias"):
+        full = torch.zeros(full_shape)
+    else:
+        scale = std / (2 * n_layer) ** 0.5 if name.endswith(RESIDUAL_PROJECTIONS) else std
+        gen = torch.Generator().manual_seed(parameter_seed(seed, layer_index, name))
+        full = torch.randn(full_shape, generator=gen) * scale
+    shard_of = getattr(param, "shard_of", None)
+    local = shard_of(full) if shard_of is not None else full
+    with torch.no_grad():
+        param.copy_(local.to(dtype=param.dtype, device=param.device))
 
 
 def _is_layernorm(layer: nn.Module, param_name: str) -> bool:

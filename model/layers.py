@@ -5,6 +5,8 @@ Each maps one tensor to one tensor, so a pipeline can cut the sequence anywhere 
   Block:     hidden → hidden, h + Attn(LN(h)) then h + MLP(LN(h))   (pre-LayerNorm)
   Head:      hidden → logits (B, T, V) = LN(h) Wᵀ, W tied to the token embedding
 Attention reshapes heads with −1, so a column-sharded QKV projection just yields fewer local heads.
+Each layer also takes an optional KVCache (model/kv_cache.py): the Embedding then numbers the new
+tokens after those already seen, and attention attends to the cached keys and values as well.
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ class Embedding(nn.Module):
         self.wpe = nn.Embedding(config.seq_len, config.d_model)
         self.drop = nn.Dropout(config.dropout)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        t = idx.shape[1]
-        positions = torch.arange(t, device=idx.device)  # (T,)
+    def forward(self, idx: torch.Tensor, cache=None) -> torch.Tensor:
+        start = 0 if cache is None else cache.seen
+        positions = torch.arange(start, start + idx.shape[1], device=idx.device)  # (T,)
         return self.drop(self.wte(idx) + self.wpe(positions))  # (B, T, d)
 
 
@@ -41,6 +43,7 @@ class SelfAttention(nn.Module):
 
     def __init__(self, config: GPTConfig, layer_index: int):
         super().__init__()
+        self.layer_index = layer_index  # the block's index: its entry in a KVCache
         self.d_head = config.d_head
         self.window = config.window_of(layer_index)
         self.impl = config.attention_impl
@@ -48,11 +51,14 @@ class SelfAttention(nn.Module):
         self.proj = nn.Linear(config.d_model, config.d_model)
         self.drop = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
         b, t, _ = x.shape
         qkv = self.qkv(x).view(b, t, -1, 3, self.d_head)  # (B, T, nh, 3, hd)
         q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each (B, nh, T, hd)
-        y = attention(q, k, v, causal=True, window=self.window, impl=self.impl)  # (B, nh, T, hd)
+        if cache is None:
+            y = attention(q, k, v, causal=True, window=self.window, impl=self.impl)  # (B, nh, T, hd)
+        else:  # the new queries against the cached keys and the new ones
+            y = cache.attend(self.layer_index, q, k, v, window=self.window, impl=self.impl)  # (B, nh, T, hd)
         y = y.transpose(1, 2).reshape(b, t, -1)  # (B, T, nh·hd)
         return self.drop(self.proj(y))  # (B, T, d)
 
@@ -81,8 +87,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.d_model, eps=config.ln_eps)
         self.mlp = MLP(config)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        h = h + self.attn(self.ln_1(h))  # (B, T, d)
+    def forward(self, h: torch.Tensor, cache=None) -> torch.Tensor:
+        h = h + self.attn(self.ln_1(h), cache)  # (B, T, d)
         return h + self.mlp(self.ln_2(h))  # (B, T, d)
 
 
@@ -94,8 +100,8 @@ class Head(nn.Module):
         self.ln_f = nn.LayerNorm(config.d_model, eps=config.ln_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.ln_f(h))  # (B, T, V)
+    def forward(self, h: torch.Tensor, cache=None) -> torch.Tensor:
+        return self.lm_head(self.ln_f(h))  # (B, T, V); nothing of the head is cached
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

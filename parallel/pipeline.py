@@ -1,95 +1,90 @@
-"""How layers go to pipeline stages: the GPT's flat layer list as a DeepSpeed PipelineModule.
+"""How layers go to pipeline stages: the model's own flat layer list, cut into DeepSpeed stages.
 
-    stage 0                     stages …                    last stage
-    Embedding (tied) → Block … │ Block … │ … Block → FinalNorm → Embedding.unembed (tied) → loss
+    stage 0                          stages …            last stage
+    Embedding → Block … │ Block … │ … │ Block … → Head (final LayerNorm, unembedding) → loss
+        wte ─────────────── the tied matrix: gradients summed ──────────────── lm_head
 
-Blocks are balanced over `pp` stages by count (partition "type:PipeBlock"). The token embedding
-matrix lives on the first stage and, as the unembedding, on the last: DeepSpeed's TiedLayerSpec
-builds it on both and all-reduces its gradient between them. Each stage builds only its own
-layers: each is constructed on the meta device, tensor-parallel sharded, then allocated and
-initialised with its index in the full layer list, so the weights are the one-process model's
-(model/init.py) whatever the (tp, pp) layout.
+The layers are model/'s own (model.gpt.layer_list): blocks are balanced over pp stages by count
+(`stage_bounds`, DeepSpeed's partition_balanced, as its "type:Block" method), the Embedding
+joins the first stage and the Head the last. parallel/build.py builds only this stage's layers.
+
+The token embedding is also the unembedding. On one process both are one Parameter; across
+stages the first stage's `wte.weight` and the last stage's `lm_head.weight` are two copies,
+drawn equal at init (model.gpt.init_layers_), whose gradients are summed over the pair of ranks
+(same data- and tensor-parallel coordinates) after every backward, so both take the same step.
+DeepSpeed's PipelineEngine does that sum through the module's `tied_comms`; the last stage's copy is
+marked `ds_pipe_replicated`, so gradient norms count the matrix once.
 """
 
 from __future__ import annotations
 
-import torch
+import contextlib
+import io
+
+import torch.distributed as dist
+from deepspeed.pipe import PipelineModule
+from deepspeed.runtime.utils import partition_balanced
 from torch import nn
 
-from model import GPTConfig
-from model.init import init_layer_, materialize_
-from model.layers import Block, Embedding, lm_loss
-from parallel.tensor import shard_layer, tied_unembedding, vocab_parallel_loss
+from model.gpt import TIED_COPY, TIED_OWNER
 
 
-class _Materialized:
-    """Mixin: a layer built on meta is sharded, then allocated on `device` and its weights drawn."""
-
-    def _finish(self, layer_index: int, config: GPTConfig, topology, seed: int, device):
-        shard_layer(self, topology)
-        materialize_(self, device)
-        init_layer_(self, layer_index, seed, config.n_layer, config.init_std)
+def stage_bounds(n_layer: int, pp: int) -> list[int]:
+    """Stage s holds layers [b[s], b[s+1]) of [Embedding, Block × n_layer, Head]; returns b (pp + 1 entries)."""
+    is_block = [0] + [1] * n_layer + [0]
+    return [int(b) for b in partition_balanced(weights=is_block, num_parts=pp)]
 
 
-class PipeEmbedding(_Materialized, Embedding):
-    """Layer 0: token + position embedding; on the last stage its `unembed` gives the logits."""
+class PipelineStages(PipelineModule):
+    """This rank's stage of the layer list as a DeepSpeed PipelineModule.
 
-    def __init__(self, config: GPTConfig, topology, seed: int, device):
-        with torch.device("meta"):
-            Embedding.__init__(self, config)
-        self._finish(0, config, topology, seed, device)
-        self.unembedding = tied_unembedding(self.wte, config.vocab_size, topology)  # its weight is wte.weight
-
-    def unembed(self, h: torch.Tensor) -> torch.Tensor:
-        return self.unembedding(h)  # (B, T, V) or, tensor-parallel, (B, T, Vp/tp)
-
-
-class PipeBlock(_Materialized, Block):
-    """Layer 1 + i of the full list: transformer block i."""
-
-    def __init__(self, config: GPTConfig, block_index: int, topology, seed: int, device):
-        with torch.device("meta"):
-            Block.__init__(self, config, block_index)
-        self._finish(1 + block_index, config, topology, seed, device)
-
-
-class PipeFinalNorm(_Materialized, nn.Module):
-    """The Head's LayerNorm (layer L + 1, parameter names `ln_f.*`, as in model.layers.Head)."""
-
-    def __init__(self, config: GPTConfig, topology, seed: int, device):
-        nn.Module.__init__(self)
-        with torch.device("meta"):
-            self.ln_f = nn.LayerNorm(config.d_model, eps=config.ln_eps)
-        self._finish(config.n_layer + 1, config, topology, seed, device)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.ln_f(h)  # (B, T, d)
-
-
-def _unembed(module: PipeEmbedding, h: torch.Tensor) -> torch.Tensor:
-    return module.unembed(h)
-
-
-def build_pipeline(config: GPTConfig, topology, seed: int, device, checkpoint_every: int = 0):
-    """A deepspeed PipelineModule over topology's pp stages, holding only this stage's layers.
-
-    checkpoint_every=k recomputes activations in backward for every k blocks (0: keep them all).
-    Sequence parallelism is not combined with pipelining (trainer refuses the combination).
+    layers: the full list, with this stage's layers built (sharded, allocated, initialised) and the
+    others left on the meta device, never touched. loss_fn applies on the last stage;
+    activation_checkpointing=k recomputes runs of k layers in backward (blocks only).
     """
-    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
-    common = (topology, seed, device)
-    layers = [
-        TiedLayerSpec("embedding", PipeEmbedding, config, *common, tied_weight_attr=["wte.weight"]),
-        *(LayerSpec(PipeBlock, config, i, *common) for i in range(config.n_layer)),
-        LayerSpec(PipeFinalNorm, config, *common),
-        TiedLayerSpec("embedding", PipeEmbedding, config, *common, forward_fn=_unembed, tied_weight_attr=["wte.weight"]),
-    ]
-    return PipelineModule(
-        layers=layers,
-        topology=topology.grid_topology,
-        loss_fn=vocab_parallel_loss(config.vocab_size, topology) if topology.tp_size > 1 else lm_loss,
-        partition_method="type:PipeBlock",
-        activation_checkpoint_interval=checkpoint_every,
-        checkpointable_layers=["PipeBlock"],
-    )
+    def __init__(self, layers: list[nn.Module], topology, loss_fn, activation_checkpointing: int = 0):
+        with contextlib.redirect_stdout(io.StringIO()):  # rank 0 prints the partition and seeds
+            super().__init__(
+                layers=layers,
+                topology=topology.grid_topology,
+                loss_fn=loss_fn,
+                partition_method="type:Block",
+                activation_checkpoint_interval=activation_checkpointing,
+                checkpointable_layers=["Block"],
+            )
+        expected = stage_bounds(len(layers) - 2, topology.pp_size)[topology.pp_rank : topology.pp_rank + 2]
+        if [self._local_start, self._local_stop] != expected:
+            placed = [self._local_start, self._local_stop]
+            raise RuntimeError(f"DeepSpeed put layers {placed} on this stage, expected {expected}")
+        self.tied_comms = self._tie_embedding(len(layers) - 1)
+
+    def local_layers(self) -> dict[int, nn.Module]:
+        """{index in the full layer list: layer} for this stage's layers, in order."""
+        return {self._local_start + i: layer for i, layer in enumerate(self.forward_funcs)}
+
+    def _tie_embedding(self, head_index: int) -> dict:
+        """The token embedding (stage 0) and the unembedding (last stage) as one tied weight, in the
+        form DeepSpeed's PipelineEngine reads ({key: {ranks, group, weight_attr, module}})."""
+        grid, last = self._grid, self.num_stages - 1
+        owner_layer, owner_name = TIED_OWNER
+        local = self.local_layers()
+        comms = {}
+        for dp in range(grid.data_parallel_size):  # every rank creates every group, in one order
+            for tp in range(grid.get_slice_parallel_world_size()):
+                ranks = [grid.stage_to_global(stage_id=s, data=dp, model=tp) for s in (0, last)]
+                group = dist.new_group(ranks=ranks)
+                if self.global_rank not in ranks:
+                    continue
+                layer, attr = (local[owner_layer], owner_name) if self.stage_id == 0 else (local[head_index], TIED_COPY)
+                comms["embedding"] = {"ranks": ranks, "group": group, "weight_attr": [attr], "module": layer}
+                if self.stage_id == last:
+                    layer.get_parameter(attr).ds_pipe_replicated = True  # counted once, on stage 0
+        return comms
+
+    def get_tied_weights_and_groups(self):
+        return [(c["module"].get_parameter(c["weight_attr"][0]), c["group"]) for c in self.tied_comms.values()]
+
+    def allreduce_tied_weight_gradients(self):
+        for weight, group in self.get_tied_weights_and_groups():
+            dist.all_reduce(weight.grad, group=group)

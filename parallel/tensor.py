@@ -18,14 +18,17 @@ B·T·d elements (after attn.proj and mlp.proj); backward, two more (the input g
 and mlp.fc). With sequence parallelism each all-reduce becomes an all-gather before the column
 layer and a reduce-scatter after the row layer, and activations between blocks are (B, T/p, d).
 
-`shard(model, topology)` applies a plan (module name → "column" | "row" | "vocab" | "sequence")
-to a GPT, normally one still on the meta device; `model.materialize(device, seed)` then draws
-every parameter full and keeps this rank's piece (see model/init.py), so the weights equal the
-one-process model's whatever tp is.
+`shard_layer(layer, topology, index=i)` applies a plan (module name → "column" | "row" | "vocab" |
+"sequence") to layer i of the model's flat list, normally still on the meta device, and `shard`
+does it to a whole GPT; init then draws every parameter full and keeps this rank's piece (see
+model/init.py), so the weights equal the one-process model's whatever tp is. Which rows or
+columns a rank holds is `shard_range` of the dimension SPLIT_DIMS names, for the modules here and
+for parallel/naming.py alike.
 """
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 
 import torch
@@ -33,6 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from model.layers import Embedding, lm_loss
 from parallel.comm import (
     all_reduce,
     copy_to_tp_region,
@@ -56,6 +60,9 @@ TP_PLAN = {
 # column-parallel layer that follows each of them.
 SEQUENCE_PARALLEL_PLAN = {"ln_1": "sequence", "ln_2": "sequence", "ln_f": "sequence"}
 VOCAB_MULTIPLE = 128
+# Per style, the dimension along which each parameter is cut over the tp ranks (absent: every rank
+# holds all of it). "vocab" cuts the vocabulary after padding it to padded_vocab_size.
+SPLIT_DIMS = {"column": {"weight": 0, "bias": 0}, "row": {"weight": 1}, "vocab": {"weight": 0}, "sequence": {}}
 
 
 def padded_vocab_size(vocab_size: int, tp: int) -> int:
@@ -64,11 +71,21 @@ def padded_vocab_size(vocab_size: int, tp: int) -> int:
     return -(-vocab_size // step) * step
 
 
+def shard_range(length: int, rank: int, size: int, padded: int | None = None) -> tuple[int, int, int]:
+    """Rank's piece of a dimension of `length` cut into `size` equal pieces after zero-padding it to
+    `padded` entries: (start, stop, local). The rank's `local` entries hold the full tensor's
+    [start, stop) first, then stop − start … local − 1 are padding (only for padded > length)."""
+    local = _local(length if padded is None else padded, size, "split dimension")
+    start, stop = min(rank * local, length), min((rank + 1) * local, length)
+    return start, stop, local
+
+
 def _piece(full: torch.Tensor, dim: int, rank: int, size: int, padded_rows: int | None = None) -> torch.Tensor:
-    """Rank's 1/size of `full` along dim, after zero-padding dim 0 to padded_rows."""
-    if padded_rows is not None and padded_rows > full.shape[0]:
-        full = torch.cat([full, full.new_zeros(padded_rows - full.shape[0], *full.shape[1:])])
-    return full.chunk(size, dim=dim)[rank].clone()
+    """Rank's 1/size of `full` along dim, after zero-padding dim to padded_rows (see shard_range)."""
+    start, stop, local = shard_range(full.shape[dim], rank, size, padded_rows)
+    piece = full.new_zeros(*full.shape[:dim], local, *full.shape[dim + 1 :])
+    piece.narrow(dim, 0, stop - start).copy_(full.narrow(dim, start, stop - start))
+    return piece
 
 
 def _local(n: int, size: int, what: str) -> int:
@@ -78,10 +95,10 @@ def _local(n: int, size: int, what: str) -> int:
     return n // size
 
 
-def _mark(param: nn.Parameter, full_shape, shard_of) -> None:
+def _mark(param: nn.Parameter, full_shape, dim: int, rank: int, size: int, padded: int | None = None) -> None:
     """The attributes init (full_shape, shard_of) and DeepSpeed's grad norm (model_parallel) read."""
     param.full_shape = tuple(full_shape)
-    param.shard_of = shard_of
+    param.shard_of = partial(_piece, dim=dim, rank=rank, size=size, padded_rows=padded)
     param.model_parallel = True
 
 
@@ -100,13 +117,12 @@ class ColumnParallelLinear(nn.Module):
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         self.group, self.sequence_parallel, self.tag = group, sequence_parallel, tag
         local = _local(out_features, size, f"{tag or 'column-parallel'} out_features")
-        shard_of = partial(_piece, dim=0, rank=rank, size=size)
         self.weight = nn.Parameter(torch.empty(local, in_features, device=device, dtype=dtype))
-        _mark(self.weight, (out_features, in_features), shard_of)
+        _mark(self.weight, (out_features, in_features), SPLIT_DIMS["column"]["weight"], rank, size)
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(local, device=device, dtype=dtype))
-            _mark(self.bias, (out_features,), shard_of)
+            _mark(self.bias, (out_features,), SPLIT_DIMS["column"]["bias"], rank, size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, T, k), replicated
         if not self.sequence_parallel:
@@ -131,7 +147,7 @@ class RowParallelLinear(nn.Module):
         self.group, self.sequence_parallel, self.tag = group, sequence_parallel, tag
         local = _local(in_features, size, f"{tag or 'row-parallel'} in_features")
         self.weight = nn.Parameter(torch.empty(out_features, local, device=device, dtype=dtype))
-        _mark(self.weight, (out_features, in_features), partial(_piece, dim=1, rank=rank, size=size))
+        _mark(self.weight, (out_features, in_features), SPLIT_DIMS["row"]["weight"], rank, size)
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, T, k/p)
@@ -159,8 +175,7 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.vocab_start, self.local_rows = rank * padded // size, padded // size
         self.weight = nn.Parameter(torch.empty(self.local_rows, embedding_dim, device=device, dtype=dtype))
-        shard_of = partial(_piece, dim=0, rank=rank, size=size, padded_rows=padded)
-        _mark(self.weight, (num_embeddings, embedding_dim), shard_of)
+        _mark(self.weight, (num_embeddings, embedding_dim), SPLIT_DIMS["vocab"]["weight"], rank, size, padded)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids (B, T)
         local = ids - self.vocab_start
@@ -186,8 +201,7 @@ class VocabParallelUnembedding(nn.Module):
         self.group, self.sequence_parallel, self.tag = group, sequence_parallel, tag
         self.vocab_size = vocab_size
         self.weight = nn.Parameter(torch.empty(padded // size, in_features, device=device, dtype=dtype))
-        shard_of = partial(_piece, dim=0, rank=rank, size=size, padded_rows=padded)
-        _mark(self.weight, (vocab_size, in_features), shard_of)
+        _mark(self.weight, (vocab_size, in_features), SPLIT_DIMS["vocab"]["weight"], rank, size, padded)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # h (B, T, d)
         if not self.sequence_parallel:
@@ -198,13 +212,16 @@ class VocabParallelUnembedding(nn.Module):
 class SequenceParallelLayerNorm(nn.LayerNorm):
     """LayerNorm on this rank's 1/p of the sequence, then the all-gather the next column-parallel layer
     needs: (B, T/p, d) → (B, T, d). γ and β are replicated but see only local tokens, so their
-    gradients are summed over ranks (copy_to_tp_region)."""
+    gradients are summed over ranks (copy_to_tp_region). With sequence_parallel off (generation,
+    see sequence_parallel_disabled) it is a plain LayerNorm of the whole sequence."""
 
     def __init__(self, normalized_shape, eps, group, tag="", device=None, dtype=None):
         super().__init__(normalized_shape, eps=eps, device=device, dtype=dtype)
-        self.group, self.tag = group, tag
+        self.group, self.tag, self.sequence_parallel = group, tag, True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, T/p, d)
+        if not self.sequence_parallel:
+            return super().forward(x)  # (B, T, d)
         weight = copy_to_tp_region(self.weight, self.group, self.tag)
         bias = copy_to_tp_region(self.bias, self.group, self.tag)
         y = F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)  # (B, T/p, d)
@@ -276,17 +293,39 @@ class FullLogits(nn.Module):
         super().__init__()
         self.model, self.config = model, model.config
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        logits = self.model(idx)
+    def forward(self, idx: torch.Tensor, cache=None) -> torch.Tensor:
+        logits = self.model(idx) if cache is None else self.model(idx, cache=cache)
         head = self.model.head.lm_head
         if isinstance(head, VocabParallelUnembedding):
             logits = gather_logits(logits, head.group, head.vocab_size)
         return logits
 
 
-def _scatter_sequence(module, inputs, output, group, tag):
-    """Forward hook: keep this rank's 1/p of the embedding output's sequence, (B, T, d) → (B, T/p, d)."""
-    return scatter_to_tp_region(output, group, dim=1, tag=tag)
+class _ScatterSequence:
+    """Forward hook on the embedding: keep this rank's 1/p of its output's sequence, (B, T, d) → (B, T/p, d)."""
+
+    def __init__(self, group, tag: str):
+        self.group, self.tag, self.sequence_parallel = group, tag, True
+
+    def __call__(self, module, inputs, output):
+        return scatter_to_tp_region(output, self.group, dim=1, tag=self.tag) if self.sequence_parallel else None
+
+
+@contextlib.contextmanager
+def sequence_parallel_disabled(module: nn.Module):
+    """Inside the block, a sequence-parallel model computes as the plain tensor-parallel one: the
+    embedding output stays whole, LayerNorms see every token, the row-parallel layers all-reduce.
+    Same weights, same math; for generation, whose steps of one token cannot be split over ranks."""
+    switches = [m for m in module.modules() if hasattr(m, "sequence_parallel")]
+    switches += [h for m in module.modules() for h in m._forward_hooks.values() if isinstance(h, _ScatterSequence)]
+    before = [s.sequence_parallel for s in switches]
+    for switch in switches:
+        switch.sequence_parallel = False
+    try:
+        yield module
+    finally:
+        for switch, value in zip(switches, before):
+            switch.sequence_parallel = value
 
 
 def _build(style: str, name: str, module: nn.Module, group, sequence_parallel: bool) -> nn.Module:
@@ -316,7 +355,7 @@ def shard(model: nn.Module, topology, plan: dict[str, str] = TP_PLAN, sequence_p
     Every module whose qualified name equals a plan key or ends with "." + key is swapped for its
     tensor-parallel version (all are built and checked before the model is touched); the
     unembedding is re-tied to the vocab-parallel embedding and model.loss_fn becomes
-    vocab_parallel_cross_entropy. Swapped parameters carry full_shape / shard_of (init draws them
+    `loss_for(model.head)`. Swapped parameters carry full_shape / shard_of (init draws them
     full and keeps this rank's piece) and model_parallel=True (DeepSpeed then counts them on every
     tp rank in gradient norms; replicated ones only on tp rank 0). A model on meta stays on meta,
     for model.materialize(device, seed); a materialised one keeps its values, cut to this rank's
@@ -328,34 +367,58 @@ def shard(model: nn.Module, topology, plan: dict[str, str] = TP_PLAN, sequence_p
     """
     if topology.tp_size == 1:
         return model
-    cfg = model.config
-    check_layout(cfg.n_head, cfg.d_ff, topology.tp_size, topology.pp_size, cfg.n_layer, topology.world_size)
+    config = model.config
+    check_layout(config.n_head, config.d_ff, topology.tp_size, topology.pp_size, config.n_layer, topology.world_size)
+    plan = full_plan(plan, sequence_parallel)
+    check_plan(plan, [name for name, _ in model.named_modules()])
     group = topology.tp_group
-    plan = {**plan, **SEQUENCE_PARALLEL_PLAN} if sequence_parallel else dict(plan)
-    swaps = _replacements(model, plan, group, sequence_parallel)
-    unused = set(plan) - {_plan_key(plan, name) for name in swaps}
-    if unused:
-        raise ValueError(f"plan keys {sorted(unused)} match no module of the model")
-    _install(model, swaps)
+    swaps = [_replacements(layer, plan, group, sequence_parallel, f"layers.{i}") for i, layer in enumerate(model.layers)]
+    for index, layer in enumerate(model.layers):  # nothing is installed before every swap was built
+        _install(layer, swaps[index], group, sequence_parallel, f"layers.{index}")
     model.tie_weights()
-    if isinstance(model.head.lm_head, VocabParallelUnembedding):
-        model.loss_fn = vocab_parallel_loss(cfg.vocab_size, topology)
-    if sequence_parallel:
-        tag = next(name for name, module in model.named_modules() if module is model.embedding)
-        model.embedding.register_forward_hook(partial(_scatter_sequence, group=group, tag=tag))
+    model.loss_fn = loss_for(model.head)
     return model
 
 
-def shard_layer(layer: nn.Module, topology, plan: dict[str, str] = TP_PLAN) -> nn.Module:
-    """Make one layer of the flat list (an Embedding, a Block, a final norm) tensor-parallel, in place.
+def shard_layer(
+    layer: nn.Module, topology, plan: dict[str, str] = TP_PLAN, sequence_parallel: bool = False, index: int | None = None
+) -> nn.Module:
+    """Make one layer of the flat list (an Embedding, a Block, a Head) tensor-parallel, in place.
 
-    For building a pipeline stage layer by layer; the plan applies as in `shard`, keys that match
-    nothing in this layer are fine, and the unembedding and loss come from tied_unembedding and
-    vocab_parallel_loss. No sequence parallelism. With tp = 1 the layer is returned unchanged.
+    How a pipeline stage is sharded layer by layer: the plan applies as in `shard`, and keys that
+    match nothing in this layer are fine. `index` (the layer's place in the full list) names its
+    modules as the whole model does ("layers.{index}.attn.qkv") for communication tags. With
+    sequence_parallel the LayerNorms become sequence-parallel and an embedding scatters its output.
+    With tp = 1 the layer is returned unchanged.
     """
     if topology.tp_size > 1:
-        _install(layer, _replacements(layer, plan, topology.tp_group, sequence_parallel=False))
+        prefix = "" if index is None else f"layers.{index}"
+        plan = full_plan(plan, sequence_parallel)
+        swaps = _replacements(layer, plan, topology.tp_group, sequence_parallel, prefix)
+        _install(layer, swaps, topology.tp_group, sequence_parallel, prefix)
     return layer
+
+
+def full_plan(plan: dict[str, str], sequence_parallel: bool) -> dict[str, str]:
+    """The plan, with the LayerNorms made sequence-parallel when asked."""
+    return {**plan, **SEQUENCE_PARALLEL_PLAN} if sequence_parallel else dict(plan)
+
+
+def check_plan(plan: dict[str, str], module_names: list[str]) -> None:
+    """Refuse plan keys that match none of the model's module names (a typo would shard nothing)."""
+    unused = sorted(key for key in plan if not any(_matches(key, name) for name in module_names))
+    if unused:
+        raise ValueError(f"plan keys {unused} match no module of the model")
+
+
+def loss_for(head: nn.Module | None):
+    """The training loss for what `head` outputs: the vocab-parallel cross-entropy over its tp group
+    when its unembedding is vocab-parallel (logits (B, T, Vp/p)), else the plain one (model.layers.lm_loss).
+    The one place the loss is chosen, for a whole GPT and for a pipeline's last stage alike."""
+    unembedding = getattr(head, "lm_head", None)
+    if isinstance(unembedding, VocabParallelUnembedding):
+        return partial(vocab_parallel_cross_entropy, group=unembedding.group, vocab_size=unembedding.vocab_size)
+    return lm_loss
 
 
 def tied_unembedding(embedding: nn.Module, vocab_size: int, topology) -> nn.Module:
@@ -375,27 +438,37 @@ def vocab_parallel_loss(vocab_size: int, topology):
     return partial(vocab_parallel_cross_entropy, group=topology.tp_group, vocab_size=vocab_size)
 
 
-def _plan_key(plan: dict[str, str], name: str) -> str | None:
-    return next((key for key in plan if name == key or name.endswith("." + key)), None)
+def plan_style(plan: dict[str, str], name: str) -> str | None:
+    """The plan's style for the module of qualified name `name`, or None when it is not sharded."""
+    key = next((key for key in plan if _matches(key, name)), None)
+    return None if key is None else plan[key]
 
 
-def _replacements(root: nn.Module, plan: dict[str, str], group, sequence_parallel: bool) -> dict[str, nn.Module]:
-    """Module name under root → its tensor-parallel replacement (built and checked, not yet installed)."""
+def _matches(key: str, name: str) -> bool:
+    return name == key or name.endswith("." + key)
+
+
+def _replacements(root: nn.Module, plan: dict[str, str], group, sequence_parallel: bool, prefix: str = "") -> dict[str, nn.Module]:
+    """Module name under root → its tensor-parallel replacement (built and checked, not yet installed).
+    Plan keys are matched against, and tags taken from, the names with `prefix`."""
     swaps = {}
     for name, module in root.named_modules():
-        key = _plan_key(plan, name)
-        if key is not None:
-            swaps[name] = _build(plan[key], name, module, group, sequence_parallel)
+        full = ".".join(part for part in (prefix, name) if part)
+        style = plan_style(plan, full)
+        if style is not None:
+            swaps[name] = _build(style, full, module, group, sequence_parallel)
     return swaps
 
 
-def _install(root: nn.Module, swaps: dict[str, nn.Module]) -> None:
+def _install(root: nn.Module, swaps: dict[str, nn.Module], group, sequence_parallel: bool, tag: str) -> None:
     for name, new in swaps.items():
         old = root.get_submodule(name)
         if old.weight.device.type != "meta":
             _copy_shards(old, new)
         parent, _, attr = name.rpartition(".")
         setattr(root.get_submodule(parent), attr, new)
+    if sequence_parallel and isinstance(root, Embedding):
+        root.register_forward_hook(_ScatterSequence(group, tag))
 
 
 @torch.no_grad()

@@ -32,14 +32,14 @@ def write_corpus(folder: Path) -> Path:
     return folder
 
 
-def launcher(kind: str, nproc: int) -> list[str]:
-    """The command prefix that starts `nproc` ranks of `-m train`."""
+def launcher(kind: str, nproc: int, module: str = "train") -> list[str]:
+    """The command prefix that starts `nproc` ranks of `-m <module>`."""
     if kind == "python":
-        return [sys.executable, "-m", "train"]
+        return [sys.executable, "-m", module]
     if kind == "torchrun":
-        return [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(_free_port()), "-m", "train"]
+        return [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(_free_port()), "-m", module]
     if kind == "deepspeed":
-        return [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(_free_port()), "--module", "train"]
+        return [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(_free_port()), "--module", module]
     raise ValueError(kind)
 
 
@@ -47,13 +47,31 @@ def train(
     run_dir: Path, corpus: Path, *overrides: str, kind: str = "python", nproc: int = 1, check: bool = True,
     env: dict | None = None,
 ) -> subprocess.CompletedProcess:
-    clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    clean.update({"WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}, **(env or {}))
+    clean = _clean_env(env or {})
     cmd = [*launcher(kind, nproc), f"hydra.run.dir={run_dir}", *TINY, f"data.paths=[{corpus}/*.txt]", *overrides]
     proc = subprocess.run(cmd, cwd=REPO, env=clean, capture_output=True, text=True, timeout=600)
     if check:
         assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return proc
+
+
+def generate(
+    checkpoint: Path, *overrides: str, kind: str = "python", nproc: int = 1, check: bool = True
+) -> subprocess.CompletedProcess:
+    """`python -m train.generate` on a run's checkpoint, with the TINY model."""
+    model = [o for o in TINY if o.startswith("model.")]
+    cmd = [*launcher(kind, nproc, "train.generate"), *model, f"generate.checkpoint={checkpoint}", *overrides]
+    proc = subprocess.run(cmd, cwd=REPO, env=_clean_env({}), capture_output=True, text=True, timeout=600)
+    if check:
+        assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc
+
+
+def _clean_env(extra: dict) -> dict:
+    """This environment without any launcher variables, quiet W&B, unbuffered output, one thread."""
+    clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    clean.update({"WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}, **extra)
+    return clean
 
 
 def metrics(run_dir: Path) -> list[dict]:

@@ -1,12 +1,13 @@
-"""What one run does: build, shard, wrap in DeepSpeed, stream data, step, evaluate, log, save.
+"""What one run does: build, resume, then step, log, evaluate and checkpoint until max_steps, finish.
 
 One optimizer step = one global batch of `train.global_batch_size` windows. This rank takes its
 data-parallel slice (global / dp windows) and runs it as micro batches of
-`train.micro_batch_size`; DeepSpeed accumulates and steps at the boundary.
+`train.micro_batch_size` (train/step.py); DeepSpeed accumulates and steps at the boundary.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import resource
 import time
@@ -16,11 +17,10 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from model import GPT, GPTConfig, count_parameters, generate
-from parallel import engine as engines
-from train import checkpoint, data, metrics
+from model import GPT, GPTConfig, count_parameters
+from train import checkpoint, data, engine as engines, metrics
 from train.optimizer import make_lr_scheduler, make_optimizer, make_schedule
-from train.tokenizer import EOT, gpt2
+from train.step import TrainStep
 
 
 @dataclass
@@ -30,21 +30,65 @@ class Progress:
     step: int = 0
     tokens: int = 0
 
+    def advance(self, tokens: int) -> None:
+        self.step += 1
+        self.tokens += tokens
+
+
+@dataclass
+class Trainer:
+    """Everything a built run holds: where it runs, this rank's engine and step, its data."""
+
+    cfg: object
+    run_dir: Path
+    device: torch.device
+    topology: object
+    model_cfg: GPTConfig
+    engine: object
+    step: TrainStep
+    batches: data.TrainBatches
+    val_batches: list[torch.Tensor]
+    tokens_per_step: int
+
 
 def run(cfg, run_dir: Path) -> Progress:
     """Train per `cfg` into `run_dir`; returns the final step and token count."""
+    trainer = build(cfg, run_dir)
+    progress, resumed = resume(trainer)
+    logger, meter = open_logger(trainer, progress.step if resumed else None), Meter(trainer)
+    last = cfg.train.max_steps
+    while progress.step < last:
+        result = trainer.step(next(trainer.batches))
+        progress.advance(trainer.tokens_per_step)
+        meter.add(result.loss)
+        if _due(progress.step, cfg.logging.log_interval, last):
+            record = meter.take(progress, result)
+            if trainer.val_batches and _due(progress.step, cfg.train.eval_interval, last):
+                record["val/loss"] = evaluate(trainer)
+            logger.log(record)
+            _say(trainer, _progress_line(record, last, meter.seconds_per_step))
+            meter.restart()
+        if _due(progress.step, cfg.train.checkpoint_interval, last):
+            with meter.paused():  # saving time is not training throughput
+                save_checkpoint(trainer, progress)
+    finish(trainer, logger)
+    return progress
+
+
+def build(cfg, run_dir: Path) -> Trainer:
+    """Device, process group, layout, this rank's model in a DeepSpeed engine, and its data."""
+    from parallel.build import BuildOptions, build_model
     from parallel.topology import Topology
 
     device = engines.resolve_device(cfg.train.device)
     engines.init_distributed(device)
     topology = Topology.create(cfg.parallel.tp, cfg.parallel.pp)
-    rank = topology.rank
     model_cfg = GPTConfig.from_dict(OmegaConf.to_container(cfg.model))
-    seq_len = model_cfg.seq_len
-    tokens_per_step = cfg.train.global_batch_size * seq_len
+    tokens_per_step = cfg.train.global_batch_size * model_cfg.seq_len
 
     torch.manual_seed(cfg.train.seed)
-    model = engines.build_model(model_cfg, cfg, topology, device)
+    options = BuildOptions(cfg.parallel.sequence_parallel, cfg.parallel.activation_checkpointing)
+    model = build_model(model_cfg, topology, cfg.train.seed, device, options)
     pipelined = topology.pp_size > 1
     # A PipelineModule brings its own grid (same topology) and DeepSpeed then wants no mpu of ours.
     mpu = model.mpu() if pipelined else topology.mpu
@@ -57,145 +101,123 @@ def run(cfg, run_dir: Path) -> Progress:
         engines.deepspeed_config(cfg, topology.dp_size, device),
         mpu=None if pipelined else mpu,
     )
-
     # Ranks of one data-parallel replica (its tp and pp ranks) read the same windows.
-    batches = data.TrainBatches(
-        cfg.data, seq_len, cfg.train.global_batch_size, topology.dp_rank, topology.dp_size, cfg.train.seed
-    )
-    val_batches = (
-        data.validation_batches(
-            cfg.data, seq_len, cfg.train.global_batch_size, cfg.train.eval_batches, topology.dp_rank, topology.dp_size
-        )
-        if cfg.train.eval_interval > 0 and cfg.train.eval_batches > 0
-        else []
-    )
-
-    progress = Progress()
-    resume_path = checkpoint.find_resume_path(cfg.train.resume, run_dir)
-    if resume_path is not None:
-        state = checkpoint.load(engine, resume_path)
-        progress = Progress(state["step"], state["tokens"])
-        batches.load_state_dict(state["data"])
-        _say(rank, f"resumed from {resume_path} at step {progress.step}")
-
-    with torch.device("meta"):
-        full_model = GPT(model_cfg)  # the unsharded model's shapes, for counting
-    n_params = count_parameters(full_model)
-    flops_tok = metrics.flops_per_token(
-        count_parameters(full_model, exclude_positions=True), model_cfg.n_layer, model_cfg.d_model, seq_len
-    )
-    peak = engines.peak_tflops(device, cfg.logging.peak_tflops)
-    logger = metrics.MetricsLogger(
-        run_dir,
-        cfg.logging,
-        OmegaConf.to_container(cfg, resolve=True),
-        active=rank == 0,
-        resumed_step=progress.step if resume_path is not None else None,
-    )
+    train, dp = cfg.train, (topology.dp_rank, topology.dp_size)
+    batches = data.TrainBatches(cfg.data, model_cfg.seq_len, train.global_batch_size, *dp, train.seed)
+    val_batches = []
+    if train.eval_interval > 0 and train.eval_batches > 0:
+        val_batches = data.validation_batches(cfg.data, model_cfg.seq_len, train.global_batch_size, train.eval_batches, *dp)
+    step = TrainStep(engine, train.micro_batch_size, device)
+    trainer = Trainer(cfg, run_dir, device, topology, model_cfg, engine, step, batches, val_batches, tokens_per_step)
     _say(
-        rank,
-        f"model {model_cfg.name}: {n_params / 1e6:.2f}M parameters | {topology.world_size} process(es) on {device} "
-        f"(tp={topology.tp_size} pp={topology.pp_size} dp={topology.dp_size} zero={cfg.parallel.zero_stage}) | "
-        f"{tokens_per_step} tokens/step | run dir {run_dir}",
+        trainer,
+        f"model {model_cfg.name}: {count_parameters(_full_shapes(model_cfg)) / 1e6:.2f}M parameters | "
+        f"{topology.world_size} process(es) on {device} (tp={topology.tp_size} pp={topology.pp_size} "
+        f"dp={topology.dp_size} zero={cfg.parallel.zero_stage}) | {tokens_per_step} tokens/step | run dir {run_dir}",
     )
+    return trainer
 
-    world = topology.world_size
-    # The loss stays on the device between log steps: no all-reduce or host sync in every step.
-    loss_sum, steps_since_log, clock = torch.zeros((), dtype=torch.float64, device=device), 0, time.perf_counter()
-    while progress.step < cfg.train.max_steps:
-        micro_batches = _micro_batches(next(batches).to(device), cfg.train.micro_batch_size)
-        engine.train()
-        lr = engine.get_lr()[0]  # the rate this step uses; DeepSpeed advances the schedule in step()
-        if pipelined:
-            step_loss = engine.train_batch(data_iter=iter(micro_batches))  # 1F1B over all micro batches
-        else:
-            step_loss = 0.0
-            for inputs, targets in micro_batches:
-                loss = engine(inputs, targets)
-                engine.backward(loss)
-                engine.step()
-                step_loss += loss.detach().float() / len(micro_batches)
-        grad_norm = engine.get_global_grad_norm()
-        progress.step += 1
-        progress.tokens += tokens_per_step
-        loss_sum += step_loss
-        steps_since_log += 1
-        last = progress.step == cfg.train.max_steps
 
-        if progress.step % cfg.logging.log_interval == 0 or last:
-            elapsed = time.perf_counter() - clock
-            tokens_per_s = steps_since_log * tokens_per_step / elapsed
-            record = {
-                "step": progress.step,
-                "tokens": progress.tokens,
-                "train/loss": _mean_over_ranks(loss_sum) / steps_since_log,
-                "train/lr": lr,
-                "train/grad_norm": None if grad_norm is None else float(grad_norm),
-                "perf/tokens_per_s": tokens_per_s,
-                "perf/tflops": tokens_per_s * flops_tok / world / 1e12,
-                "perf/mfu": metrics.mfu(tokens_per_s, flops_tok, peak, world),
-                "perf/max_mem_gib": _max_memory_gib(device),
-            }
-            if val_batches and (progress.step % cfg.train.eval_interval == 0 or last):
-                record["val/loss"] = evaluate(engine, val_batches, cfg.train.micro_batch_size, device, pipelined)
-            logger.log(record)
-            _say(rank, _progress_line(record, cfg.train.max_steps, elapsed / steps_since_log))
-            loss_sum, steps_since_log, clock = torch.zeros_like(loss_sum), 0, time.perf_counter()
+def resume(trainer: Trainer) -> tuple[Progress, bool]:
+    """Load the checkpoint train.resume names, if any: engine, RNG, data position; (progress, resumed)."""
+    path = checkpoint.find_resume_path(trainer.cfg.train.resume, trainer.run_dir)
+    if path is None:
+        return Progress(), False
+    state = checkpoint.load(trainer.engine, path)
+    trainer.batches.load_state_dict(state["data"])
+    _say(trainer, f"resumed from {path} at step {state['step']}")
+    return Progress(state["step"], state["tokens"]), True
 
-        interval = cfg.train.checkpoint_interval
-        if last or (interval > 0 and progress.step % interval == 0):
-            started = time.perf_counter()
-            path = checkpoint.save(engine, run_dir, progress.step, progress.tokens, batches.state_dict())
-            _say(rank, f"checkpoint {path}")
-            clock += time.perf_counter() - started  # saving time is not training throughput
 
-    if cfg.train.sample_tokens > 0:
-        if pipelined or cfg.parallel.sequence_parallel:
-            _say(rank, "sample: skipped (generation needs pp=1 without sequence parallelism; load the checkpoint so)")
-        else:  # every rank runs it: tensor-parallel ranks compute the logits together
-            text = sample(engine.module, topology, cfg.train.sample_prompt, cfg.train.sample_tokens, device, cfg.train.seed)
-            _say(rank, "sample:\n" + text)
+def open_logger(trainer: Trainer, resumed_step: int | None) -> metrics.MetricsLogger:
+    """metrics.jsonl and W&B, on rank 0 only."""
+    run_config = OmegaConf.to_container(trainer.cfg, resolve=True)
+    return metrics.MetricsLogger(trainer.run_dir, trainer.cfg.logging, run_config, active=trainer.topology.rank == 0,
+                                 resumed_step=resumed_step)
+
+
+def evaluate(trainer: Trainer) -> float:
+    """Mean next-token loss over the held-out windows, averaged over all ranks."""
+    return _mean_over_ranks(_mean(trainer.step.evaluate(trainer.val_batches)))
+
+
+def save_checkpoint(trainer: Trainer, progress: Progress) -> None:
+    data_state = trainer.batches.state_dict()
+    path = checkpoint.save(trainer.engine, trainer.run_dir, progress.step, progress.tokens, data_state, model=trainer.model_cfg)
+    _say(trainer, f"checkpoint {path}")
+
+
+def finish(trainer: Trainer, logger: metrics.MetricsLogger) -> None:
+    """The end-of-run sample (every rank takes part: stages pass activations, tp ranks share
+    logits), then the logger is closed."""
+    train = trainer.cfg.train
+    if train.sample_tokens > 0:
+        from train.generate import sample_text
+
+        text, _ = sample_text(trainer.engine.module, trainer.model_cfg, trainer.topology, train.sample_prompt,
+                              train.sample_tokens, trainer.device, train.seed)
+        _say(trainer, "sample:\n" + text)
     logger.close()
-    return progress
 
 
-@torch.no_grad()
-def evaluate(engine, val_batches: list[torch.Tensor], micro_batch_size: int, device, pipelined: bool) -> float:
-    """Mean next-token loss over this rank's held-out windows, averaged over data-parallel ranks."""
-    engine.eval()
-    losses = []
-    for window in val_batches:
-        micro_batches = _micro_batches(window.to(device), micro_batch_size)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            if pipelined:
-                losses.append(float(engine.eval_batch(data_iter=iter(micro_batches), num_micro_batches=len(micro_batches))))
-            else:
-                losses += [float(engine(inputs, targets)) for inputs, targets in micro_batches]
-    engine.train()
-    return _mean_over_ranks(sum(losses) / max(len(losses), 1))
+class Meter:
+    """Training loss and throughput between two log records. The loss stays on the device: no
+    all-reduce or host sync in every step, one when a record is taken."""
+
+    def __init__(self, trainer: Trainer):
+        self.device, self.world = trainer.device, trainer.topology.world_size
+        self.tokens_per_step = trainer.tokens_per_step
+        cfg = trainer.model_cfg
+        self.flops_per_token = metrics.flops_per_token(
+            count_parameters(_full_shapes(cfg), exclude_positions=True), cfg.n_layer, cfg.d_model, cfg.seq_len
+        )
+        self.peak = metrics.peak_tflops(trainer.device, trainer.cfg.logging.peak_tflops)
+        self.seconds_per_step = math.nan
+        self.restart()
+
+    def restart(self) -> None:
+        self.loss_sum, self.steps = torch.zeros((), dtype=torch.float64, device=self.device), 0
+        self.clock = time.perf_counter()
+
+    def add(self, loss: torch.Tensor) -> None:
+        self.loss_sum += loss
+        self.steps += 1
+
+    @contextlib.contextmanager
+    def paused(self):
+        started = time.perf_counter()
+        yield
+        self.clock += time.perf_counter() - started
+
+    def take(self, progress: Progress, result) -> dict:
+        """The metrics record of the steps since the last one (mean loss over steps and ranks)."""
+        elapsed = time.perf_counter() - self.clock
+        self.seconds_per_step = elapsed / self.steps
+        tokens_per_s = self.steps * self.tokens_per_step / elapsed
+        return {
+            "step": progress.step,
+            "tokens": progress.tokens,
+            "train/loss": _mean_over_ranks(self.loss_sum) / self.steps,
+            "train/lr": result.lr,
+            "train/grad_norm": result.grad_norm,
+            "perf/tokens_per_s": tokens_per_s,
+            "perf/tflops": tokens_per_s * self.flops_per_token / self.world / 1e12,
+            "perf/mfu": metrics.mfu(tokens_per_s, self.flops_per_token, self.peak, self.world),
+            "perf/max_mem_gib": _max_memory_gib(self.device),
+        }
 
 
-@torch.no_grad()
-def sample(model: GPT, topology, prompt: str, max_new_tokens: int, device, seed: int) -> str:
-    """A top-k sample continuing `prompt`, decoded with the GPT-2 BPE (tensor-parallel ranks
-    gather the vocabulary shards of the logits; equal seeds make them draw the same tokens)."""
-    from parallel.tensor import FullLogits
-
-    encoder = gpt2()
-    idx = torch.tensor([encoder.encode_ordinary(prompt) or [EOT]], device=device)  # (1, T0); "" starts a document
-    generator = torch.Generator(device=device).manual_seed(seed)
-    was_training = model.training
-    model.eval()
-    whole = FullLogits(model) if topology.tp_size > 1 else model
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-        out = generate(whole, idx, max_new_tokens, temperature=0.8, top_k=50, generator=generator)
-    model.train(was_training)
-    return encoder.decode(out[0].tolist())
+def _full_shapes(model_cfg: GPTConfig) -> GPT:
+    with torch.device("meta"):
+        return GPT(model_cfg)  # the unsharded model's shapes, for counting
 
 
-def _micro_batches(window: torch.Tensor, size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(inputs, targets) pairs of `size` sequences from windows (n, T+1): inputs (size, T), targets shifted by one."""
-    return [(m[:, :-1], m[:, 1:]) for m in window.split(size)]
+def _due(step: int, interval: int, last: int) -> bool:
+    return step == last or (interval > 0 and step % interval == 0)
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / max(len(values), 1)
 
 
 def _mean_over_ranks(value) -> float:
@@ -241,6 +263,6 @@ def _duration(seconds: float) -> str:
     return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
-def _say(rank: int, text: str) -> None:
-    if rank == 0:
+def _say(trainer: Trainer, text: str) -> None:
+    if trainer.topology.rank == 0:
         print(text, flush=True)

@@ -4,7 +4,8 @@ Throughput and utilisation use the PaLM (Chowdhery et al. 2022, App. B) count of
 FLOPs per token:  6·N + 12·L·d·T,
 N the model's parameters without the position table (the tied embedding counted once, for the
 unembedding's matrix multiply; LayerNorm and bias parameters, a rounding error, included), L layers, d = d_model, T = seq_len (the attention score and value
-products). MFU = achieved FLOP/s ÷ (peak FLOP/s per device × devices).
+products). MFU = achieved FLOP/s ÷ (peak FLOP/s per device × devices), the peak either
+configured (logging.peak_tflops) or looked up by GPU name in GPU_PEAK_TFLOPS.
 """
 
 from __future__ import annotations
@@ -14,6 +15,22 @@ import os
 from pathlib import Path
 
 WANDB_MODES = ("offline", "online", "disabled")
+
+# Peak dense bf16 tensor-core FLOP/s by GPU name fragment (vendor data sheets, without sparsity); the
+# first fragment found in the device name wins, so longer names come before their prefixes.
+GPU_PEAK_TFLOPS = {
+    "H200": 989.0,
+    "H100 SXM": 989.0,
+    "H100 NVL": 835.0,
+    "H100 PCIe": 756.0,
+    "H100": 989.0,
+    "A100": 312.0,
+    "A10G": 125.0,
+    "L40S": 362.0,
+    "L40": 181.0,
+    "L4": 121.0,
+    "V100": 125.0,
+}
 
 
 def flops_per_token(matmul_params: int, n_layer: int, d_model: int, seq_len: int) -> int:
@@ -26,6 +43,18 @@ def mfu(tokens_per_s: float, flops_per_tok: int, peak_tflops_per_device: float |
     if not peak_tflops_per_device:
         return None
     return tokens_per_s * flops_per_tok / (peak_tflops_per_device * 1e12 * devices)
+
+
+def peak_tflops(device, configured: float | None) -> float | None:
+    """Per-device peak for MFU: the configured value, else the GPU's from GPU_PEAK_TFLOPS (None on CPU)."""
+    if configured is not None:
+        return float(configured)
+    if device.type != "cuda":
+        return None
+    import torch
+
+    name = torch.cuda.get_device_name(device)
+    return next((tflops for fragment, tflops in GPU_PEAK_TFLOPS.items() if fragment in name), None)
 
 
 class MetricsLogger:

@@ -23,15 +23,7 @@ class ConfigError(ValueError):
 
 def check(cfg, run_dir: Path) -> GPTConfig:
     """Validate the whole run config (for a run in `run_dir`); returns the model config. Raises ConfigError."""
-    try:
-        model_cfg = GPTConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
-    except (TypeError, ValueError) as err:
-        raise ConfigError(str(err)) from None
-    if model_cfg.vocab_size < GPT2_VOCAB:
-        raise ConfigError(
-            f"model.vocab_size={model_cfg.vocab_size} is smaller than the GPT-2 BPE's {GPT2_VOCAB} tokens; "
-            f"use {GPT2_VOCAB} (or more)"
-        )
+    model_cfg = _check_model(cfg)
     dp = _check_parallel(cfg, model_cfg)
     _check_batches(cfg, dp)
     _check_train(cfg, run_dir)
@@ -42,6 +34,43 @@ def check(cfg, run_dir: Path) -> GPTConfig:
         data.check_data_config(cfg.data)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    return model_cfg
+
+
+def check_generation(cfg) -> tuple[GPTConfig, Path]:
+    """Validate a `python -m train.generate` config; returns the model config and the checkpoint
+    folder to read. Raises ConfigError."""
+    model_cfg = _check_model(cfg)
+    _check_parallel(cfg, model_cfg)
+    _check_seed_and_device(cfg)
+    gen = cfg.generate
+    if not isinstance(gen.prompt, str):
+        raise ConfigError(f"generate.prompt={gen.prompt!r}: must be a string (quote it on the command line)")
+    _positive_int("generate.max_new_tokens", gen.max_new_tokens)
+    if not _is_number(gen.temperature) or gen.temperature < 0:
+        raise ConfigError(f"generate.temperature={gen.temperature!r}: must be ≥ 0 (0: greedy)")
+    if gen.top_k is not None:
+        _positive_int("generate.top_k", gen.top_k)
+    if gen.checkpoint is None:
+        raise ConfigError("generate.checkpoint is not set: give a run directory, its checkpoints/ folder or one step folder")
+    from train.checkpoint import tag_folder
+
+    try:
+        return model_cfg, tag_folder(Path(gen.checkpoint))
+    except ValueError as err:
+        raise ConfigError(f"generate.checkpoint: {err}") from None
+
+
+def _check_model(cfg) -> GPTConfig:
+    try:
+        model_cfg = GPTConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
+    except (TypeError, ValueError) as err:
+        raise ConfigError(str(err)) from None
+    if model_cfg.vocab_size < GPT2_VOCAB:
+        raise ConfigError(
+            f"model.vocab_size={model_cfg.vocab_size} is smaller than the GPT-2 BPE's {GPT2_VOCAB} tokens; "
+            f"use {GPT2_VOCAB} (or more)"
+        )
     return model_cfg
 
 
@@ -87,8 +116,6 @@ def _check_parallel(cfg, model_cfg: GPTConfig) -> int:
         )
     if par.offload_optimizer and zero == 0:
         raise ConfigError("parallel.offload_optimizer=true needs parallel.zero_stage ≥ 1 (ZeRO-Offload moves ZeRO's optimizer shards)")
-    if par.sequence_parallel and pp > 1:
-        raise ConfigError(f"parallel.sequence_parallel=true with parallel.pp={pp}: sequence parallelism needs pp=1")
     if par.sequence_parallel and model_cfg.seq_len % tp:
         raise ConfigError(
             f"parallel.sequence_parallel=true needs model.seq_len={model_cfg.seq_len} divisible by parallel.tp={tp}"
@@ -110,6 +137,8 @@ OWNED_DEEPSPEED_KEYS = {
     "scheduler": "optim.*",
     "zero_optimization.stage": "parallel.zero_stage",
     "zero_optimization.offload_optimizer": "parallel.offload_optimizer",
+    "pipeline.pipe_partitioned": "parallel.sequence_parallel",
+    "pipeline.grad_partitioned": "parallel.sequence_parallel",
 }
 
 
@@ -137,9 +166,7 @@ def _check_deepspeed_extras(cfg) -> None:
 
 def _check_train(cfg, run_dir: Path) -> None:
     _positive_int("train.max_steps", cfg.train.max_steps)
-    seed = cfg.train.seed
-    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**31:
-        raise ConfigError(f"train.seed={seed!r}: must be an integer in [0, 2^31)")
+    _check_seed_and_device(cfg)
     from train.checkpoint import find_resume_path
 
     try:
@@ -151,15 +178,22 @@ def _check_train(cfg, run_dir: Path) -> None:
         value = cfg.train[key]
         if not isinstance(value, int) or value < 0:
             raise ConfigError(f"train.{key}={value!r}: must be a non-negative integer")
-    from parallel.engine import resolve_device
     from train.metrics import WANDB_MODES
+
+    if cfg.logging.wandb.mode not in WANDB_MODES:
+        raise ConfigError(f"logging.wandb.mode={cfg.logging.wandb.mode!r}: must be one of {list(WANDB_MODES)}")
+
+
+def _check_seed_and_device(cfg) -> None:
+    seed = cfg.train.seed
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**31:
+        raise ConfigError(f"train.seed={seed!r}: must be an integer in [0, 2^31)")
+    from train.engine import resolve_device
 
     try:
         resolve_device(cfg.train.device)  # also: cuda asked for where none is visible
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    if cfg.logging.wandb.mode not in WANDB_MODES:
-        raise ConfigError(f"logging.wandb.mode={cfg.logging.wandb.mode!r}: must be one of {list(WANDB_MODES)}")
 
 
 def _check_optim(cfg, model_cfg: GPTConfig) -> None:

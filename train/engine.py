@@ -1,10 +1,10 @@
-"""The DeepSpeed engine every run trains through, one process included.
+"""From the Hydra config to a running DeepSpeed engine: device, process group, DeepSpeed's config.
 
-A one-process CPU run and a 1,000-GPU run share this code: `init_distributed` fills in the
-single-process rendezvous when no launcher did, `build_model` makes this rank's part of the
-model for the layout (tensor-parallel GPT, or one pipeline stage), `deepspeed_config` turns the
-Hydra config into DeepSpeed's JSON, and `create_engine` wraps model, optimizer and LR schedule:
-a DeepSpeedEngine (ZeRO 0–3, optional optimizer offload) or, with pp > 1, a PipelineEngine.
+A one-process CPU run and a 1,000-GPU run share this code: `resolve_device` reads train.device,
+`init_distributed` joins the launcher's process group (or makes a one-process one),
+`deepspeed_config` turns train.* / parallel.* / optim.* / deepspeed.* into DeepSpeed's JSON, and
+`create_engine` wraps this rank's model (parallel.build) with optimizer and LR schedule: a
+DeepSpeedEngine (ZeRO 0–3, optional optimizer offload) or, for a pipeline, a PipelineEngine.
 """
 
 from __future__ import annotations
@@ -16,31 +16,17 @@ import socket
 import torch
 from omegaconf import OmegaConf
 
-# Peak dense bf16 tensor-core FLOP/s by GPU name fragment (vendor data sheets, without sparsity); the
-# first fragment found in the device name wins, so longer names come before their prefixes.
-GPU_PEAK_TFLOPS = {
-    "H200": 989.0,
-    "H100 SXM": 989.0,
-    "H100 NVL": 835.0,
-    "H100 PCIe": 756.0,
-    "H100": 989.0,
-    "A100": 312.0,
-    "A10G": 125.0,
-    "L40S": 362.0,
-    "L40": 181.0,
-    "L4": 121.0,
-    "V100": 125.0,
-}
+DEVICES = ("auto", "cpu", "cuda")
 
 
 def resolve_device(requested: str) -> torch.device:
     """train.device: auto → cuda if available else cpu."""
+    if requested not in DEVICES:
+        raise ValueError(f"train.device={requested!r}: must be one of {list(DEVICES)}")
     if requested == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if requested == "cuda" and not torch.cuda.is_available():
         raise ValueError("train.device=cuda but no CUDA device is visible; use train.device=cpu or auto")
-    if requested not in ("cpu", "cuda"):
-        raise ValueError(f"train.device={requested!r}: must be one of ['auto', 'cpu', 'cuda']")
     return torch.device(requested)
 
 
@@ -58,32 +44,30 @@ def init_distributed(device: torch.device) -> None:
     import deepspeed
 
     _quiet_deepspeed()
+    skip_shared_memory_op()
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     deepspeed.init_distributed(verbose=False)
 
 
-def build_model(model_cfg, cfg, topology, device: torch.device) -> torch.nn.Module:
-    """This rank's model: a (tensor-parallel) GPT, or with pp > 1 its pipeline stage; initialised so
-    that the full weights are the one-process model's for the same seed."""
-    from model import GPT
-    from parallel.pipeline import build_pipeline
-    from parallel.tensor import shard
+def skip_shared_memory_op() -> None:
+    """Keep DeepSpeed from compiling its shared-memory all-reduce op, which gpt3d never calls.
 
-    if topology.pp_size > 1:
-        return build_pipeline(
-            model_cfg, topology, cfg.train.seed, device, checkpoint_every=cfg.parallel.activation_checkpointing
-        )
-    with torch.device("meta"):
-        model = GPT(model_cfg)
-    shard(model, topology, sequence_parallel=cfg.parallel.sequence_parallel)
-    model.activation_checkpointing = cfg.parallel.activation_checkpointing
-    return model.materialize(device, cfg.train.seed)
+    When its communication layer starts, DeepSpeed JIT-compiles `deepspeed_shm_comm` (C++, into
+    the shared torch extension cache) for `inference_all_reduce`, an inference-only collective;
+    training goes through torch.distributed. The build takes 40–70 s on 2 cores, and two
+    environments sharing the cache (other compiler flags or include paths) rebuild it in turn at
+    every launch. DeepSpeed builds only ops marked compatible in `deepspeed.ops.__compatible_ops__`,
+    a table it keeps as one editable dict; marking this op incompatible skips the build.
+    """
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def deepspeed_config(cfg, dp_size: int, device: torch.device) -> dict:
     """DeepSpeed's config from ours: batch geometry, ZeRO stage and offload, clipping, mixed
-    precision, then any `deepspeed.*` extras (already validated) on top."""
+    precision, pipeline activation transfer, then any `deepspeed.*` extras (already validated) on top."""
     train, parallel = cfg.train, cfg.parallel
     accumulation = train.global_batch_size // (train.micro_batch_size * dp_size)
     zero = {"stage": int(parallel.zero_stage)}
@@ -103,6 +87,11 @@ def deepspeed_config(cfg, dp_size: int, device: torch.device) -> dict:
         # our AdamW (GPT-3 settings, exact one-process equivalence) also when its state is offloaded
         "zero_force_ds_cpu_optimizer": False,
     }
+    if parallel.sequence_parallel and parallel.pp > 1:
+        # The pipeline engine would send each stage's output cut into tp pieces and gather them on the
+        # next stage, which assumes every tp rank holds the same activations. Under sequence
+        # parallelism each holds its own part of the sequence, so each sends its part whole.
+        config["pipeline"] = {"pipe_partitioned": False, "grad_partitioned": False}
     if device.type == "cuda":
         config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
     return _merge(config, OmegaConf.to_container(cfg.deepspeed, resolve=True) if "deepspeed" in cfg else {})
@@ -124,19 +113,6 @@ def create_engine(model, optimizer, lr_scheduler, ds_config: dict, mpu=None):
         model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=ds_config, mpu=mpu
     )
     return engine
-
-
-def peak_tflops(device: torch.device, configured: float | None) -> float | None:
-    """Per-device peak for MFU: the configured value, else the GPU's from GPU_PEAK_TFLOPS."""
-    if configured is not None:
-        return float(configured)
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    for fragment, tflops in GPU_PEAK_TFLOPS.items():
-        if fragment in name:
-            return tflops
-    return None
 
 
 def _free_port() -> int:

@@ -1,0 +1,113 @@
+"""Text from a trained run, at any layout: `python -m train.generate`, and the end-of-training sample.
+
+    python -m train.generate generate.checkpoint=runs/toy/2026-01-01_12-00-00 generate.prompt='import os'
+    python -m train.generate generate.checkpoint=... generate.temperature=0 generate.max_new_tokens=32
+    torchrun --nproc_per_node 4 -m train.generate parallel.tp=2 parallel.pp=2 generate.checkpoint=...
+
+The config is the training one (model.* must be the run's; parallel.* is the layout to generate
+at, whatever the run trained at; train.device, train.seed) plus the `generate` group
+(configs/generate/default.yaml). The checkpoint's weights are put back together whole
+(train.checkpoint.read_model_weights) and each rank takes its slice (parallel.naming).
+Rank 0 prints the text, and writes {prompt, tokens, text} as JSON to generate.output if set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig
+
+from model import GPTConfig, generate
+from train.__main__ import CONFIG_DIR, _drop_launcher_arguments
+from train.tokenizer import EOT, gpt2
+
+# Model config keys that do not change the weights' meaning: the checkpoint need not match them.
+RUN_ONLY_KEYS = ("name", "attention_impl", "dropout", "init_std")
+
+
+@torch.no_grad()
+def sample_text(part, config: GPTConfig, topology, prompt: str, max_new_tokens: int, device, seed: int,
+                temperature: float = 0.8, top_k: int | None = 50) -> tuple[str, list[int]]:
+    """Continue `prompt` with this rank's part of the model (parallel.build); every rank of the
+    layout calls it and gets the same (text, token ids). Equal seeds give equal samples."""
+    from parallel.generate import LayoutDecoder
+
+    encoder = gpt2()
+    idx = torch.tensor([encoder.encode_ordinary(prompt) or [EOT]], device=device)  # (1, T0); "" starts a document
+    generator = torch.Generator(device=device).manual_seed(seed)
+    was_training = part.training
+    part.eval()
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        out = generate(LayoutDecoder(part, config, topology), idx, max_new_tokens, temperature, top_k, generator)
+    part.train(was_training)
+    tokens = out[0].tolist()
+    return encoder.decode(tokens), tokens
+
+
+def checkpoint_weights(folder: Path, model_cfg: GPTConfig) -> dict[str, torch.Tensor]:
+    """The whole model's weights from a checkpoint folder, refused (ConfigError) when the checkpoint
+    is of another model than model.* describes."""
+    from train import checkpoint
+    from train.validate import ConfigError
+
+    saved = checkpoint.saved_model_config(folder) or {}
+    differing = sorted(k for k, v in saved.items() if k not in RUN_ONLY_KEYS and getattr(model_cfg, k, None) != v)
+    if differing:
+        raise ConfigError(f"checkpoint {folder} holds another model: it was saved with "
+                          f"{', '.join(f'model.{k}={saved[k]!r}' for k in differing)}; pass the same")
+    try:
+        return checkpoint.read_model_weights(folder, model_cfg)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def run(cfg, model_cfg: GPTConfig, folder: Path, weights: dict[str, torch.Tensor]) -> str:
+    """Build this rank's part at cfg.parallel's layout, give it its slices of `weights`, generate."""
+    from parallel.build import BuildOptions, build_model
+    from parallel.naming import load_full_
+    from parallel.topology import Topology
+    from train.engine import init_distributed, resolve_device
+
+    device = resolve_device(cfg.train.device)
+    init_distributed(device)
+    topology = Topology.create(cfg.parallel.tp, cfg.parallel.pp)
+    part = build_model(model_cfg, topology, cfg.train.seed, device, BuildOptions(cfg.parallel.sequence_parallel))
+    load_full_(part, weights, model_cfg, topology)
+    gen = cfg.generate
+    text, tokens = sample_text(part, model_cfg, topology, gen.prompt, gen.max_new_tokens, device, cfg.train.seed,
+                               gen.temperature, gen.top_k)
+    if topology.rank == 0 and gen.output is not None:
+        _write_json(Path(gen.output), {"checkpoint": str(folder), "prompt": gen.prompt, "tokens": tokens, "text": text})
+    return text if topology.rank == 0 else ""
+
+
+def _write_json(path: Path, value: dict) -> None:
+    """Written to a temporary name, then renamed: never a half-written file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value) + "\n")
+    os.replace(tmp, path)
+
+
+@hydra.main(version_base=None, config_path=CONFIG_DIR, config_name="generate")
+def main(cfg: DictConfig) -> None:
+    from train.validate import ConfigError, check_generation
+
+    try:
+        model_cfg, folder = check_generation(cfg)
+        weights = checkpoint_weights(folder, model_cfg)
+    except ConfigError as err:
+        print(f"gpt3d: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    text = run(cfg, model_cfg, folder, weights)
+    if text:
+        print(text, flush=True)
+
+
+if __name__ == "__main__":
+    sys.argv = _drop_launcher_arguments(sys.argv)
+    main()

@@ -1,0 +1,78 @@
+"""One training step, whatever the engine: the loop calls `step(window)` and never asks whether
+the model is pipelined.
+
+A step is one optimizer update on this rank's share of one global batch, windows (n, T + 1) cut
+into micro batches of `micro_batch_size` (inputs = window[:, :-1], targets = window[:, 1:]):
+
+  DeepSpeedEngine (pp = 1)   forward, backward and engine.step() per micro batch; DeepSpeed
+                             accumulates and updates at the last one
+  PipelineEngine  (pp > 1)   train_batch over all micro batches (1F1B schedule, one update)
+
+Both return the mean loss over the micro batches, on the device (no host sync), the pre-clip
+global gradient norm and the learning rate the update used. Everything a step does to the model
+and optimizer passes through `TrainStep.__call__`, which is where a guard on that step (e.g.
+skipping an update whose loss or gradient norm is not finite on some rank) belongs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor  # mean loss over this rank's micro batches: a float32 scalar on the device
+    grad_norm: float | None  # global L2 norm of the gradient before clipping (None if the engine gives none)
+    lr: float  # the learning rate of this update
+
+
+class TrainStep:
+    """Runs training and evaluation steps on a DeepSpeed engine (pipelined or not)."""
+
+    def __init__(self, engine, micro_batch_size: int, device: torch.device):
+        from deepspeed.runtime.pipe.engine import PipelineEngine
+
+        self.engine, self.micro_batch_size, self.device = engine, micro_batch_size, device
+        self.pipelined = isinstance(engine, PipelineEngine)
+
+    def __call__(self, windows: torch.Tensor) -> StepResult:
+        """One optimizer step on this rank's windows (n, T + 1) of the global batch."""
+        engine = self.engine
+        micro_batches = micro_batch_split(windows.to(self.device), self.micro_batch_size)
+        engine.train()
+        lr = engine.get_lr()[0]  # the rate this step uses; DeepSpeed advances the schedule in step()
+        if self.pipelined:
+            loss = engine.train_batch(data_iter=iter(micro_batches))  # 1F1B over all micro batches
+        else:
+            loss = 0.0
+            for inputs, targets in micro_batches:
+                micro_loss = engine(inputs, targets)
+                engine.backward(micro_loss)
+                engine.step()
+                loss += micro_loss.detach().float() / len(micro_batches)
+        grad_norm = engine.get_global_grad_norm()
+        return StepResult(loss, None if grad_norm is None else float(grad_norm), lr)
+
+    @torch.no_grad()
+    def evaluate(self, val_batches: list[torch.Tensor]) -> list[float]:
+        """This rank's mean loss of each micro batch (pp = 1) or each batch (pp > 1) of held-out windows."""
+        engine, device = self.engine, self.device
+        engine.eval()
+        losses = []
+        for windows in val_batches:
+            micro_batches = micro_batch_split(windows.to(device), self.micro_batch_size)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                if self.pipelined:
+                    n = len(micro_batches)
+                    losses.append(float(engine.eval_batch(data_iter=iter(micro_batches), num_micro_batches=n)))
+                else:
+                    losses += [float(engine(inputs, targets)) for inputs, targets in micro_batches]
+        engine.train()
+        return losses
+
+
+def micro_batch_split(windows: torch.Tensor, size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(inputs, targets) pairs of `size` sequences from windows (n, T+1): inputs (size, T), targets shifted by one."""
+    return [(m[:, :-1], m[:, 1:]) for m in windows.split(size)]
