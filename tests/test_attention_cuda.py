@@ -112,7 +112,7 @@ def test_full_autotune_in_a_fresh_process():
 def test_float32_goes_to_sdpa_and_the_kernel_refuses_it():
     """The kernel takes half precision on a GPU; "auto" sends float32 to PyTorch's SDPA, exactly."""
     errs = errors_vs_float64((1, 2, 300, 80), True, None, "auto", dtype=torch.float32, device="cuda")
-    assert max(errs) < 2e-4, f"(O, dQ, dK, dV) relative errors {errs}"
+    assert max(errs) < 1e-3, f"(O, dQ, dK, dV) relative errors {errs}"  # float32 SDPA may use 3×TF32 matmuls
     q = torch.randn(1, 1, 8, 64, device="cuda")
     from model.attention import attention
 
