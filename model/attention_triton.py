@@ -40,11 +40,11 @@ is padded to a power of two inside the kernels with masked loads.
 
 Tuning: each program's block sizes are autotuned per (bucket of T, band width, head dim, dtype):
 T is rounded up to a power of two and the band to its width, capped by that bucket, so new
-sequence lengths reuse a tuned choice instead of benchmarking every config again. Every config
-in FWD_TUNING and BWD_TUNING compiles without register spills for sm_80 and sm_90 at head dims
-64–128 in bf16 and fp16 (tests/test_attention_compile.py checks it ahead of time, on CPU).
-Set GPT3D_TRITON_AUTOTUNE=0 (before import) to use only the first config of each list, with no
-benchmarking. Under TRITON_INTERPRET=1 the same kernels run on CPU tensors with small fixed blocks.
+sequence lengths reuse a tuned choice instead of benchmarking every config again. The candidates
+depend on the head dim (larger tiles fit at 64); every one compiles without register spills for
+sm_80 and sm_90 at the head dims it serves (64–128), in bf16 and fp16, with Triton 3.6 and 3.9
+(tests/test_attention_compile.py checks it ahead of time, on CPU). Set GPT3D_TRITON_AUTOTUNE=0
+(before import) to use one pinned config per kernel at every head dim, with no benchmarking. Under TRITON_INTERPRET=1 the same kernels run on CPU tensors with small fixed blocks.
 """
 
 from __future__ import annotations
@@ -69,11 +69,15 @@ DTYPES = (torch.bfloat16, torch.float16)
 INTERPRET_DTYPES = (torch.float32, *DTYPES)
 PREPROCESS_BLOCK = 64
 
-# Candidates, each (BLOCK_M queries, BLOCK_N keys, masked sub-block, num_warps, num_stages). The
-# forward's outer block is BLOCK_M and its masked sub-blocks split BLOCK_N; the backward's outer
-# block is BLOCK_N and its masked sub-blocks split BLOCK_M. The first entry is the pinned default.
-FWD_TUNING = [(128, 64, 32, 8, 3), (64, 64, 32, 8, 3), (128, 32, 16, 8, 3)]
-BWD_TUNING = [(32, 64, 16, 8, 2), (16, 128, 16, 8, 2), (16, 64, 16, 8, 2)]
+# Candidates, each (BLOCK_M queries, BLOCK_N keys, masked sub-block, num_warps, num_stages), by the
+# largest head dim they serve: head dims up to 64 tune over the 64 list, larger ones over the 128
+# list (head dims above 128 also use it, unchecked). The forward's outer block is BLOCK_M and its
+# masked sub-blocks split BLOCK_N; the backward's outer block is BLOCK_N and its masked sub-blocks
+# split BLOCK_M. The 128 list's first entry is the pinned default, for every head dim.
+FWD_TUNING = {64: [(128, 128, 64, 8, 2), (128, 64, 32, 8, 3), (128, 128, 64, 8, 3)],
+              128: [(128, 64, 32, 8, 3), (64, 64, 32, 8, 3), (128, 32, 16, 8, 3)]}
+BWD_TUNING = {64: [(64, 128, 32, 8, 2), (32, 128, 16, 8, 2), (64, 64, 32, 4, 2)],
+              128: [(32, 64, 16, 8, 2), (16, 128, 16, 8, 2), (16, 64, 16, 8, 2)]}
 # Under the interpreter: inner blocks twice the outer, split in two when masked, so every test
 # crosses outer, inner and masked sub-block boundaries at small T.
 INTERPRET_FWD = (16, 32, 16)
@@ -85,18 +89,40 @@ TUNING_KEY = ["T_TUNE", "BAND_TUNE", "HEAD_DIM"]  # the autotuner also keys on t
 NO_SPECIALIZE = ["T", "lo", "hi", "T_TUNE", "BAND_TUNE"]
 
 
-def triton_configs(tuning, mask_name: str) -> list:
+def candidates(tuning: dict, head_dim: int) -> list:
+    """The entries the autotuner tries at one head dim: the list of the smallest bound ≥ head_dim."""
+    return tuning[min((bound for bound in tuning if head_dim <= bound), default=max(tuning))]
+
+
+def pinned(tuning: dict) -> tuple:
+    """The one entry used at every head dim when autotuning is off."""
+    return tuning[max(tuning)][0]
+
+
+def triton_configs(entries, mask_name: str) -> list:
     """triton.Configs from (BLOCK_M, BLOCK_N, mask sub-block, num_warps, num_stages) entries;
     mask_name: "MASK_N" (forward) or "MASK_M" (backward)."""
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, mask_name: mask}, num_warps=w, num_stages=s)
-            for m, n, mask, w, s in tuning]
+            for m, n, mask, w, s in entries]
 
 
 def _configs(tuning, interpret_blocks, mask_name):
-    """Autotune candidates: the interpreter's one small config, the pinned first one, or all."""
+    """Autotune candidates: the interpreter's one small config, the pinned one, or every listed one
+    (then `_head_dim_pruner` narrows them to the call's head dim)."""
     if INTERPRET:
         return [triton.Config(dict(zip(("BLOCK_M", "BLOCK_N", mask_name), interpret_blocks)))]
-    return triton_configs(tuning if AUTOTUNE else tuning[:1], mask_name)
+    if not AUTOTUNE:
+        return triton_configs([pinned(tuning)], mask_name)
+    return triton_configs(list(dict.fromkeys(e for entries in tuning.values() for e in entries)), mask_name)
+
+
+def _head_dim_pruner(tuning, mask_name):
+    """early_config_prune for triton.autotune: the configs listed for the call's head dim."""
+    def prune(configs, named_args, **kwargs):
+        wanted = set(candidates(tuning, kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM"))))
+        return [c for c in configs
+                if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs[mask_name], c.num_warps, c.num_stages) in wanted]
+    return {"early_config_prune": prune}
 
 
 def tuning_key(t: int, lo: int, hi: int) -> tuple[int, int]:
@@ -192,7 +218,8 @@ def _fwd_inner(acc, m_i, l_i, q, K, V, skt, svt, rows, cols, first, stop, T, lo,
     return acc, m_i, l_i
 
 
-@triton.autotune(configs=_configs(FWD_TUNING, INTERPRET_FWD, "MASK_N"), key=TUNING_KEY)
+@triton.autotune(configs=_configs(FWD_TUNING, INTERPRET_FWD, "MASK_N"), key=TUNING_KEY,
+                 prune_configs_by=_head_dim_pruner(FWD_TUNING, "MASK_N"))
 @triton.jit(do_not_specialize=NO_SPECIALIZE)
 def _fwd_kernel(Q, K, V, Out, LSE, sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot,
                 H, T, lo, hi, qk_scale, T_TUNE, BAND_TUNE,
@@ -270,7 +297,8 @@ def _bwd_inner(dk, dv, k, v, Q, DO, DQ, LSE, DELTA, sqt, sdt, sdqt, keys, cols, 
     return dk, dv
 
 
-@triton.autotune(configs=_configs(BWD_TUNING, INTERPRET_BWD, "MASK_M"), key=TUNING_KEY, reset_to_zero=["DQ"])
+@triton.autotune(configs=_configs(BWD_TUNING, INTERPRET_BWD, "MASK_M"), key=TUNING_KEY, reset_to_zero=["DQ"],
+                 prune_configs_by=_head_dim_pruner(BWD_TUNING, "MASK_M"))
 @triton.jit(do_not_specialize=NO_SPECIALIZE)
 def _bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, sqb, sqh, sqt, skb, skh, skt, svb, svh, svt,
                 sdb, sdh, sdt, sdqb, sdqh, sdqt, sgb, sgh, sgt, H, T, lo, hi, sm_scale, qk_scale, T_TUNE, BAND_TUNE,

@@ -3,8 +3,8 @@
 `triton.compile` with a `GPUTarget` runs Triton's whole pipeline (Triton IR → PTX → ptxas → cubin)
 for a chosen architecture with no GPU present. Each kernel is compiled the way the runtime would
 compile it for contiguous or packed-QKV inputs (pointers and strides specialised as multiples of
-16; T, lo, hi never specialised, as the kernels declare), for every autotune config, head dim and
-half-precision dtype, and for sm_80 and sm_90 (Hopper, whose tensor cores need `wgmma`). From each
+16; T, lo, hi never specialised, as the kernels declare), for every autotune config at the head dims it
+serves (and the pinned config at all of them), in both half-precision dtypes, and for sm_80 and sm_90 (Hopper, whose tensor cores need `wgmma`). From each
 binary it reads the per-thread register count and stack frame (cuobjdump's resource usage: a
 non-zero STACK is where ptxas put spilled registers, since these kernels call nothing and keep no
 local arrays) and counts the `wgmma` instructions in the PTX.
@@ -43,16 +43,21 @@ FLOATS = ("qk_scale", "sm_scale")
 
 
 def kernels():
-    """{name: (JITFunction, [config kwargs + num_warps/num_stages])} for every kernel and config."""
+    """{name: (JITFunction, {head dim: [config kwargs + num_warps/num_stages]})} for every kernel: the
+    configs the autotuner tries at that head dim plus the pinned one (used at every head dim)."""
     from model import attention_triton as at
 
     if at.INTERPRET:
         raise RuntimeError("TRITON_INTERPRET=1 is set: the kernels are interpreted and cannot be compiled")
-    tuned = {"forward": (at._fwd_kernel.fn, at.triton_configs(at.FWD_TUNING, "MASK_N")),
-             "backward": (at._bwd_kernel.fn, at.triton_configs(at.BWD_TUNING, "MASK_M"))}  # all, even if pinned
-    found = {name: (fn, [_config_dict(c) for c in configs]) for name, (fn, configs) in tuned.items()}
-    found["preprocess"] = (at._bwd_preprocess, [{"BLOCK_M": at.PREPROCESS_BLOCK, "num_warps": 4, "num_stages": 3}])
-    return found
+
+    def per_head_dim(tuning, mask_name):
+        entries = {d: list(dict.fromkeys([*at.candidates(tuning, d), at.pinned(tuning)])) for d in HEAD_DIMS}
+        return {d: [_config_dict(c) for c in at.triton_configs(e, mask_name)] for d, e in entries.items()}
+
+    preprocess = [{"BLOCK_M": at.PREPROCESS_BLOCK, "num_warps": 4, "num_stages": 3}]
+    return {"forward": (at._fwd_kernel.fn, per_head_dim(at.FWD_TUNING, "MASK_N")),
+            "backward": (at._bwd_kernel.fn, per_head_dim(at.BWD_TUNING, "MASK_M")),
+            "preprocess": (at._bwd_preprocess, {d: preprocess for d in HEAD_DIMS})}
 
 
 def _config_dict(config):
@@ -121,8 +126,8 @@ SPILLING_CONTROL = ("forward", {"BLOCK_M": 128, "BLOCK_N": 64, "MASK_N": 32, "nu
 def all_cases():
     """Every (kernel, config, head dim, dtype, arch) the test must compile."""
     return [(name, config, d, dtype, arch)
-            for name, (_, configs) in kernels().items() for config in configs
-            for d in HEAD_DIMS for dtype in DTYPES for arch in ARCHS]
+            for name, (_, configs) in kernels().items() for d in HEAD_DIMS for config in configs[d]
+            for dtype in DTYPES for arch in ARCHS]
 
 
 def compile_all(workers: int | None = None, control: bool = False) -> list[dict]:

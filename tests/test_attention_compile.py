@@ -1,5 +1,6 @@
 """The attention kernels compiled ahead of time for sm_80 (A100) and sm_90 (H100), on the CPU:
-every autotune config, head dims 64/80/96/128, bf16 and fp16, with no register spills, shared
+head dims 64/80/96/128, each with every autotune config it tunes over and the pinned config, bf16
+and fp16, with no register spills, shared
 memory within the architecture's per-block limit, and Hopper's `wgmma` tensor-core instructions
 in the sm_90 code. tests/attention_compile.py does the compiling, in a subprocess without
 TRITON_INTERPRET=1 (which the interpreter tests set for this whole pytest process).
@@ -40,23 +41,26 @@ def _name(r):
     return f"{r['kernel']} {blocks} sm_{r['arch']} {r['dtype']} d={r['head_dim']}"
 
 
-def _expected_configs():
-    """The autotune lists as model/attention_triton.py declares them, as (kernel, config values)."""
+def _expected_cases():
+    """(kernel, config items, head dim, dtype, arch) for the autotune lists as model/attention_triton.py
+    declares them: each head dim's candidates and the pinned config."""
     from model import attention_triton as at
 
-    def entries(tuning, mask):
-        return {tuple(zip(("BLOCK_M", "BLOCK_N", mask, "num_warps", "num_stages"), c)) for c in tuning}
+    def items(entry, mask):
+        return tuple(zip(("BLOCK_M", "BLOCK_N", mask, "num_warps", "num_stages"), entry))
 
-    return {"forward": entries(at.FWD_TUNING, "MASK_N"), "backward": entries(at.BWD_TUNING, "MASK_M"),
-            "preprocess": {(("BLOCK_M", at.PREPROCESS_BLOCK), ("num_warps", 4), ("num_stages", 3))}}
+    cases = set()
+    for d, dtype, arch in itertools.product(HEAD_DIMS, HALF_DTYPES, ARCHS):
+        for kernel, tuning, mask in (("forward", at.FWD_TUNING, "MASK_N"), ("backward", at.BWD_TUNING, "MASK_M")):
+            cases |= {(kernel, items(e, mask), d, dtype, arch) for e in [*at.candidates(tuning, d), at.pinned(tuning)]}
+        cases.add(("preprocess", (("BLOCK_M", at.PREPROCESS_BLOCK), ("num_warps", 4), ("num_stages", 3)), d, dtype, arch))
+    return cases
 
 
 def test_every_config_head_dim_dtype_and_arch_is_compiled(compiled):
     records, _ = compiled
-    got = sorted((r["kernel"], tuple(r["config"].items()), r["head_dim"], r["dtype"], r["arch"]) for r in records)
-    want = sorted((kernel, config, d, dtype, arch) for kernel, configs in _expected_configs().items()
-                  for config, d, dtype, arch in itertools.product(configs, HEAD_DIMS, HALF_DTYPES, ARCHS))
-    assert got == want
+    got = [(r["kernel"], tuple(r["config"].items()), r["head_dim"], r["dtype"], r["arch"]) for r in records]
+    assert len(got) == len(set(got)) and set(got) == _expected_cases()
 
 
 def test_no_register_spills(compiled):
