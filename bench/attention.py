@@ -116,8 +116,8 @@ def smoke_cases():
     shape = (1, 2, 128, 64)
     return [("T=128 d=64 causal", shape, [("triton", "triton", None), ("torch", "torch", None),
                                           *((name, name, None) for name in SDPA_BACKENDS)], "torch"),
-            ("T=128 d=64 window 32", shape, [("torch w=32", "torch", 32), ("sdpa-efficient w=32", "sdpa-efficient", 32)],
-             "torch w=32")]
+            ("T=128 d=64 window 32", shape,
+             [("torch w=32", "torch", 32), ("sdpa-efficient w=32", "sdpa-efficient", 32)], "torch w=32")]
 
 
 def _timer(device):
@@ -164,7 +164,7 @@ def run_case(name, shape, rows, baseline, dtype, device, rounds, inner):
             torch.autograd.grad(fn(*ins), ins, do)  # at the benchmark's shape: Triton autotunes for it here
             result["err"] = check(fn, ins, do, window)
         except Exception as err:  # a backend that refuses this case: printed, not dropped
-            result["error"] = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:150]}"
+            result["error"] = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:150]}"
         else:
             if result["err"] > CHECK_TOLERANCE[dtype]:
                 result["error"] = f"wrong: max relative error {result['err']:.2e} vs float64"

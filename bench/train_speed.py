@@ -101,7 +101,7 @@ class Row:
             self.fail(err)
 
     def fail(self, err):
-        self.error = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:160]}" if str(err) else type(err).__name__
+        self.error = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:160]}"
         self.model = self.opt = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

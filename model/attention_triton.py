@@ -31,12 +31,15 @@ before the exp2: with c = log2(e)/√D the forward keeps m in units of c·S and 
 e^(S − m) = 2^(QKᵀ·c − m₂) as fma(QKᵀ, c, −m₂); the saved LSE is in base 2, LSE₂ = LSE·log2(e),
 and the backward's A = 2^(QKᵀ·c − LSE₂). The raw scores QKᵀ are never scaled on their own.
 
-Every loop runs over the blocks the band can reach and no others (`_band_blocks`); of those, the
-blocks that straddle an edge of the band or the end of the sequence are masked and visited in
-sub-blocks of MASK_* rows (half an inner block), so a large inner block, good for the unmasked
-bulk, does not also widen the masked strip along the diagonal and the band's lower edge. Matmuls
-accumulate in float32; inputs are bfloat16 or float16 (and float32 under the interpreter). The head dim
-is padded to a power of two inside the kernels with masked loads.
+Every loop runs over the blocks the band can reach and no others (`_band_blocks`). Inner blocks
+visible to every row of the outer block run unmasked, in whole inner blocks; the rest (the strips
+along the band's edges, such as the causal diagonal and a window's lower edge, and the sequence's
+end) run masked, in sub-blocks of MASK_* (half an inner block in most configs). A masked strip is
+then at most one outer block plus one sub-block wide instead of plus one inner block, so the
+autotuner can pick large inner blocks for the unmasked bulk without paying for them along the
+edges (on an aligned causal diagonal the strip is the outer block's square either way). Matmuls
+accumulate in float32; inputs are bfloat16 or float16 (and float32 under the interpreter). The
+head dim is padded to a power of two inside the kernels with masked loads.
 
 Tuning: each program's block sizes are autotuned per (bucket of T, band width, head dim, dtype):
 T is rounded up to a power of two and the band to its width, capped by that bucket, so new
@@ -44,7 +47,8 @@ sequence lengths reuse a tuned choice instead of benchmarking every config again
 depend on the head dim (larger tiles fit at 64); every one compiles without register spills for
 sm_80 and sm_90 at the head dims it serves (64–128), in bf16 and fp16, with Triton 3.6 and 3.9
 (tests/test_attention_compile.py checks it ahead of time, on CPU). Set GPT3D_TRITON_AUTOTUNE=0
-(before import) to use one pinned config per kernel at every head dim, with no benchmarking. Under TRITON_INTERPRET=1 the same kernels run on CPU tensors with small fixed blocks.
+(before import) to use one pinned config per kernel at every head dim, with no benchmarking.
+Under TRITON_INTERPRET=1 the same kernels run on CPU tensors with small fixed blocks.
 """
 
 from __future__ import annotations

@@ -3,11 +3,12 @@
 `triton.compile` with a `GPUTarget` runs Triton's whole pipeline (Triton IR → PTX → ptxas → cubin)
 for a chosen architecture with no GPU present. Each kernel is compiled the way the runtime would
 compile it for contiguous or packed-QKV inputs (pointers and strides specialised as multiples of
-16; T, lo, hi never specialised, as the kernels declare), for every autotune config at the head dims it
-serves (and the pinned config at all of them), in both half-precision dtypes, and for sm_80 and sm_90 (Hopper, whose tensor cores need `wgmma`). From each
-binary it reads the per-thread register count and stack frame (cuobjdump's resource usage: a
-non-zero STACK is where ptxas put spilled registers, since these kernels call nothing and keep no
-local arrays) and counts the `wgmma` instructions in the PTX.
+16; T, lo, hi never specialised, as the kernels declare), for every autotune config at the head
+dims it serves (and the pinned config at all of them), in both half-precision dtypes, for sm_80
+and sm_90 (Hopper, whose tensor cores need `wgmma`). From each binary it reads the per-thread
+register count and stack frame (cuobjdump's resource usage: a non-zero STACK is where ptxas put
+spilled registers, since these kernels call nothing and keep no local arrays) and counts the
+`wgmma` instructions in the PTX.
 
   python tests/attention_compile.py          # the table, with TRITON_INTERPRET unset
   python tests/attention_compile.py --json   # one JSON record per compiled kernel

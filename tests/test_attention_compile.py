@@ -53,7 +53,8 @@ def _expected_cases():
     for d, dtype, arch in itertools.product(HEAD_DIMS, HALF_DTYPES, ARCHS):
         for kernel, tuning, mask in (("forward", at.FWD_TUNING, "MASK_N"), ("backward", at.BWD_TUNING, "MASK_M")):
             cases |= {(kernel, items(e, mask), d, dtype, arch) for e in [*at.candidates(tuning, d), at.pinned(tuning)]}
-        cases.add(("preprocess", (("BLOCK_M", at.PREPROCESS_BLOCK), ("num_warps", 4), ("num_stages", 3)), d, dtype, arch))
+        preprocess = (("BLOCK_M", at.PREPROCESS_BLOCK), ("num_warps", 4), ("num_stages", 3))
+        cases.add(("preprocess", preprocess, d, dtype, arch))
     return cases
 
 

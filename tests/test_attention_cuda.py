@@ -132,7 +132,8 @@ def test_every_tuning_config_matches_float64(monkeypatch):
             monkeypatch.setattr(at._fwd_kernel, "configs", at.triton_configs([fwd], "MASK_N"))
             monkeypatch.setattr(at._bwd_kernel, "configs", at.triton_configs([bwd], "MASK_M"))
             for causal, window in ((True, None), (True, 256), (False, 37)):
-                errs = errors_vs_float64((2, 3, 1000, d), causal, window, "triton", torch.bfloat16, seed=i, device="cuda")
+                errs = errors_vs_float64((2, 3, 1000, d), causal, window, "triton", torch.bfloat16, seed=i,
+                                         device="cuda")
                 if max(errs) >= TOLERANCE[torch.bfloat16]:
                     failures.append(f"forward {fwd} backward {bwd} d={d} causal={causal} window={window}: {errs}")
     assert not failures, "\n".join(failures)
