@@ -3,10 +3,19 @@
   python -m bench.attention           # CUDA when available, else CPU
   python -m bench.attention --quick   # small sizes: a smoke run (under a minute on CPU)
   python -m bench.attention --cpu     # the CPU benchmark on a machine with a GPU
+  python -m bench.attention --smoke   # the GPU benchmark's code on the CPU at toy sizes, float32
 
-CUDA, bf16: impl="triton" against each torch SDPA backend (flash, efficient, cudnn, math; any that
-fails is skipped), causal, d = 64 and 128; the banded kernel (window 256) against the dense one;
-peak memory against impl="reference".
+GPU, bf16, B=8, H=16, T=2048, head dims 64, 80, 96, 128 (--quick: B=2, T=512, d 64 and 128):
+  causal        impl="triton" and torch's scaled_dot_product_attention under each backend, forced
+                one at a time with sdpa_kernel: sdpa-flash (the baseline), sdpa-cudnn, sdpa-efficient;
+  window 256    impl="triton" banded, the same kernel dense causal, and each SDPA backend with the
+                band as a boolean mask (sdpa-efficient, the one that takes any mask, is the baseline).
+Before timing, each row's forward and gradients are checked against a float64 reference on the
+first (batch, 2 heads) slice of its inputs (column `err`: max relative error; above 2e-2 the row
+is reported as failed and not timed). A row whose backend refuses the case is printed with the
+reason, never dropped. The rows of a case are timed alternately, round by round (forward under
+no_grad, then forward+backward through torch.autograd.grad), so drifting clocks or a busy machine
+affect them alike; times are medians over the rounds.
 CPU, float32: impl="torch" (and its banded form) against impl="reference"; each case's peak
 resident memory and its timings are measured in fresh subprocesses (see bench/README.md), times
 are the minimum over repetitions (the least disturbed by other load on the machine).
@@ -21,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -28,9 +38,11 @@ from pathlib import Path
 
 import torch
 
-from model.attention import attention
+from model.attention import attention, band_mask, reference_attention
 
-SDPA_BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH")
+SDPA_BACKENDS = {"sdpa-flash": "FLASH_ATTENTION", "sdpa-cudnn": "CUDNN_ATTENTION",
+                 "sdpa-efficient": "EFFICIENT_ATTENTION"}
+CHECK_TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 2e-4}
 
 
 def attention_flops(shape, window: int | None, backward: bool) -> float:
@@ -48,67 +60,137 @@ def make_inputs(shape, dtype, device, seed=0):
 
 
 def attention_fn(impl, window):
-    """fn(q, k, v) for an impl name: "triton", "torch", "reference" or "sdpa-<BACKEND>" (causal)."""
-    if not impl.startswith("sdpa-"):
+    """fn(q, k, v), causal, for "triton", "torch", "reference" or an SDPA backend ("sdpa-flash", ...):
+    SDPA gets is_causal without a window and the band as a boolean mask with one."""
+    if impl not in SDPA_BACKENDS:
         return lambda q, k, v: attention(q, k, v, causal=True, window=window, impl=impl)
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    backend = getattr(SDPBackend, impl.removeprefix("sdpa-"))
+    backend = getattr(SDPBackend, SDPA_BACKENDS[impl])
+    masks = {}  # built once per length and device, outside the timed calls
 
     def run(q, k, v):
+        mask = None
+        if window is not None:
+            t = q.shape[-2]
+            if (t, q.device) not in masks:
+                masks[t, q.device] = band_mask(t, t, True, window, q.device)  # (T, T)
+            mask = masks[t, q.device]
         with sdpa_kernel(backend):
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
 
     return run
 
 
-# ---------------------------------------------------------------- CUDA: one process
-def cuda_case(impl, shape, window):
-    """{fwd_ms, fb_ms, peak_mib} for one impl on bf16 CUDA inputs, or None if the impl cannot run."""
-    from triton.testing import do_bench
+def max_rel_err(x, ref):
+    return ((x.double() - ref).abs().max() / ref.abs().max().clamp_min(1.0)).item()
 
-    fn = attention_fn(impl, window)
-    ins, do = make_inputs(shape, torch.bfloat16, "cuda")
-    try:
-        fn(*ins).backward(do)
-    except (RuntimeError, NotImplementedError) as err:  # an SDPA backend unsupported on this GPU/shape/dtype
-        print(f"skip {impl}: {str(err).splitlines()[0]}", file=sys.stderr)
-        return None
-    for x in ins:
-        x.grad = None
+
+def check(fn, ins, do, window):
+    """Max relative error of fn's O, dQ, dK, dV against float64 on the inputs' first (batch, 2 heads)."""
+    part = [x.detach()[:1, :2].requires_grad_() for x in ins]
+    out = fn(*part)
+    grads = torch.autograd.grad(out, part, do[:1, :2])
+    ref_in = [x.detach().double().requires_grad_() for x in part]
+    ref = reference_attention(*ref_in, causal=True, window=window)
+    ref_grads = torch.autograd.grad(ref, ref_in, do[:1, :2].double())
+    return max(max_rel_err(x, r) for x, r in zip((out, *grads), (ref, *ref_grads)))
+
+
+# ---------------------------------------------------------------- GPU table: one process
+def gpu_cases(quick):
+    """(case name, shape, [(row name, impl, window)], baseline row) for the GPU table."""
+    b, t, dims = (2, 512, (64, 128)) if quick else (8, 2048, (64, 80, 96, 128))
+    cases = []
+    for d in dims:
+        shape = (b, 16, t, d)
+        cases.append((f"T={t} d={d} causal", shape,
+                      [("triton", "triton", None), *((name, name, None) for name in SDPA_BACKENDS)], "sdpa-flash"))
+        cases.append((f"T={t} d={d} window 256", shape,
+                      [("triton w=256", "triton", 256), ("triton dense", "triton", None),
+                       *((f"{name} w=256", name, 256) for name in SDPA_BACKENDS)], "sdpa-efficient w=256"))
+    return cases
+
+
+def smoke_cases():
+    shape = (1, 2, 128, 64)
+    return [("T=128 d=64 causal", shape, [("triton", "triton", None), ("torch", "torch", None),
+                                          *((name, name, None) for name in SDPA_BACKENDS)], "torch"),
+            ("T=128 d=64 window 32", shape,
+             [("torch w=32", "torch", 32), ("sdpa-efficient w=32", "sdpa-efficient", 32)], "torch w=32")]
+
+
+def _timer(device):
+    """timer(f, n): mean milliseconds of n calls of f."""
+    if device.type != "cuda":
+        def timer(f, n):
+            start = time.perf_counter()
+            for _ in range(n):
+                f()
+            return 1e3 * (time.perf_counter() - start) / n
+        return timer
+
+    def timer(f, n):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            f()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / n
+    return timer
+
+
+def _peak_mib(fn, ins, do, device):
+    if device.type != "cuda":
+        return float("nan")
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    fn(*ins).backward(do)
+    torch.autograd.grad(fn(*ins), ins, do)
     torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-    with torch.no_grad():
-        fwd_ms = do_bench(lambda: fn(*ins), return_mode="median")
-    fb_ms = do_bench(lambda: fn(*ins).backward(do), grad_to_none=ins, return_mode="median")
-    return {"fwd_ms": fwd_ms, "fb_ms": fb_ms, "peak_mib": peak / 2**20}
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def cuda_rows(quick):
-    b, t = (2, 512) if quick else (8, 2048)
-    rows = []
-    for d in (64, 128):
-        shape = (b, 2048 // d, t, d)
-        group = f"T={t} d={d} causal"
-        cases = {impl: cuda_case(impl, shape, None) for impl in ("triton", *(f"sdpa-{n}" for n in SDPA_BACKENDS))}
-        cases = {impl: r for impl, r in cases.items() if r is not None}
-        sdpa = [impl for impl in cases if impl.startswith("sdpa-")]
-        baseline = min(sdpa, key=lambda impl: cases[impl]["fb_ms"]) if sdpa else "triton"
-        rows += [dict(group=group, impl=impl, shape=shape, window=None, baseline=impl == baseline, **r)
-                 for impl, r in cases.items()]
-    shape = (b, 16, t, 128)
-    rows.append(dict(group=f"T={t} d=128 banded", impl="triton", shape=shape, window=None, baseline=True,
-                     **cuda_case("triton", shape, None)))
-    rows.append(dict(group=f"T={t} d=128 banded", impl="triton w=256", shape=shape, window=256, baseline=False,
-                     **cuda_case("triton", shape, 256)))
-    for impl in ("reference", "triton"):
-        rows.append(dict(group=f"T={t} d=128 memory", impl=impl, shape=shape, window=None,
-                         baseline=impl == "reference", **cuda_case(impl, shape, None)))
-    return rows
+def run_case(name, shape, rows, baseline, dtype, device, rounds, inner):
+    """Check each row, then time the rows that passed alternately; returns result dicts (failed rows
+    carry an `error`)."""
+    ins, do = make_inputs(shape, dtype, device)
+    results, ready = [], []
+    for row, impl, window in rows:
+        result = dict(group=name, impl=row, shape=shape, window=window, baseline=row == baseline)
+        fn = attention_fn(impl, window)
+        try:
+            torch.autograd.grad(fn(*ins), ins, do)  # at the benchmark's shape: Triton autotunes for it here
+            result["err"] = check(fn, ins, do, window)
+        except Exception as err:  # a backend that refuses this case: printed, not dropped
+            result["error"] = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:150]}"
+        else:
+            if result["err"] > CHECK_TOLERANCE[dtype]:
+                result["error"] = f"wrong: max relative error {result['err']:.2e} vs float64"
+            else:
+                result["peak_mib"] = _peak_mib(fn, ins, do, device)
+                ready.append((result, fn))
+        results.append(result)
+    timer = _timer(device)
+    times = {id(r): ([], []) for r, _ in ready}
+    for _ in range(rounds):
+        for result, fn in ready:
+            fwd, fb = times[id(result)]
+            with torch.no_grad():
+                fwd.append(timer(lambda: fn(*ins), inner))
+            fb.append(timer(lambda: torch.autograd.grad(fn(*ins), ins, do), inner))
+    for result, _ in ready:
+        fwd, fb = times[id(result)]
+        result.update(fwd_ms=statistics.median(fwd), fb_ms=statistics.median(fb))
+    return results
+
+
+def gpu_table(cases, dtype, device, rounds, inner, unit):
+    print_header(f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}, {dtype}".replace("torch.", ""),
+                 unit)
+    for name, shape, rows, baseline in cases:
+        print_rows(run_case(name, shape, rows, baseline, dtype, device, rounds, inner), unit)
 
 
 # ---------------------------------------------------------------- CPU: fresh subprocesses per case
@@ -146,8 +228,11 @@ def cpu_worker(job):
 
 
 def cpu_case(impl, shape, window, reps, threads):
-    """Memory and timings of one case, each measured in a fresh subprocess."""
-    result = {}
+    """The float64 check in this process, then memory and timings, each in a fresh subprocess."""
+    ins, do = make_inputs(shape, torch.float32, "cpu")
+    result = {"err": check(attention_fn(impl.split()[0], window), ins, do, window)}
+    if result["err"] > CHECK_TOLERANCE[torch.float32]:
+        return {**result, "error": f"wrong: max relative error {result['err']:.2e} vs float64"}
     for measure in ("memory", "time"):
         job = dict(impl=impl.split()[0], shape=shape, window=window, reps=reps, threads=threads, measure=measure)
         env = dict(os.environ)
@@ -162,51 +247,63 @@ def cpu_case(impl, shape, window, reps, threads):
     return result
 
 
-def cpu_rows(quick, threads):
+def cpu_table(quick, threads):
     lengths, reps = ((256, 512), 3) if quick else ((1024, 2048), 7)
-    rows = []
+    print_header(f"CPU, {threads} thread(s), float32", "GF")
     for t in lengths:
         shape = (1, 12, t, 64)
-        for impl, window in (("reference", None), ("torch", None), ("torch w=256", 256)):
-            rows.append(dict(group=f"T={t} d=64 causal", impl=impl, shape=shape, window=window,
-                             baseline=impl == "reference", **cpu_case(impl, shape, window, reps, threads)))
-    return rows
+        rows = [dict(group=f"T={t} d=64 causal", impl=impl, shape=shape, window=window, baseline=impl == "reference",
+                     **cpu_case(impl, shape, window, reps, threads))
+                for impl, window in (("reference", None), ("torch", None), ("torch w=256", 256))]
+        print_rows(rows, "GF")
 
 
 # ---------------------------------------------------------------- the table
-def print_table(rows, device, unit):
-    """One line per case; speed× = baseline time / time (fwd+bwd), mem× = peak / baseline peak.
-    unit: "TF" or "GF", the FLOP/s scale of the FLOP/s columns."""
-    scale = {"TF": 1e9, "GF": 1e6}[unit]  # FLOPs per ms
-    head = (f"{'case':<22} {'impl':<24} {'fwd ms':>9} {f'fwd {unit}/s':>9} {'f+b ms':>9} {f'f+b {unit}/s':>9} "
-            f"{'peak MiB':>9} {'speed×':>7} {'mem×':>6}")
+def print_header(device, unit):
     print(f"attention benchmark on {device}; ratios against the row marked * in each case")
+    head = (f"{'case':<24} {'impl':<24} {'fwd ms':>9} {f'fwd {unit}/s':>9} {'f+b ms':>9} {f'f+b {unit}/s':>9} "
+            f"{'peak MiB':>9} {'err':>8} {'speed×':>7} {'mem×':>6}")
     print(head)
-    print("-" * len(head))
+    print("-" * len(head), flush=True)
+
+
+def print_rows(rows, unit):
+    """One line per row of one case; speed× = baseline time / time (fwd+bwd), mem× = peak / baseline
+    peak. unit: "TF" or "GF", the FLOP/s scale. A failed row prints its reason instead of figures."""
+    scale = {"TF": 1e9, "GF": 1e6}[unit]  # FLOPs per ms
+    base = next((r for r in rows if r["baseline"] and "error" not in r), None)
     for row in rows:
-        base = next(r for r in rows if r["group"] == row["group"] and r["baseline"])
+        name = row["impl"] + (" *" if row["baseline"] else "")
+        if "error" in row:
+            print(f"{row['group']:<24} {name:<24} FAILED {row['error']}")
+            continue
         fwd_tf = attention_flops(row["shape"], row["window"], False) / row["fwd_ms"] / scale
         fb_tf = attention_flops(row["shape"], row["window"], True) / row["fb_ms"] / scale
-        name = row["impl"] + (" *" if row["baseline"] else "")
-        print(f"{row['group']:<22} {name:<24} {row['fwd_ms']:>9.2f} {fwd_tf:>9.2f} {row['fb_ms']:>9.2f} "
-              f"{fb_tf:>9.2f} {row['peak_mib']:>9.1f} {base['fb_ms'] / row['fb_ms']:>7.2f} "
-              f"{row['peak_mib'] / base['peak_mib']:>6.3f}")
+        speed = f"{base['fb_ms'] / row['fb_ms']:>7.2f}" if base else f"{'n/a':>7}"
+        mem = f"{row['peak_mib'] / base['peak_mib']:>6.3f}" if base else f"{'n/a':>6}"
+        print(f"{row['group']:<24} {name:<24} {row['fwd_ms']:>9.2f} {fwd_tf:>9.2f} {row['fb_ms']:>9.2f} "
+              f"{fb_tf:>9.2f} {row['peak_mib']:>9.1f} {row['err']:>8.1e} {speed} {mem}")
+    if base is None:
+        print(f"{rows[0]['group']:<24} (the baseline failed: no ratios for this case)")
+    sys.stdout.flush()
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     parser.add_argument("--cpu", action="store_true", help="the CPU benchmark even when CUDA is available")
+    parser.add_argument("--smoke", action="store_true", help="the GPU benchmark's code on the CPU, toy sizes")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="CPU threads per case")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one CPU case, as JSON
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(cpu_worker(json.loads(args.worker))))
-        return
-    if torch.cuda.is_available() and not args.cpu:
-        print_table(cuda_rows(args.quick), f"{torch.cuda.get_device_name()}, bfloat16", "TF")
+    elif args.smoke:
+        gpu_table(smoke_cases(), torch.float32, torch.device("cpu"), rounds=2, inner=1, unit="GF")
+    elif torch.cuda.is_available() and not args.cpu:
+        gpu_table(gpu_cases(args.quick), torch.bfloat16, torch.device("cuda"), rounds=10, inner=3, unit="TF")
     else:
-        print_table(cpu_rows(args.quick, args.threads), f"CPU, {args.threads} thread(s), float32", "GF")
+        cpu_table(args.quick, args.threads)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
 # Everything gpt3d measures on a GPU, in one command: the CUDA tests, then every GPU benchmark.
-# Writes bench/results/<gpu>-<date>.md (or into the folder given as $1): the device, driver, library
-# versions, each exact command and its unedited output.
+# Writes DIR/<gpu>-<date>.md (DIR defaults to bench/results) while it runs: the device, driver and
+# library versions, then each section's exact command and unedited output, appended as it comes.
+# Every section has a time limit and the whole suite a deadline (SUITE_SECONDS, default 560 s,
+# under a 10-minute job limit): a section that fails or runs out of time is recorded as such and
+# the next one still runs; whatever was finished stays in the file even if the suite is killed.
 #
-#   bash bench/gpu_suite.sh             # → bench/results/NVIDIA-H100-80GB-HBM3-2026-11-22.md
+#   bash bench/gpu_suite.sh                 # → bench/results/NVIDIA-H100-80GB-HBM3-2026-11-22.md
 #   PYTHON=.venv/bin/python bash bench/gpu_suite.sh /tmp/results
+#   SUITE_SECONDS=1800 bash bench/gpu_suite.sh   # a machine with more time: same sections, same limits
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 OUT_DIR="${1:-bench/results}"
+DEADLINE=$((SECONDS + ${SUITE_SECONDS:-560}))
 export PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 
@@ -21,35 +26,44 @@ GPU="$("$PY" -c "import torch; print(torch.cuda.get_device_name().replace(' ', '
 RESULT="$OUT_DIR/$GPU-$(date +%F).md"
 FAILED=0
 
-section() {  # section TITLE COMMAND...: run one command, append it and its output to the results file
-  local title="$1"; shift
-  echo "== $title: $*" >&2
+section() {  # section TITLE SECONDS COMMAND...: run COMMAND for at most SECONDS, appending to RESULT
+  local title="$1" limit="$2"; shift 2
+  local left=$((DEADLINE - SECONDS - 5))
+  [ "$limit" -le "$left" ] || limit=$left
+  printf '\n## %s\n\n`%s` (time limit %s s)\n\n' "$title" "$*" "$limit" >> "$RESULT"
+  if [ "$limit" -lt 20 ]; then
+    echo "SKIPPED: the suite's deadline leaves ${limit} s" | tee -a "$RESULT" >&2
+    FAILED=1
+    return
+  fi
+  echo "== $title ($limit s): $*" >&2
   local start=$SECONDS
-  {
-    echo; echo "## $title"; echo; echo "\`$*\`"; echo; echo '```'
-    "$@" 2>&1
-    local rc=$?
-    echo '```'
-    echo; echo "exit code $rc, $((SECONDS - start)) s"
-    [ "$rc" -eq 0 ] || echo "FAILED" >&2
-    exit "$rc"
-  } | tee -a "$RESULT"
-  [ "${PIPESTATUS[0]}" -eq 0 ] || FAILED=1
+  echo '```' >> "$RESULT"
+  # SIGINT first: pytest then prints the summary of the tests it finished; KILL 15 s later.
+  timeout --signal=INT --kill-after=15 "$limit" "$@" 2>&1 | tee -a "$RESULT"
+  local rc=${PIPESTATUS[0]}
+  echo '```' >> "$RESULT"
+  local verdict="exit code $rc"
+  [ "$rc" -eq 124 ] && verdict="TIMED OUT after $limit s (exit code 124)"
+  [ "$rc" -ne 0 ] && verdict="FAILED: $verdict" && FAILED=1
+  printf '\n%s, %s s\n' "$verdict" "$((SECONDS - start))" | tee -a "$RESULT" >&2
 }
 
 {
   echo "# gpt3d GPU suite on $GPU, $(date -u '+%F %H:%M UTC')"
   echo
-  echo "Command: \`bash bench/gpu_suite.sh\` at commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (with uncommitted changes)')"
+  commit="$(git rev-parse --short HEAD 2>/dev/null)" && { git diff --quiet HEAD || commit="$commit (with uncommitted changes)"; }
+  echo "Command: \`SUITE_SECONDS=${SUITE_SECONDS:-560} bash bench/gpu_suite.sh $*\` at commit ${commit:-unknown (no git)}"
   echo
   echo '```'
-  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit --format=csv 2>&1
   "$PY" - <<'EOF'
 import importlib, platform, torch
-print("python", platform.python_version(), "| torch", torch.__version__, "| CUDA", torch.version.cuda)
+print("python", platform.python_version(), "| torch", torch.__version__, "| CUDA", torch.version.cuda,
+      "| cuDNN", torch.backends.cudnn.version())
 props = torch.cuda.get_device_properties(0)
 print(f"{props.name}: {props.multi_processor_count} SMs, {props.total_memory / 2**30:.1f} GiB, sm_{props.major}{props.minor}")
-for name in ("triton", "deepspeed", "transformers", "hydra", "datasets"):
+for name in ("triton", "transformers", "deepspeed", "hydra", "datasets"):
     try:
         print(name, importlib.import_module(name).__version__)
     except Exception as err:  # report what is missing, measure the rest
@@ -58,8 +72,11 @@ EOF
   echo '```'
 } > "$RESULT"
 
-section "CUDA tests" "$PY" -m pytest -q -p no:cacheprovider tests/test_attention_cuda.py
-section "Attention kernel vs SDPA" "$PY" -m bench.attention
+section "CUDA tests (autotuning pinned to each kernel's first config)" 170 \
+  env GPT3D_TRITON_AUTOTUNE=0 "$PY" -m pytest -q -p no:cacheprovider -rfEs --durations=5 tests/test_attention_cuda.py
+section "Attention kernel vs SDPA backends" 210 "$PY" -m bench.attention
+section "Training step: gpt3d (Triton kernel, SDPA) vs Hugging Face GPT-2" 170 \
+  "$PY" -m bench.train_speed model=gpt3-125m model=gpt3-350m
 
 echo "gpu_suite: results in $RESULT" >&2
 exit "$FAILED"

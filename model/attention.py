@@ -11,8 +11,12 @@ take (lo, hi) and nothing else, so causal, banded and dense attention are one co
 Implementations (`impl`):
   "triton"     the fused FlashAttention-2 kernel, forward and backward (model/attention_triton.py)
   "torch"      the same tiled math in torch ops, for CPU (model/attention_torch.py)
+  "sdpa"       torch.nn.functional.scaled_dot_product_attention: is_causal for dense causal
+               layers, the band as a boolean mask otherwise; PyTorch picks its backend (FlashAttention,
+               cuDNN, memory-efficient, math). A fallback, and the baseline the kernel is measured against.
   "reference"  plain softmax(QKᵀ/√D)V with autograd; materialises the (T, T) scores
-  "auto"       "triton" on CUDA tensors, "torch" otherwise
+  "auto"       "triton" for bf16/fp16 CUDA tensors, "sdpa" for other CUDA tensors (float32: the
+               kernel takes half precision only), "torch" on the CPU
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from model import attention_torch
 from model.config import ATTENTION_IMPLS
@@ -31,10 +36,14 @@ def attention(q, k, v, causal: bool = True, window: int | None = None, impl: str
         raise ValueError(f"attention impl={impl!r}: must be one of {list(ATTENTION_IMPLS)}")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"attention window={window!r}: must be None or a positive integer")
+    if impl == "auto":
+        impl = "torch" if not q.is_cuda else "triton" if q.dtype in (torch.bfloat16, torch.float16) else "sdpa"
     if impl == "reference":
         return reference_attention(q, k, v, causal=causal, window=window)
+    if impl == "sdpa":
+        return sdpa_attention(q, k, v, causal=causal, window=window)
     lo, hi = band_limits(q.shape[-2], causal, window)
-    if impl == "torch" or (impl == "auto" and not q.is_cuda):
+    if impl == "torch":
         return attention_torch.banded_attention(q, k, v, lo, hi)
     from model import attention_triton  # triton is imported only when the kernel is used
 
@@ -64,6 +73,16 @@ def band_mask(t_q: int, t_k: int, causal: bool, window: int | None, device) -> t
     kj = torch.arange(t_k, device=device)[None, :]  # (1, Tk)
     offset = kj - qi  # (Tq, Tk)
     return (offset >= lo) & (offset <= hi)
+
+
+def sdpa_attention(q, k, v, causal: bool = True, window: int | None = None):
+    """PyTorch's fused attention with the same mask: is_causal when only causal, else the band as a
+    boolean (T, T) mask (True = attend), which rules out the FlashAttention backend."""
+    t = q.shape[-2]
+    if window is None or window >= t:  # a window as long as the sequence masks nothing more
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # (B, H, T, D)
+    mask = band_mask(t, t, causal, window, q.device)  # (T, T)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, T, D)
 
 
 def reference_attention(q, k, v, causal: bool = True, window: int | None = None):

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 ACTIVATIONS = ("gelu", "relu")
 ATTENTION_PATTERNS = ("dense", "alternating")
-ATTENTION_IMPLS = ("auto", "triton", "torch", "reference")
+ATTENTION_IMPLS = ("auto", "triton", "torch", "sdpa", "reference")
 
 
 @dataclass(frozen=True)

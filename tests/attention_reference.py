@@ -48,3 +48,25 @@ def errors_vs_float64(shape, causal, window, impl, dtype=torch.float32, seed=0, 
     ref_grads = torch.autograd.grad(ref, ref_ins, do.to(dtype).double())
     assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
     return [rel_err(x, r) for x, r in zip((out, *grads), (ref, *ref_grads))]
+
+
+def packed_errors_vs_float64(b, t, h, d, causal, window, impl, dtype=torch.float32, seed=0, device="cpu"):
+    """Relative errors of O and of the fused projection's gradient when q, k, v are the three
+    slices of one (B, T, H, 3, D) tensor, as model.layers.SelfAttention cuts them, against float64
+    autograd on the same (rounded) values. Returns (errors, output, input) for further checks."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(b, t, h * 3 * d, generator=gen, dtype=torch.float64)  # (B, T, H·3·D)
+    do = torch.randn(b, h, t, d, generator=gen, dtype=torch.float64)  # (B, H, T, D)
+    qkv = qkv.to(device=device, dtype=dtype).requires_grad_()
+    out = attention(*split_heads(qkv, h, d), causal=causal, window=window, impl=impl)
+    (grad,) = torch.autograd.grad(out, qkv, do.to(device=device, dtype=dtype), retain_graph=True)
+    ref_qkv = qkv.detach().double().requires_grad_()
+    ref = float64_attention(*split_heads(ref_qkv, h, d), causal, window)
+    (ref_grad,) = torch.autograd.grad(ref, ref_qkv, do.to(device=device, dtype=dtype).double())
+    return [rel_err(out, ref), rel_err(grad, ref_grad)], out, qkv
+
+
+def split_heads(qkv, h, d):
+    """q, k, v (each (B, H, T, D)) as views of a (B, T, H·3·D) projection, the way SelfAttention does."""
+    b, t, _ = qkv.shape
+    return qkv.view(b, t, h, 3, d).permute(3, 0, 2, 1, 4).unbind(0)

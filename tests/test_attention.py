@@ -15,7 +15,7 @@ from attention_reference import HEAD_DIMS, LENGTHS, MASKS, TOL, errors_vs_float6
 @pytest.mark.parametrize("mask", MASKS)
 @pytest.mark.parametrize("t", LENGTHS)
 @pytest.mark.parametrize("d", HEAD_DIMS)
-@pytest.mark.parametrize("impl", ["torch", "reference"])  # reference: the baseline others compare to
+@pytest.mark.parametrize("impl", ["torch", "sdpa", "reference"])  # reference: the baseline others compare to
 def test_matches_float64(impl, d, t, mask):
     causal, window = MASKS[mask]
     errs = errors_vs_float64((2, 3, t, d), causal, window, impl)
@@ -35,7 +35,7 @@ def test_auto_is_torch_on_cpu():
 
 def test_bad_arguments_are_named():
     q = torch.randn(1, 1, 4, 8)
-    with pytest.raises(ValueError, match="'auto', 'triton', 'torch', 'reference'"):
+    with pytest.raises(ValueError, match="'auto', 'triton', 'torch', 'sdpa', 'reference'"):
         attention(q, q, q, impl="flash")
     with pytest.raises(ValueError, match="window=0"):
         attention(q, q, q, window=0)

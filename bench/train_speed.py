@@ -1,0 +1,234 @@
+"""Training speed on one GPU: gpt3d with its Triton attention kernel, gpt3d with PyTorch's SDPA, and a
+Hugging Face `transformers` GPT-2 of the same shape (what a user would otherwise pick), in one run.
+
+  python -m bench.train_speed model=gpt3-125m                  # one model size
+  python -m bench.train_speed model=gpt3-125m model=gpt3-350m  # several, one table each
+  python -m bench.train_speed model=gpt3-1.3b --micro-batch 2  # needs about 75 GiB for three models
+  python -m bench.train_speed model=toy --device cpu --seq-len 64 --steps 2 --warmup 1   # CPU smoke run
+
+Rows, on the same batches:
+  gpt3d attention_impl=triton  gpt3d's model with the fused kernel (on the CPU: attention_impl=torch)
+  gpt3d attention_impl=sdpa    the same model with torch's scaled_dot_product_attention, selected by
+                               the model config key `model.attention_impl=sdpa` (the switch for
+                               comparison and fallback; "auto" keeps the kernel on GPUs)
+  hf-gpt2 sdpa                 transformers.GPT2LMHeadModel, same layers, widths, heads, vocabulary,
+                               context, tied embeddings and tanh GELU, attn_implementation="sdpa"
+                               (the baseline, *; gpt3d sdpa when transformers is not installed)
+Each step is the math of gpt3d's training loop, written out in plain torch: forward under bf16
+autocast (fp32 weights; no autocast on the CPU), mean next-token cross-entropy in fp32, backward,
+gradient clipping at 1.0, torch.optim.AdamW(fused=True, betas=(0.9, 0.95), eps=1e-8,
+weight_decay=0.1). DeepSpeed's engine (not installed where this was first run), its bookkeeping
+and the data pipeline are NOT in the loop: this is the model's own speed. The models' steps
+alternate, one step of each per round, so clocks and machine load affect them alike; the first
+`--warmup` rounds (Triton autotunes in the first) are not timed.
+
+Columns: step ms = median over the timed rounds (min–max); tokens/s = micro batch × T / step;
+MFU = tokens/s × (6N + 12·L·d·T) / peak, the PaLM FLOPs count of train/metrics.py with N the
+parameters without the position table (the same N for every row: one shape); peak = --peak-tflops,
+by default 989 TFLOP/s (H100 SXM and H200, dense bf16) on a GPU and none on the CPU; speed× =
+tokens/s ÷ the baseline's. Model configs are configs/model/NAME.yaml, read as plain YAML (no Hydra).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from model import GPT, GPTConfig, build, count_parameters
+from model.layers import lm_loss
+from train.metrics import flops_per_token
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "model"
+H100_PEAK_TFLOPS = 989.0  # dense bf16, H100 SXM and H200
+
+
+def load_model_config(name: str) -> dict:
+    """configs/model/NAME.yaml as a dict, naming the available configs when NAME is not one."""
+    import yaml
+
+    path = CONFIG_DIR / f"{name}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+        raise SystemExit(f"model={name}: no such config; choose from {known}")
+    return yaml.safe_load(path.read_text())
+
+
+def hf_gpt2(config: GPTConfig, device):
+    """transformers.GPT2LMHeadModel of gpt3d's shape with SDPA attention, or an ImportError saying
+    transformers is missing."""
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel
+    except ImportError as err:
+        raise ImportError(f"transformers is not installed ({err}): pip install transformers") from err
+    special = min(50256, config.vocab_size - 1)  # GPT-2's <|endoftext|>, kept inside small vocabularies
+    hf_config = GPT2Config(vocab_size=config.vocab_size, n_positions=config.seq_len, n_embd=config.d_model,
+                           n_layer=config.n_layer, n_head=config.n_head, n_inner=config.d_ff,
+                           activation_function="gelu_new" if config.activation == "gelu" else "relu",
+                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=config.ln_eps,
+                           initializer_range=config.init_std, use_cache=False, tie_word_embeddings=True,
+                           bos_token_id=special, eos_token_id=special, attn_implementation="sdpa")
+    with torch.device(device):
+        model = GPT2LMHeadModel(hf_config)
+    if model.config._attn_implementation != "sdpa":
+        raise RuntimeError(f"transformers chose attention {model.config._attn_implementation!r}, not 'sdpa'")
+    return model
+
+
+def gpt3d_loss(model, x, y):
+    return model(x, y)  # gpt3d: forward(idx, targets) is the mean next-token cross-entropy
+
+
+def hf_loss(model, x, y):
+    return lm_loss(model(input_ids=x).logits, y)  # transformers: the same loss on its logits
+
+
+class Row:
+    """One model being timed: its step, its timings, peak memory and losses, or why it failed."""
+
+    def __init__(self, name, make_model, loss_fn, device):
+        self.name, self.loss_fn, self.device = name, loss_fn, device
+        self.step_s, self.losses, self.peak_gib, self.error = [], [], 0.0, None
+        try:
+            self.model = make_model()
+            self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8,
+                                         weight_decay=0.1, fused=True)
+        except Exception as err:  # reported in the table, never dropped
+            self.fail(err)
+
+    def fail(self, err):
+        self.error = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:160]}"
+        self.model = self.opt = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def step(self, x, y, timed: bool):
+        """One training step; records its time (synchronised) when timed."""
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        try:
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cuda):
+                loss = self.loss_fn(self.model, x, y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0, foreach=True)
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.synchronize(self.device)
+        except Exception as err:  # out of memory, a kernel that fails: reported, the others go on
+            self.fail(err)
+            return
+        if timed:
+            self.step_s.append(time.perf_counter() - start)
+        self.losses.append(loss.item())
+        if cuda:
+            self.peak_gib = max(self.peak_gib, torch.cuda.max_memory_allocated(self.device) / 2**30)
+
+
+def benchmark(name, config: GPTConfig, micro_batch, warmup, steps, device, peak_tflops):
+    gpt3d_impl = "triton" if device.type == "cuda" else "torch"
+
+    def gpt3d(impl):
+        return lambda: build(GPTConfig.from_dict({**vars(config), "attention_impl": impl}), device=device, seed=0)
+
+    rows = [Row("hf-gpt2 sdpa", lambda: hf_gpt2(config, device), hf_loss, device),
+            Row(f"gpt3d attention_impl={gpt3d_impl}", gpt3d(gpt3d_impl), gpt3d_loss, device),
+            Row("gpt3d attention_impl=sdpa", gpt3d("sdpa"), gpt3d_loss, device)]
+    n_params = count_parameters(build_meta(config), exclude_positions=True)
+    flops_tok = flops_per_token(n_params, config.n_layer, config.d_model, config.seq_len)
+    tokens = micro_batch * config.seq_len
+    print(f"\n{name}: {config.n_layer} layers, d_model {config.d_model}, {config.n_head} heads of {config.d_head}, "
+          f"T={config.seq_len}, micro batch {micro_batch} ({tokens} tokens/step), N={n_params / 1e6:.1f}M without "
+          f"positions, {flops_tok / 1e9:.2f} GFLOP/token; {warmup} warm-up + {steps} timed rounds")
+    if rows[0].model is not None:
+        hf_n = sum(p.numel() for n, p in rows[0].model.named_parameters() if "wpe" not in n)
+        print(f"hf-gpt2 parameters without positions: {hf_n / 1e6:.1f}M")
+    gen = torch.Generator().manual_seed(0)
+    for round_index in range(warmup + steps):
+        batch = torch.randint(0, config.vocab_size, (micro_batch, config.seq_len + 1), generator=gen).to(device)
+        x, y = batch[:, :-1], batch[:, 1:]  # (B, T) inputs, (B, T) next tokens
+        for row in rows:
+            if row.error is None:
+                row.step(x, y, timed=round_index >= warmup)
+    print_table(rows, tokens, flops_tok, peak_tflops)
+
+
+def build_meta(config):
+    """The model on the meta device: shapes and parameter counts, no memory."""
+    with torch.device("meta"):
+        return GPT(config)
+
+
+def print_table(rows, tokens, flops_tok, peak_tflops):
+    base = next((r for r in rows if r.error is None and r.step_s), None)
+    head = (f"{'row':<30} {'step ms':>9} {'(min-max)':>15} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>8} "
+            f"{'loss first→last':>16} {'speed×':>7}")
+    print(head)
+    print("-" * len(head))
+    for row in rows:
+        mark = " *" if row is base else ""
+        if row.error is not None or not row.step_s:
+            print(f"{row.name + mark:<30} FAILED {row.error or 'no timed step'}")
+            continue
+        step = statistics.median(row.step_s)
+        tok_s = tokens / step
+        mfu = f"{tok_s * flops_tok / (peak_tflops * 1e12):>6.1%}" if peak_tflops else f"{'n/a':>6}"
+        spread = f"({1e3 * min(row.step_s):.1f}-{1e3 * max(row.step_s):.1f})"
+        losses = f"{row.losses[0]:.3f}→{row.losses[-1]:.3f}"
+        speed = tok_s / (tokens / statistics.median(base.step_s))
+        peak = f"{row.peak_gib:>8.1f}" if row.device.type == "cuda" else f"{'n/a':>8}"
+        print(f"{row.name + mark:<30} {1e3 * step:>9.1f} {spread:>15} {tok_s:>10.0f} {mfu} {peak} "
+              f"{losses:>16} {speed:>7.2f}")
+    sys.stdout.flush()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("overrides", nargs="+", metavar="model=NAME", help="model config(s) from configs/model/")
+    parser.add_argument("--micro-batch", type=int, help="sequences per step (default: 8, or 2 above 1B parameters)")
+    parser.add_argument("--seq-len", type=int, help="override the config's context length")
+    parser.add_argument("--steps", type=int, default=10, help="timed rounds (default 10)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first (default 3)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else None,
+                        help="cuda (default when available) or cpu, for a smoke run")
+    parser.add_argument("--peak-tflops", type=float,
+                        help=f"per-device peak for MFU (default on a GPU: {H100_PEAK_TFLOPS:g}, H100 SXM/H200 bf16)")
+    args = parser.parse_args()
+    names = []
+    for item in args.overrides:
+        key, _, value = item.partition("=")
+        if key != "model" or not value:
+            parser.error(f"{item!r}: expected model=NAME")
+        names.append(value)
+    if args.device is None:
+        parser.error("no CUDA device: pass --device cpu for a smoke run on the CPU")
+    if args.steps < 1 or args.warmup < 0:
+        parser.error(f"--steps {args.steps} must be ≥ 1 and --warmup {args.warmup} ≥ 0")
+    configs = {name: load_model_config(name) for name in names}  # every name checked before any work
+    device = torch.device(args.device)
+    peak = args.peak_tflops if args.peak_tflops is not None else (H100_PEAK_TFLOPS if device.type == "cuda" else None)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (float32, no autocast)"
+    print(f"training step speed on {where}; bf16 autocast on GPUs, fused AdamW, clip 1.0; a plain torch step: "
+          f"DeepSpeed's engine is not in the loop")
+    print(f"torch {torch.__version__}; MFU against {f'{peak:g} TFLOP/s' if peak else 'no peak (n/a)'}; "
+          "ratios against the row marked *")
+    for name, values in configs.items():
+        if args.seq_len:
+            values = {**values, "seq_len": args.seq_len}
+        config = GPTConfig.from_dict(values)
+        n = count_parameters(build_meta(config))
+        micro_batch = args.micro_batch or (8 if n < 1e9 else 2)
+        benchmark(name, config, micro_batch, args.warmup, args.steps, device, peak)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
