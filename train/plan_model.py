@@ -29,7 +29,15 @@ from dataclasses import dataclass, field
 from model import GPTConfig
 from parallel import plan_comm
 from parallel.plan_activations import ActivationBytes, StageShape, checkpointed_blocks, micro_batch_activations
-from parallel.plan_counts import FP32, REDUCE_BUCKET_SIZE, StateBytes, rank_parameters, stage_blocks, state_bytes
+from parallel.plan_counts import (
+    FP32,
+    REDUCE_BUCKET_SIZE,
+    StateBytes,
+    count_full_parameters,
+    rank_parameters,
+    stage_blocks,
+    state_bytes,
+)
 from parallel.tensor import padded_vocab_size
 from train.plan_hardware import Hardware
 
@@ -136,7 +144,13 @@ class Plan:
     hardware_flops_per_step: float
     reserved_gib: float = 0.0
     tokens: float = 300e9
+    gpus_per_node: int = 8
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def parameters(self) -> int:
+        """The full model's parameters."""
+        return count_full_parameters(self.model)
 
     @property
     def tokens_per_step(self) -> int:
@@ -177,7 +191,8 @@ class Plan:
 
     def to_json(self) -> dict:
         return {
-            "model": self.model.name, "layout": dataclasses.asdict(self.layout), "gpus": self.layout.gpus,
+            "model": self.model.name, "parameters": self.parameters, "layout": dataclasses.asdict(self.layout),
+            "gpus": self.layout.gpus,
             "hardware": self.hardware.as_dict(), "fits": self.fits, "peak_memory_gib": self.peak_memory_gib,
             "reserved_gib": self.reserved_gib, "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
             "model_flops_per_step": self.model_flops_per_step, "hardware_flops_per_step": self.hardware_flops_per_step,
@@ -351,5 +366,12 @@ def build_plan(
         ranks=[stages[s] for s in shown], step_time_s=step_s,
         model_flops_per_step=model_flops_per_token(cfg) * layout.global_batch * cfg.seq_len,
         hardware_flops_per_step=sum(r.hardware_flops for r in stages) * tp * dp,
-        reserved_gib=reserved_gib, tokens=tokens,
+        reserved_gib=reserved_gib, tokens=tokens, gpus_per_node=gpus_per_node, notes=_notes(layout),
     )  # fmt: skip
+
+
+def _notes(layout: Layout) -> list[str]:
+    notes = []
+    if layout.offload_optimizer:
+        notes.append("optimizer offload: the CPU optimizer's time and the host transfers are not modelled")
+    return notes

@@ -1,0 +1,166 @@
+"""The planner: `python -m train.plan <the same Hydra overrides as training>`.
+
+  python -m train.plan model=gpt3-175b parallel.tp=8 parallel.pp=16 plan.gpus=1024 \\
+      train.global_batch_size=1536 parallel.zero_stage=1 parallel.activation_checkpointing=1
+  python -m train.plan model=gpt3-175b plan.gpus=1024 train.global_batch_size=1536 plan.search=true
+  python -m train.plan model=gpt3-13b plan.gpus=64 plan.hardware=a100-40g plan.format=json
+  python -m train.plan model=gpt3-175b parallel.tp=8 parallel.pp=16 plan.gpus=1024 plan.dry_run=true
+
+It composes the training config (configs/config.yaml) with the `plan` group (configs/plan/default.yaml)
+and prints, per rank of the first, middle and last pipeline stage, what the layout holds, computes,
+sends and how long a step takes (train/plan_model.py). Nothing is built, except with
+plan.dry_run=true, which builds every distinct rank's shard on the meta device.
+
+For a training run: `plan_for_run(cfg)` predicts the run's own layout on the visible GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from omegaconf import OmegaConf
+
+from model import GPTConfig
+from train.plan_hardware import Hardware, for_cuda_device, preset
+from train.plan_model import Layout, Plan, build_plan
+from train.plan_report import format_plan, format_search
+from train.plan_search import layout_problem, search
+
+FORMATS = ("table", "json")
+
+
+def model_config(cfg) -> GPTConfig:
+    return GPTConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
+
+
+def layout_from_config(cfg, gpus: int) -> Layout:
+    """The run's layout on `gpus` GPUs; ValueError naming the problem when the trainer would refuse it."""
+    par, tr = cfg.parallel, cfg.train
+    model_cfg = model_config(cfg)
+    tp, pp = par.tp, par.pp
+    for key, value in (("parallel.tp", tp), ("parallel.pp", pp), ("plan.gpus", gpus),
+                       ("train.global_batch_size", tr.global_batch_size), ("train.micro_batch_size", tr.micro_batch_size)):  # fmt: skip
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{key}={value!r}: must be a positive integer")
+    if gpus % (tp * pp):
+        raise ValueError(f"plan.gpus={gpus} is not a multiple of tp·pp = {tp * pp} (parallel.tp={tp}, parallel.pp={pp})")
+    layout = Layout(
+        tp=tp, pp=pp, dp=gpus // (tp * pp), global_batch=tr.global_batch_size, micro_batch=tr.micro_batch_size,
+        zero_stage=par.zero_stage, offload_optimizer=bool(par.offload_optimizer),
+        sequence_parallel=bool(par.sequence_parallel), checkpoint_every=par.activation_checkpointing,
+    )  # fmt: skip
+    problem = layout_problem(model_cfg, layout)
+    if problem:
+        raise ValueError(problem)
+    return layout
+
+
+def hardware_from_config(plan_cfg) -> Hardware:
+    overrides = OmegaConf.to_container(plan_cfg.device, resolve=True) if plan_cfg.get("device") else {}
+    return preset(plan_cfg.hardware, overrides)
+
+
+def _gpus(plan_cfg, cfg) -> int:
+    if plan_cfg.gpus is not None:
+        return plan_cfg.gpus
+    return int(os.environ.get("WORLD_SIZE", cfg.parallel.tp * cfg.parallel.pp))
+
+
+def plan_from_config(cfg) -> Plan:
+    """The prediction `python -m train.plan` prints for a composed config (training's plus `plan`)."""
+    plan_cfg = cfg.plan
+    layout = layout_from_config(cfg, _gpus(plan_cfg, cfg))
+    _check_plan_options(plan_cfg)
+    return build_plan(
+        model_config(cfg), layout, hardware_from_config(plan_cfg), gpus_per_node=plan_cfg.gpus_per_node,
+        reserved_gib=float(plan_cfg.reserved_gib), tokens=float(plan_cfg.tokens),
+    )  # fmt: skip
+
+
+def plan_for_run(cfg, hardware: Hardware | None = None) -> Plan:
+    """The prediction for a training run's own config: its layout on WORLD_SIZE GPUs of
+    LOCAL_WORLD_SIZE per node, on the visible GPU (or `hardware`; without CUDA the h100-80g preset).
+    Plan.to_json() is what to log with the run; Plan.predicted_mfu is the step log's comparison."""
+    if hardware is None:
+        import torch
+
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        hardware = for_cuda_device(local) if torch.cuda.is_available() else preset("h100-80g")
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", min(world, 8)))
+    return build_plan(model_config(cfg), layout_from_config(cfg, world), hardware, gpus_per_node=per_node)
+
+
+def _check_plan_options(plan_cfg) -> None:
+    if plan_cfg.format not in FORMATS:
+        raise ValueError(f"plan.format={plan_cfg.format!r}: must be one of {list(FORMATS)}")
+    for key in ("gpus_per_node", "top"):
+        value = plan_cfg[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"plan.{key}={value!r}: must be a positive integer")
+    for key in ("tokens", "reserved_gib"):
+        value = plan_cfg[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ValueError(f"plan.{key}={value!r}: must be a non-negative number")
+
+
+def compose(overrides: list[str]):
+    """Training's config plus the plan group, with the command line's overrides."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from train.__main__ import CONFIG_DIR  # also registers the config's resolvers
+
+    with initialize_config_dir(version_base=None, config_dir=CONFIG_DIR, job_name="plan"):
+        return hydra_compose("config", overrides=["+plan=default", *overrides])
+
+
+def run(overrides: list[str], out=sys.stdout, err=sys.stderr) -> int:
+    """The command; returns its exit status (2: a bad config, 1: a failed dry run)."""
+    try:
+        cfg = compose(overrides)
+    except Exception as error:  # Hydra's own message names the bad override
+        print(f"gpt3d plan: error: {'; '.join(str(error).splitlines()[:2])}", file=err)
+        return 2
+    try:
+        plan = plan_from_config(cfg)
+        if cfg.plan.search:
+            plans = search(
+                plan.model, plan.layout.gpus, plan.layout.global_batch, plan.hardware,
+                gpus_per_node=cfg.plan.gpus_per_node, reserved_gib=plan.reserved_gib, tokens=plan.tokens,
+            )  # fmt: skip
+    except ValueError as error:
+        print(f"gpt3d plan: error: {error}", file=err)
+        return 2
+    if cfg.plan.format == "json":
+        document = plan.to_json()
+        if cfg.plan.search:
+            document["search"] = [p.to_json() | {"ranks": None} for p in plans[: cfg.plan.top]]
+        print(json.dumps(document, indent=2), file=out)
+    else:
+        print(format_plan(plan), file=out)
+        if cfg.plan.search:
+            print(f"\nlayouts on {plan.layout.gpus} GPUs that fit, fastest first:\n" + format_search(plans, cfg.plan.top), file=out)
+    if cfg.plan.dry_run:
+        return _dry_run(plan, out, err)
+    return 0
+
+
+def _dry_run(plan: Plan, out, err) -> int:
+    from parallel.plan_dry_run import dry_run
+
+    report = dry_run(plan.model, plan.layout.tp, plan.layout.pp, log=lambda line: print(line, file=err, flush=True))
+    if report.ok:
+        print(f"dry run: built all {report.shards} distinct rank shards (tp × pp) on meta in {report.seconds:.1f} s; "
+              f"together they hold each of the {report.full_parameters:,} parameters exactly once", file=out)  # fmt: skip
+        return 0
+    print(f"dry run FAILED: shards cover {report.covered_parameters:,} of {report.full_parameters:,} parameters", file=out)
+    for problem in report.problems:
+        print(f"  {problem}", file=out)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(run(sys.argv[1:]))
