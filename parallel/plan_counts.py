@@ -12,12 +12,13 @@ by rows (parallel/tensor.py); LayerNorms, output-projection biases and wpe are r
 Bytes (DeepSpeed 0.19 with the fp32 parameters gpt3d trains, Adam with two fp32 moments):
 
   ZeRO 0   weights 4N, gradients 4N, moments 8N; no separate master copy (the weights are fp32).
-  ZeRO 1,2 each optimizer group (matrices with decay, vectors without) is flattened, every parameter
-           but the last padded to 4 elements, the total to a multiple of 2·dp: weights 4·flat. Rank r
+  ZeRO 1,2 each optimizer group (matrices with decay, vectors without) is flattened and padded to a
+           multiple of 2·dp elements: weights 4·flat. Rank r
            owns partition r (flat/dp elements) and keeps an fp32 clone of it (master), its two moments,
-           and at the step a gradient buffer holding every parameter that overlaps its partition.
+           and at the step a gradient buffer holding every parameter that overlaps its partition (the last
+           rank also the padding).
   ZeRO 3   every parameter is padded to a multiple of dp and cut into dp pieces: weights = the pieces
-           plus full copies of "persistent" parameters (≤ 1e5 elements); gradients, master and
+           plus full (padded) copies of "persistent" parameters (≤ 1e5 elements); gradients, master and
            moments = one piece each. Two fixed buffers: a gradient reduce bucket of 5e8 elements per
            communication dtype (allocated up front), counted as `buffers`.
 
@@ -34,7 +35,6 @@ from model import GPTConfig
 from parallel.tensor import padded_vocab_size
 
 FP32 = 4
-PARAM_ALIGNMENT = 4  # elements: DeepSpeed pads each flattened fp32 parameter to 16 bytes
 NCCL_START_ALIGNMENT = 2  # DeepSpeed's nccl_start_alignment_factor
 REDUCE_BUCKET_SIZE = 500_000_000  # DeepSpeed's default zero_optimization.reduce_bucket_size (elements)
 PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's default stage3_param_persistence_threshold (elements)
@@ -160,38 +160,47 @@ def _groups(params: list[ParamShape]) -> list[list[ParamShape]]:
     return [g for g in ([p for p in params if p.decay], [p for p in params if not p.decay]) if g]
 
 
-def _zero12(params: list[ParamShape], dp: int, dp_rank: int) -> tuple[int, int, int]:
+def unused_parameters(pp: int, stage: int) -> frozenset[str]:
+    """Parameters a stage holds but never uses, so they get no gradient: the last stage's copy of the
+    position table (the tied embedding is built whole there, but only its wte unembeds)."""
+    return frozenset({"layers.0.wpe.weight"}) if pp > 1 and stage == pp - 1 else frozenset()
+
+
+def _zero12(params: list[ParamShape], dp: int, dp_rank: int, unused: frozenset[str]) -> tuple[int, int, int]:
     """(flat elements, partition elements, gradient elements at the step) summed over groups."""
     flat_total = partition_total = grad_total = 0
     for group in _groups(params):
         offsets, offset = [], 0
-        for i, p in enumerate(group):
+        for p in group:  # zero_optimization.parameter_alignment is off by default: no padding between
             offsets.append(offset)
             offset += p.numel
-            if i < len(group) - 1:
-                offset += -offset % PARAM_ALIGNMENT
         flat = -(-offset // (NCCL_START_ALIGNMENT * dp)) * NCCL_START_ALIGNMENT * dp
         part = flat // dp
         lo, hi = dp_rank * part, (dp_rank + 1) * part
-        grad_total += sum(p.numel for p, start in zip(group, offsets) if start < hi and start + p.numel > lo)
+        mine = [p for p, start in zip(group, offsets) if start < hi and start + p.numel > lo]
+        grad_total += sum(p.numel for p in mine)
+        grad_total += sum(p.numel for p in mine if p.name in unused)  # a zero gradient of its own
+        if dp_rank == dp - 1:
+            grad_total += flat - offset  # the last partition's alignment padding, a zero tensor of its own
         flat_total, partition_total = flat_total + flat, partition_total + part
     return flat_total, partition_total, grad_total
 
 
 def state_bytes(
     params: list[ParamShape], zero_stage: int, dp: int, dp_rank: int = 0, offload: bool = False,
-    comm_dtype_bytes: tuple[int, ...] = (FP32,),
+    comm_dtype_bytes: tuple[int, ...] = (FP32,), unused: frozenset[str] = frozenset(),
 ) -> StateBytes:  # fmt: skip
     """The bytes a rank holding `params` keeps under ZeRO `zero_stage` over `dp` data-parallel ranks.
 
     comm_dtype_bytes: element sizes of the gradient-reduction dtypes (fp32; with autocast on a GPU
-    and plain nn.Linear layers also bf16): ZeRO 3 keeps one reduce bucket per dtype.
+    and plain nn.Linear layers also bf16): ZeRO 3 keeps one reduce bucket per dtype. unused: names of
+    parameters without a gradient (`unused_parameters`).
     """
     n = sum(p.numel for p in params)
     if zero_stage == 0:
         return StateBytes(weights=FP32 * n, gradients=FP32 * n, master=0, moments=2 * FP32 * n, partition=n)
     if zero_stage in (1, 2):
-        flat, part, grads = _zero12(params, dp, dp_rank)
+        flat, part, grads = _zero12(params, dp, dp_rank, unused)
         master, moments = FP32 * part, 2 * FP32 * part
         host = master + moments if offload else 0
         return StateBytes(
@@ -200,7 +209,8 @@ def state_bytes(
         )  # fmt: skip
     if zero_stage == 3:
         pieces = sum(-(-p.numel // dp) for p in params)
-        persistent = sum(p.numel for p in params if p.numel <= PERSISTENCE_THRESHOLD)
+        # a persistent parameter stays gathered, in the padded buffer it was all-gathered into
+        persistent = sum(-(-p.numel // dp) * dp for p in params if p.numel <= PERSISTENCE_THRESHOLD)
         master, moments = FP32 * pieces, 2 * FP32 * pieces
         return StateBytes(
             weights=FP32 * (pieces + persistent), gradients=FP32 * pieces, master=0 if offload else master,

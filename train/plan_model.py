@@ -37,6 +37,7 @@ from parallel.plan_counts import (
     rank_parameters,
     stage_blocks,
     state_bytes,
+    unused_parameters,
 )
 from parallel.tensor import padded_vocab_size
 from train.plan_hardware import Hardware
@@ -305,7 +306,8 @@ def _rank(cfg, layout: Layout, impl: Implementation, hw: Hardware, stage: int, i
     params = rank_parameters(cfg, tp, pp, stage)
     shape = StageShape.of(cfg, pp, stage)
     comm_dtypes = (FP32, 2) if impl.autocast and tp == 1 else (FP32,)
-    state = state_bytes(params, layout.zero_stage, dp, 0, layout.offload_optimizer, comm_dtypes)
+    unused = unused_parameters(pp, stage)
+    state = state_bytes(params, layout.zero_stage, dp, 0, layout.offload_optimizer, comm_dtypes, unused)
     acts = micro_batch_activations(
         cfg, tp, pp, stage, layout.micro_batch, sequence_parallel=layout.sequence_parallel,
         checkpoint_every=layout.checkpoint_every, autocast=impl.autocast,
@@ -317,7 +319,6 @@ def _rank(cfg, layout: Layout, impl: Implementation, hw: Hardware, stage: int, i
         grad_bytes = lambda p: impl.grad_reduce_bytes  # noqa: E731
     else:
         grad_bytes = lambda p: 2 if impl.autocast and p.linear else FP32  # noqa: E731
-    unused = frozenset({"layers.0.wpe.weight"}) if pp > 1 and stage == pp - 1 else frozenset()
     tied = sum(p.numel for p in params if p.name.endswith("wte.weight"))
     transfers = (
         plan_comm.tensor_parallel(cfg, shape, tp, layout.micro_batch, m,
