@@ -8,14 +8,16 @@
 
 It composes the training config (configs/config.yaml) with the `plan` group (configs/plan/default.yaml)
 and prints, per rank of the first, middle and last pipeline stage, what the layout holds, computes,
-sends and how long a step takes (train/plan_model.py). Nothing is built, except with
-plan.dry_run=true, which builds every distinct rank's shard on the meta device.
+sends and how long a step takes (train/plan_model.py). Nothing is built. plan.dry_run=true instead
+builds every distinct rank's shard of the model on the meta device and checks that together they
+hold each parameter exactly once (parallel/plan_dry_run.py).
 
 For a training run: `plan_for_run(cfg)` predicts the run's own layout on the visible GPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -119,11 +121,15 @@ def compose(overrides: list[str]):
 
 def run(overrides: list[str], out=sys.stdout, err=sys.stderr) -> int:
     """The command; returns its exit status (2: a bad config, 1: a failed dry run)."""
+    with contextlib.redirect_stdout(err):  # DeepSpeed announces its accelerator on import: keep stdout clean
+        import deepspeed.runtime.utils  # noqa: F401
     try:
         cfg = compose(overrides)
     except Exception as error:  # Hydra's own message names the bad override
         print(f"gpt3d plan: error: {'; '.join(str(error).splitlines()[:2])}", file=err)
         return 2
+    if cfg.plan.dry_run:
+        return _dry_run(cfg, out, err)
     try:
         plan = plan_from_config(cfg)
         if cfg.plan.search:
@@ -143,15 +149,21 @@ def run(overrides: list[str], out=sys.stdout, err=sys.stderr) -> int:
         print(format_plan(plan), file=out)
         if cfg.plan.search:
             print(f"\nlayouts on {plan.layout.gpus} GPUs that fit, fastest first:\n" + format_search(plans, cfg.plan.top), file=out)
-    if cfg.plan.dry_run:
-        return _dry_run(plan, out, err)
     return 0
 
 
-def _dry_run(plan: Plan, out, err) -> int:
+def _dry_run(cfg, out, err) -> int:
+    """plan.dry_run=true: build and check the layout's shards (the batch does not matter here)."""
     from parallel.plan_dry_run import dry_run
+    from parallel.topology import check_layout
 
-    report = dry_run(plan.model, plan.layout.tp, plan.layout.pp, log=lambda line: print(line, file=err, flush=True))
+    try:
+        model_cfg, par = model_config(cfg), cfg.parallel
+        check_layout(model_cfg.n_head, model_cfg.d_ff, par.tp, par.pp, model_cfg.n_layer, _gpus(cfg.plan, cfg))
+    except ValueError as error:
+        print(f"gpt3d plan: error: {error}", file=err)
+        return 2
+    report = dry_run(model_cfg, par.tp, par.pp, log=lambda line: print(line, file=err, flush=True))
     if report.ok:
         print(f"dry run: built all {report.shards} distinct rank shards (tp × pp) on meta in {report.seconds:.1f} s; "
               f"together they hold each of the {report.full_parameters:,} parameters exactly once", file=out)  # fmt: skip
