@@ -152,7 +152,7 @@ def test_every_preset_names_a_source_for_each_figure():
 
 def test_preflight_stops_a_layout_that_cannot_fit_and_names_three_that_do(monkeypatch):
     from train.plan import compose
-    from train.plan_preflight import preflight
+    from train.plan import preflight
     from train.validate import ConfigError
 
     monkeypatch.setenv("WORLD_SIZE", "8")

@@ -12,7 +12,11 @@ sends and how long a step takes (train/plan_model.py). Nothing is built. plan.dr
 builds every distinct rank's shard of the model on the meta device and checks that together they
 hold each parameter exactly once (parallel/plan_dry_run.py).
 
-For a training run: `plan_for_run(cfg)` predicts the run's own layout on the visible GPU.
+For a training run: `plan_for_run(cfg)` predicts the run's own layout on the visible GPU, and
+`preflight(cfg)` (which `python -m train` calls after the config check when the device is CUDA)
+stops a run whose predicted peak memory exceeds the device's before anything is built, with one
+message giving that peak and the three fastest layouts on the same GPUs, global batch and model
+that fit (leaving the default headroom for the CUDA context), as overrides to paste.
 """
 
 from __future__ import annotations
@@ -29,8 +33,10 @@ from train.plan_hardware import Hardware, for_cuda_device, preset
 from train.plan_model import Layout, Plan, build_plan
 from train.plan_report import format_plan, format_search
 from train.plan_search import layout_problem, search
+from train.validate import ConfigError
 
 FORMATS = ("table", "json")
+HEADROOM_GIB = 2.0  # what pre-flight's alternatives leave free (configs/plan/default.yaml: reserved_gib)
 
 
 def model_config(cfg) -> GPTConfig:
@@ -172,6 +178,47 @@ def _dry_run(cfg, out, err) -> int:
     for problem in report.problems:
         print(f"  {problem}", file=out)
     return 1
+
+
+def layout_overrides(layout: Layout) -> str:
+    """The command-line overrides that select `layout` (its dp follows from the world size)."""
+    return " ".join([
+        f"parallel.tp={layout.tp}", f"parallel.pp={layout.pp}", f"parallel.zero_stage={layout.zero_stage}",
+        f"parallel.sequence_parallel={str(layout.sequence_parallel).lower()}",
+        f"parallel.activation_checkpointing={layout.checkpoint_every}", f"train.micro_batch_size={layout.micro_batch}",
+    ])  # fmt: skip
+
+
+def failure_message(plan: Plan, alternatives: list[Plan]) -> str:
+    worst = max(plan.ranks, key=lambda r: r.peak_bytes)
+    hw, lay = plan.hardware, plan.layout
+    text = (
+        f"predicted peak memory {plan.peak_memory_gib:.1f} GiB per GPU (pipeline stage {worst.stage}) exceeds the "
+        f"{hw.memory_gib:.1f} GiB of {hw.name} for {plan.model.name} with {lay.describe()} "
+        f"({lay.global_batch} sequences per step on {lay.gpus} GPU(s)); "
+    )
+    if not alternatives:
+        return text + "no layout of these GPUs fits this model and global batch: add GPUs or lower train.global_batch_size"
+    choices = [
+        f"({i}) {layout_overrides(p.layout)}: {p.peak_memory_gib:.1f} GiB, {p.tokens_per_s:,.0f} tokens/s"
+        for i, p in enumerate(alternatives, 1)
+    ]
+    return text + "layouts that fit, fastest first: " + "; ".join(choices)
+
+
+def preflight(cfg, hardware: Hardware | None = None) -> None:
+    """Raise ConfigError (see module docstring) when the run's predicted peak exceeds the device's memory."""
+    try:
+        plan = plan_for_run(cfg, hardware)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if plan.peak_memory_gib <= plan.hardware.memory_gib:
+        return
+    alternatives = search(
+        model_config(cfg), plan.layout.gpus, plan.layout.global_batch, plan.hardware,
+        gpus_per_node=plan.gpus_per_node, reserved_gib=HEADROOM_GIB,
+    )[:3]  # fmt: skip
+    raise ConfigError(failure_message(plan, alternatives))
 
 
 if __name__ == "__main__":
