@@ -16,6 +16,8 @@ Per token of each transformer block (model/layers.py through parallel/tensor.py)
 The embedding keeps its token ids (8 bytes a token; tp > 1 also a byte of mask); the head keeps the
 final LayerNorm's input and statistics, the unembedding's input (a·d) and the loss's softmax
 (4·V, or 4·Vp/p for the vocab-parallel loss, plus its targets). Dropout with p = 0 saves nothing.
+Under DeepSpeed's pipeline every stage but the last also keeps its output until backward (4d, or
+with tp > 1 the 1/p piece it sent).
 
 Activation checkpointing keeps only each checkpointed segment's input (4d/σ a token) and recomputes
 the rest during backward, when one segment's full activations exist again (`recompute`). On a GPU,
@@ -136,7 +138,7 @@ def micro_batch_activations(
     if shape.head:
         saved += _head_bytes_per_token(cfg, tp, sequence_parallel, a) * n
     if shape.pipelined and not shape.head:
-        saved += FP32 * cfg.d_model * n  # the stage output DeepSpeed keeps to run backward from
+        saved += FP32 * cfg.d_model * n / tp  # the stage output DeepSpeed keeps (tp > 1: its 1/tp part)
     copies = transient = block_casts = 0
     if autocast:
         copies, transient, block_casts = _weight_casts(cfg, tp, pp, stage, shape, ckpt_blocks)
