@@ -27,11 +27,15 @@ OmegaConf.register_new_resolver("rank_zero_only", lambda value: value if is_rank
 
 @hydra.main(version_base=None, config_path=CONFIG_DIR, config_name="config")
 def main(cfg: DictConfig) -> None:
+    from parallel.engine import resolve_device
+    from train.plan import preflight
     from train.validate import ConfigError, check
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         check(cfg, run_dir)
+        if resolve_device(cfg.train.device).type == "cuda":
+            preflight(cfg)  # stop before building anything if the planner predicts it cannot fit
     except ConfigError as err:
         _discard_if_empty(run_dir)
         print(f"gpt3d: error: {err}", file=sys.stderr)
