@@ -59,12 +59,13 @@ class BadRecords:
     """Skipped records per file and reason; warns once per (file, reason), or stops in error mode.
 
     counts: {file: {reason: n}}, plain and JSON-able, so it travels in a resume state.
+    warned: the (file, reason) pairs already shown; the lanes one process reads share one set.
     """
 
-    def __init__(self, policy: str = "skip", warn: bool = True, counts: dict | None = None):
+    def __init__(self, policy: str = "skip", warn: bool = True, counts: dict | None = None, warned: set | None = None):
         self.policy, self.warn = policy, warn
         self.counts: dict[str, dict[str, int]] = copy.deepcopy(counts or {})
-        self._warned: set[tuple[str, str]] = set()
+        self._warned: set[tuple[str, str]] = set() if warned is None else warned  # may be shared by a process's lanes
 
     def skip(self, record: Record) -> None:
         bad = record.text

@@ -74,11 +74,12 @@ class LaneState:
 class LanePacker:
     """Lane (source j, stream s) from a `LaneState` on: `next_chunk()` gives its chunks in order."""
 
-    def __init__(self, spec: DataSpec, lane: tuple[int, int], seq_len: int, seed: int, state: LaneState, warn: bool = True):
+    def __init__(self, spec: DataSpec, lane: tuple[int, int], seq_len: int, seed: int, state: LaneState,
+                 warn: bool = True, warned: set | None = None):
         j, s = lane
         self.key, self.size = (seed, j, s), spec.chunk_windows
         self.index = state.served // self.size
-        self.bad = BadRecords(spec.on_bad_record, warn, state.counts)
+        self.bad = BadRecords(spec.on_bad_record, warn, state.counts, warned)
         docs = documents(spec.sources[j], s, spec.streams, validation=False, bad=self.bad, cursor=state.cursor, repeat=True)
         self._chunks = pack(docs, seq_len + 1, self.size, self.bad)
 

@@ -31,7 +31,8 @@ class InlineSupply:
     """Chunks packed on demand, on the calling thread."""
 
     def __init__(self, spec: DataSpec, lanes: dict, seq_len: int, seed: int, warn: bool = True):
-        self._make = lambda lane: LanePacker(spec, lane, seq_len, seed, lanes[lane], warn)
+        warned: set = set()  # bad files already named, over all lanes
+        self._make = lambda lane: LanePacker(spec, lane, seq_len, seed, lanes[lane], warn, warned)
         self._packers: dict = {}
 
     def get(self, lane: tuple[int, int], index: int) -> Chunk:
@@ -102,7 +103,8 @@ class WorkerPool:
 def _work(spec: DataSpec, lanes: dict, slot: dict, seq_len: int, seed: int, warn: bool, out, taken, stop) -> None:
     """A worker's loop: pack the most urgent of its lanes that is fewer than `prefetch` chunks ahead."""
     try:
-        packers = {lane: LanePacker(spec, lane, seq_len, seed, state, warn) for lane, state in lanes.items()}
+        warned: set = set()
+        packers = {lane: LanePacker(spec, lane, seq_len, seed, state, warn, warned) for lane, state in lanes.items()}
         weight = {lane: spec.weights[lane[0]] for lane in lanes}
         while not stop.is_set():
             ahead = [lane for lane, p in packers.items() if p.index - taken[slot[lane]] < spec.prefetch]

@@ -74,10 +74,10 @@ def _source(overrides: list[str]):
             cfg = compose(config_name="config", overrides=overrides)
     except (HydraException, OmegaConfBaseException) as err:
         raise DataError(str(err)) from None
+    if cfg.data.get("source") in ("mixture", "prepared"):
+        raise DataError(f"prepare_data prepares one source (stdlib, files or hub), not data.source={cfg.data.source}; "
+                        "prepare each source of a mixture separately and list the prepared folders in the mixture")
     spec = resolve(cfg.data)
-    if spec.mixture or spec.sources[0].kind == "prepared":
-        raise DataError("prepare_data prepares one source (stdlib, files or hub); prepare each source of a mixture "
-                        "separately and list the prepared folders in the mixture")
     return spec.sources[0], spec.on_bad_record
 
 
