@@ -225,3 +225,20 @@ def test_cli_refuses_a_corpus_that_cannot_train_before_building_anything(tmp_pat
     assert message in proc.stderr and "gpt3d: error: data:" in proc.stderr
     assert "Traceback" not in proc.stderr and "model toy" not in proc.stdout
     assert not os.path.exists(run_dir)
+
+
+def test_hub_reader_deals_records_to_streams_and_resumes_from_datasets_state(tmp_path):
+    """The Hub reader on a local folder (datasets.load_dataset takes a path as it takes a Hub name)."""
+    from train.data_records import records
+    from train.data_sources import SourceSpec
+
+    texts = [f"hub record {i}" for i in range(23)]
+    _jsonl(tmp_path / "part.jsonl", [{"text": t} if i != 5 else {"x": 1} for i, t in enumerate(texts)])
+    src = SourceSpec("hub", "hub", "hub", name=str(tmp_path))
+    per_stream = [list(records(src, s, 3)) for s in range(3)]
+    for s, got in enumerate(per_stream):
+        assert [r.index for r in got] == list(range(s, 23, 3))
+        assert [r.text for r in got if r.index != 5] == [texts[i] for i in range(s, 23, 3) if i != 5]
+    assert [r.text.reason for r in per_stream[2] if r.index == 5] == ["no_text"]
+    resumed = list(records(src, 1, 3, per_stream[1][4].pos))
+    assert [r.text for r in resumed] == [r.text for r in per_stream[1][4:]]

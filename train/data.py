@@ -119,8 +119,11 @@ class TrainBatches:
                 part, share = self._share
                 windows = windows[part * m // share : (part + 1) * m // share]
             rows.append(windows)
-        for s in range(self.spec.streams):
-            self._source_windows += self.schedule.counts(s, t0, t0 + m)
+        if self.spec.mixture:  # every stream's draws, owned or not: the shares are global
+            for s in range(self.spec.streams):
+                self._source_windows += self.schedule.counts(s, t0, t0 + m)
+        else:
+            self._source_windows[0] += global_batch
         self._pos += global_batch
         batch = torch.from_numpy(np.concatenate(rows).astype(np.int64))  # (G/dp, T+1)
         self._wait += time.perf_counter() - started

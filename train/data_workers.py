@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
-import time
 import traceback
 
 from train.data_sources import DataError, DataSpec
 from train.data_streams import Chunk, LanePacker, LaneState
 
-POLL_S = 0.5  # how often a waiting consumer checks that its worker is alive
-IDLE_S = 0.002  # how long an idle worker sleeps before looking at the lanes again
+POLL_S = 0.5  # how often a waiting consumer checks that its worker is alive; also an idle worker's longest nap
 
 
 class InlineSupply:
@@ -59,11 +57,12 @@ class WorkerPool:
         self.taken = ctx.Array("q", [lanes[lane].served // size for lane in order], lock=False)  # next chunk wanted
         self.stop = ctx.Event()
         self.queues = [ctx.Queue() for _ in range(n)]
+        self.wake = [ctx.Event() for _ in range(n)]  # set when the consumer takes one of the worker's chunks
         self.stash: dict = {lane: {} for lane in order}
         self.procs = []
         for w in range(n):
             mine = {lane: lanes[lane] for lane in order if self.owner[lane] == w}
-            args = (spec, mine, self.slot, seq_len, seed, warn, self.queues[w], self.taken, self.stop)
+            args = (spec, mine, self.slot, seq_len, seed, warn, self.queues[w], self.taken, self.wake[w], self.stop)
             proc = ctx.Process(target=_work, args=args, name=f"gpt3d-data-{w}", daemon=True)
             proc.start()
             self.procs.append(proc)
@@ -85,10 +84,13 @@ class WorkerPool:
             got_lane, chunk = message
             self.stash[got_lane][chunk.index] = chunk
         self.taken[self.slot[lane]] = index + 1
+        self.wake[w].set()
         return ready.pop(index)
 
     def close(self) -> None:
         self.stop.set()
+        for wake in self.wake:
+            wake.set()
         for proc in self.procs:
             proc.join(timeout=5)
             if proc.is_alive():
@@ -100,16 +102,17 @@ class WorkerPool:
         self.procs = []
 
 
-def _work(spec: DataSpec, lanes: dict, slot: dict, seq_len: int, seed: int, warn: bool, out, taken, stop) -> None:
+def _work(spec: DataSpec, lanes: dict, slot: dict, seq_len: int, seed: int, warn: bool, out, taken, wake, stop) -> None:
     """A worker's loop: pack the most urgent of its lanes that is fewer than `prefetch` chunks ahead."""
     try:
         warned: set = set()
         packers = {lane: LanePacker(spec, lane, seq_len, seed, state, warn, warned) for lane, state in lanes.items()}
         weight = {lane: spec.weights[lane[0]] for lane in lanes}
         while not stop.is_set():
+            wake.clear()  # before looking: a chunk taken after this sets it again, so no wake-up is lost
             ahead = [lane for lane, p in packers.items() if p.index - taken[slot[lane]] < spec.prefetch]
             if not ahead:
-                time.sleep(IDLE_S)
+                wake.wait(POLL_S)
                 continue
             # the stream position where the lane's next chunk starts to be needed, about
             lane = min(ahead, key=lambda lane: (packers[lane].index / weight[lane], lane))
