@@ -29,6 +29,18 @@ def write_texts(root, texts: list[str], prefix: str = "doc") -> None:
         (root / f"{prefix}{i:03d}.txt").write_text(text, encoding="utf-8")
 
 
+def text_corpus(root, n: int) -> tuple:
+    """n .txt files of `doc(i)` in `root`: (root, their texts in file order)."""
+    texts = [doc(i) for i in range(n)]
+    write_texts(root, texts)
+    return root, texts
+
+
+def files_cfg(root, **keys) -> dict:
+    """A data config reading every .txt file of `root`, plus `keys`."""
+    return {"source": "files", "paths": [str(root / "*.txt")], **keys}
+
+
 def in_split(text: str, val_permille: int, validation: bool) -> bool:
     return bool(text) and (zlib.crc32(text.encode()) % 1000 < val_permille) == validation
 

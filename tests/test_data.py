@@ -19,7 +19,7 @@ from train import data_records, data_sources
 from train.data import DataError, TrainBatches, check_data_config, validation_batches
 from train.tokenizer import gpt2
 
-from data_corpus import EOT, doc, take as _batches, token_stream as _stream, write_texts
+from data_corpus import doc, files_cfg, take as _batches, text_corpus, token_stream as _stream
 
 SEQ = 16  # windows of 17 tokens
 
@@ -27,14 +27,11 @@ SEQ = 16  # windows of 17 tokens
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     """40 .txt files (one document each) and their texts, in file-name order."""
-    root = tmp_path_factory.mktemp("corpus")
-    texts = [doc(i) for i in range(40)]
-    write_texts(root, texts)
-    return root, texts
+    return text_corpus(tmp_path_factory.mktemp("corpus"), 40)
 
 
 def _cfg(root, **kw):
-    return {"source": "files", "paths": [str(root / "*.txt")], "shuffle_buffer": 4, "val_permille": 200, **kw}
+    return files_cfg(root, **{"shuffle_buffer": 4, "val_permille": 200, **kw})
 
 
 def test_split_is_nontrivial(corpus):

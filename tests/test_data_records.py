@@ -12,7 +12,7 @@ import torch
 
 from cli import train as run_train
 from data_corpus import take, token_stream, write_texts
-from train.data import DataError, TrainBatches, check_data, validation_batches
+from train.data import DataError, TrainBatches, check_data
 from train.tokenizer import gpt2
 
 SEQ = 16

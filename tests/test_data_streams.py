@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from data_corpus import doc, take, token_stream, write_texts
+from data_corpus import files_cfg, take, text_corpus, token_stream
 from distributed import run_distributed
 from train import data_records
 from train.data import DataError, TrainBatches
@@ -22,14 +22,11 @@ S = 4
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    root = tmp_path_factory.mktemp("streams")
-    texts = [doc(i) for i in range(48)]
-    write_texts(root, texts)
-    return root, texts
+    return text_corpus(tmp_path_factory.mktemp("streams"), 48)
 
 
 def _cfg(root, **kw):
-    return {"source": "files", "paths": [str(root / "*.txt")], "streams": S, "shuffle_buffer": 8, "val_permille": 200, **kw}
+    return files_cfg(root, **{"streams": S, "shuffle_buffer": 8, "val_permille": 200, **kw})
 
 
 def test_batches_are_stream_major_slices_of_each_streams_tokens(corpus):

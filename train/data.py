@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import time
+import weakref
 from itertools import islice
 
 import numpy as np
@@ -93,6 +94,7 @@ class TrainBatches:
         """Start reading (background workers begin packing ahead); the first batch does it otherwise."""
         if self._supply is None:
             self._supply = make_supply(self.spec, self._lanes, self.seq_len, self.seed, self.warn)
+            weakref.finalize(self, self._supply.close)  # workers stop with this object, if not closed before
 
     def close(self) -> None:
         """Stop background workers (a later batch starts them again from the current position)."""
@@ -186,13 +188,13 @@ class TrainBatches:
 
     def local_state_dict(self) -> dict:
         """This rank's part of the state: the position and its own lanes."""
-        return {
+        return copy.deepcopy({
             "version": STATE_VERSION,
             "stream": self._stream_id(),
             "windows_served": self._pos,
             "source_windows": [int(n) for n in self._source_windows],
             "lanes": {f"{j}/{s}": st.as_dict() for (j, s), st in sorted(self._lanes.items())},
-        }
+        })
 
     def state_dict(self) -> dict:
         """Where the global order stands, for every lane: plain ints/strings/dicts, independent of dp.
@@ -201,12 +203,9 @@ class TrainBatches:
         gathers every rank's lanes: a collective, so every rank calls it (as checkpoint saving does)."""
         local = self.local_state_dict()
         states = self._gather(local)
-        if len(states) == 1:
-            return copy.deepcopy(local)
-        merged = {**local, "lanes": _union([st["lanes"] for st in states])}
         if any(st["windows_served"] != self._pos for st in states):
             raise DataError(f"data: ranks disagree on the windows served: {[st['windows_served'] for st in states]}")
-        return copy.deepcopy(merged)
+        return {**local, "lanes": _union([st["lanes"] for st in states])}
 
     def _gather(self, obj) -> list:
         """`obj` from every rank, when ranks read different streams; else [obj]."""
@@ -221,7 +220,10 @@ class TrainBatches:
     def load_state_dict(self, state: dict) -> None:
         """Continue from `state` (saved at any dp): the next batch is the one that followed when it was saved."""
         if state.get("version") != STATE_VERSION:
-            raise DataError(f"data: resume state has version {state.get('version')!r}, expected {STATE_VERSION}")
+            raise DataError(
+                f"data: the resume state has version {state.get('version')!r}; this gpt3d reads version {STATE_VERSION} "
+                "(resume with the gpt3d that saved it, or start a new run)"
+            )
         mine, theirs = self._stream_id(), state["stream"]
         changed = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
         if changed:

@@ -15,6 +15,7 @@ for always has room, so it cannot deadlock. A worker's error reaches the consume
 
 from __future__ import annotations
 
+import copy
 import multiprocessing as mp
 import queue
 import traceback
@@ -30,7 +31,8 @@ class InlineSupply:
 
     def __init__(self, spec: DataSpec, lanes: dict, seq_len: int, seed: int, warn: bool = True):
         warned: set = set()  # bad files already named, over all lanes
-        self._make = lambda lane: LanePacker(spec, lane, seq_len, seed, lanes[lane], warn, warned)
+        start = {lane: copy.deepcopy(state) for lane, state in lanes.items()}  # the caller's states move on
+        self._make = lambda lane: LanePacker(spec, lane, seq_len, seed, start[lane], warn, warned)
         self._packers: dict = {}
 
     def get(self, lane: tuple[int, int], index: int) -> Chunk:
@@ -88,6 +90,8 @@ class WorkerPool:
         return ready.pop(index)
 
     def close(self) -> None:
+        if not self.procs:
+            return
         self.stop.set()
         for wake in self.wake:
             wake.set()
