@@ -140,7 +140,7 @@ def prepare(src, policy: str, out: Path, num_proc: int) -> dict:
             "encoding": src.encoding,
             "records": len(rows),
             "documents": {name: len(split) for name, split in splits.items()},
-            "tokens": {name: _count_tokens(split) for name, split in splits.items()},
+            "tokens": _count_tokens(tokens),
             "bad_records": bad,
         }
         for split in splits.values():
@@ -152,10 +152,14 @@ def prepare(src, policy: str, out: Path, num_proc: int) -> dict:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _count_tokens(split) -> int:
+def _count_tokens(tokens) -> dict:
+    """Tokens per split, from the tokenized table (the splits are filtered views of it)."""
     import pyarrow.compute as pc
 
-    return int(pc.sum(pc.list_value_length(split.data.column("tokens"))).as_py() or 0)
+    lengths = pc.list_value_length(tokens.data.column("tokens"))
+    held_out = tokens.data.column("validation")
+    count = lambda mask: int(pc.sum(pc.filter(lengths, mask)).as_py() or 0)
+    return {"train": count(pc.invert(held_out)), "validation": count(held_out)}
 
 
 def _bad_summary(bad: dict) -> str:
