@@ -143,7 +143,7 @@ def _json_records(src, stream, streams, pos):
     """JSON lines (one object per non-blank line), or a JSON array of objects, per file."""
     pos = pos or {"file": 0, "byte": 0, "line": 0, "index": 0}
     index = pos["index"]
-    for f in range(pos["file"], len(src.files), 1):
+    for f in range(pos["file"], len(src.files)):
         path = src.files[f]
         start = pos if f == pos["file"] else {"byte": 0, "line": 0}
         with open(path, "rb") as fh:
