@@ -44,11 +44,12 @@ def launcher(kind: str, nproc: int, module: str = "train") -> list[str]:
 
 
 def train(
-    run_dir: Path, corpus: Path, *overrides: str, kind: str = "python", nproc: int = 1, check: bool = True,
+    run_dir: Path, corpus: Path | None, *overrides: str, kind: str = "python", nproc: int = 1, check: bool = True,
     env: dict | None = None,
 ) -> subprocess.CompletedProcess:
     clean = _clean_env(env or {})
-    cmd = [*launcher(kind, nproc), f"hydra.run.dir={run_dir}", *TINY, f"data.paths=[{corpus}/*.txt]", *overrides]
+    data = [f"data.paths=[{corpus}/*.txt]"] if corpus is not None else []  # None: the overrides choose the data
+    cmd = [*launcher(kind, nproc), f"hydra.run.dir={run_dir}", *TINY, *data, *overrides]
     proc = subprocess.run(cmd, cwd=REPO, env=clean, capture_output=True, text=True, timeout=600)
     if check:
         assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"

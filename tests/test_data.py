@@ -1,8 +1,6 @@
-"""The data pipeline against an independent computation: tokenize the documents here, concatenate, cut.
-
-The corpus mixes tiny documents (many per window) with huge ones (longer than a whole shuffle
-chunk), so windows, chunks and resume points fall both between and inside documents.
-"""
+"""The data pipeline against an independent computation (`data_corpus`): tokenize the documents here,
+concatenate, cut. One stream (data.streams=1, the default of a bare config) unless a test says otherwise;
+tests/test_data_streams.py covers several streams, workers and data-parallel ranks."""
 
 import io
 import json
@@ -17,45 +15,23 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from train import data_sources
+from train import data_records, data_sources
 from train.data import DataError, TrainBatches, check_data_config, validation_batches
 from train.tokenizer import gpt2
 
+from data_corpus import doc, files_cfg, take as _batches, text_corpus, token_stream as _stream
+
 SEQ = 16  # windows of 17 tokens
-EOT = 50256
-
-
-def _doc(i: int) -> str:
-    """Document i: a unique marker, then 0 to ~1200 tokens of varied text."""
-    body = ["", "x", "naïve café 🙂\n", "def f(x):\n    return x * 2\n\n", "lorem ipsum dolor sit amet " * 40]
-    return f"<<doc{i}>> " + body[i % len(body)] * (1 + i % 3)
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     """40 .txt files (one document each) and their texts, in file-name order."""
-    root = tmp_path_factory.mktemp("corpus")
-    texts = [_doc(i) for i in range(40)]
-    for i, text in enumerate(texts):
-        (root / f"doc{i:03d}.txt").write_text(text, encoding="utf-8")
-    return root, texts
+    return text_corpus(tmp_path_factory.mktemp("corpus"), 40)
 
 
 def _cfg(root, **kw):
-    return {"source": "files", "paths": [str(root / "*.txt")], "shuffle_buffer": 4, "val_permille": 200, **kw}
-
-
-def _stream(texts, val_permille, validation=False) -> np.ndarray:
-    """The token stream of one split, computed independently of train.data."""
-    enc, out = gpt2(), []
-    for text in texts:
-        if (zlib.crc32(text.encode()) % 1000 < val_permille) == validation:
-            out += enc.encode_ordinary(text) + [EOT]
-    return np.array(out)
-
-
-def _batches(it, n) -> list[torch.Tensor]:
-    return [next(it) for _ in range(n)]
+    return files_cfg(root, **{"shuffle_buffer": 4, "val_permille": 200, **kw})
 
 
 def test_split_is_nontrivial(corpus):
@@ -129,8 +105,9 @@ def test_resume_gives_the_identical_next_batches(corpus, steps, epoch, chunk_bou
         _batches(it, steps)
     state = _roundtrip(saved_at_dp2[0].state_dict())
     assert state == saved_at_dp2[1].state_dict()  # the state does not depend on the rank
-    assert state["cursor"]["epoch"] == epoch and (state["windows_served"] % 4 == 0) == chunk_boundary
-    assert state["cursor"]["offset"] > 0  # the chunk starts inside a document
+    cursor = state["lanes"]["0/0"]["cursor"]
+    assert cursor["epoch"] == epoch and (state["windows_served"] % 4 == 0) == chunk_boundary
+    assert cursor["offset"] > 0  # the chunk starts inside a document
     resumed = TrainBatches(cfg, SEQ, 2, 0, 1, seed=5)  # dp=1 now
     resumed.load_state_dict(state)
     assert resumed.windows_served == 2 * steps
@@ -149,10 +126,10 @@ def test_resume_reads_at_most_one_chunk_again(corpus, monkeypatch):
     it = TrainBatches(cfg, SEQ, 2, 0, 1, seed=5)
     _batches(it, 30)
     state = it.state_dict()
-    assert state["cursor"]["docs"] is not None
+    assert state["lanes"]["0/0"]["cursor"]["at"] is not None
     records = []
     counting = lambda text, permille: records.append(text) or zlib.crc32(text.encode()) % 1000 < permille
-    monkeypatch.setattr(data_sources, "is_validation", counting)
+    monkeypatch.setattr(data_records, "is_validation", counting)
     resumed = TrainBatches(cfg, SEQ, 2, 0, 1, seed=5)
     resumed.load_state_dict(state)
     assert torch.equal(next(resumed), next(it))
@@ -207,7 +184,7 @@ def test_record_files_jsonl_and_parquet(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    texts = [_doc(i) for i in range(12)]
+    texts = [doc(i) for i in range(12)]
     with open(tmp_path / "a.jsonl", "w", encoding="utf-8") as f:
         for t in texts[:7]:
             f.write(json.dumps({"id": 1, "content": t}) + "\n")
@@ -227,18 +204,16 @@ def test_record_files_jsonl_and_parquet(tmp_path):
 
 def test_stdlib_source_is_the_standard_library_in_order():
     root = sysconfig.get_paths()["stdlib"]
-    spec = data_sources.resolve({"source": "stdlib"})
+    spec = data_sources.resolve({"source": "stdlib"}).sources[0]
     assert len(spec.files) > 500 and len(set(spec.files)) == len(spec.files)
     # a fixed order by crc32 of the relative path, so folders are interleaved rather than in runs
     crcs = [zlib.crc32(os.path.relpath(f, root).encode()) for f in spec.files]
     assert crcs == sorted(crcs) and spec.files != tuple(sorted(spec.files))
     assert os.path.join(root, "os.py") in spec.files
     assert not any("site-packages" in f for f in spec.files)
-    texts = []
-    for path in spec.files[:30]:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            texts.append(f.read())
-    stream = _stream(texts, 0)
+    texts = [Path(path).read_text(encoding="utf-8") for path in spec.files[:30]]  # all valid UTF-8
+    assert "" in texts  # an empty file: skipped, not a lone <|endoftext|>
+    stream = _stream([t for t in texts if t], 0)
     n = len(stream) // 257 - 1
     cfg = {"source": "stdlib", "shuffle_buffer": 1, "val_permille": 0}
     got = torch.cat(_batches(TrainBatches(cfg, 256, n, 0, 1, 0), 1)).flatten().numpy()
@@ -251,7 +226,7 @@ def test_stdlib_source_is_the_standard_library_in_order():
         ({"source": "files", "paths": ["/nonexistent/corpus.txt"]}, "no such file '/nonexistent/corpus.txt'"),
         ({"source": "files", "paths": ["/nonexistent/*.jsonl"]}, "glob '/nonexistent/\\*.jsonl' matches no files"),
         ({"source": "files", "paths": []}, "needs data.paths"),
-        ({"source": "web"}, "data.source='web' is not one of \\['stdlib', 'files', 'hub'\\]"),
+        ({"source": "web"}, "data.source='web' is not one of \\['stdlib', 'files', 'hub', 'prepared', 'mixture'\\]"),
         ({"source": "stdlib", "shufle_buffer": 3}, "unknown key\\(s\\) \\['shufle_buffer'\\]"),
         ({"source": "stdlib", "val_permille": 1000}, "val_permille=1000"),
         ({"source": "hub"}, "needs data.name"),
@@ -262,15 +237,40 @@ def test_bad_configs_fail_clearly(cfg, message):
         check_data_config(cfg)
 
 
-@pytest.mark.parametrize("name, error", [("stdlib", None), ("files", "needs data.paths"), ("hub", "needs data.name")])
+@pytest.mark.parametrize(
+    "name, error",
+    [
+        ("stdlib", None),
+        ("files", "needs data.paths"),
+        ("hub", "needs data.name"),
+        ("prepared", "needs data.path"),
+        ("mixture", "data.sources\\[0\\].source=files needs data.sources\\[0\\].paths"),
+        ("gpt3_mixture", "data.sources\\[0\\].path='/data/gpt3/common_crawl' is not a prepared dataset"),
+    ],
+)
 def test_shipped_data_configs(name, error):
-    """configs/data/*.yaml: the default works as is; the others say what they still need."""
+    """configs/data/*.yaml: the default works as is; the others say what they still need. Every file is
+    listed here, and every shipped file sets the pipeline's keys (each is documented there)."""
+    folder = Path(__file__).parents[1] / "configs" / "data"
+    assert {p.stem for p in folder.glob("*.yaml")} == {"stdlib", "files", "hub", "prepared", "mixture", "gpt3_mixture"}
+    assert {"streams", "shuffle_buffer", "workers", "prefetch"} <= set(OmegaConf.load(folder / f"{name}.yaml"))
     cfg = OmegaConf.load(Path(__file__).parents[1] / "configs" / "data" / f"{name}.yaml")
     if error is None:
         check_data_config(cfg)
     else:
         with pytest.raises(DataError, match=error):
             check_data_config(cfg)
+
+
+def test_gpt3_mixture_example_has_the_papers_shape():
+    """Brown et al. 2020, Table 2.2: Common Crawl 60%, WebText2 22%, Books1 8%, Books2 8%, Wikipedia 3%
+    (printed rounded, summing to 101%; resolved weights are the same ratios, normalised)."""
+    cfg = OmegaConf.to_container(OmegaConf.load(Path(__file__).parents[1] / "configs" / "data" / "gpt3_mixture.yaml"))
+    paper = {"common_crawl": 60, "webtext2": 22, "books1": 8, "books2": 8, "wikipedia": 3}
+    assert {e["label"]: round(100 * e["weight"]) for e in cfg["sources"]} == paper
+    for entry in cfg["sources"]:  # every entry resolves once its folder exists: point it at a prepared dataset
+        assert entry["source"] in data_sources.KINDS
+    assert cfg["shuffle_buffer"] % cfg["streams"] == 0 and 256 % cfg["streams"] == 0  # gpt3-125m: 256 sequences
 
 
 def test_bad_files_fail_clearly(tmp_path):

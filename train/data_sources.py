@@ -1,19 +1,25 @@
-"""Where training text comes from: the `data` config, checked cheaply, and a resumable document stream.
+"""The `data` config, checked cheaply: which documents a run reads and how its pipeline is shaped.
 
-Three sources, all read with Hugging Face `datasets` in streaming mode:
+Five kinds of source (``data.source``):
 
 - ``stdlib``: the running Python's standard-library ``.py`` files, one document per file (no setup);
 - ``files``: local files or globs, ``.txt`` (one document per file), ``.jsonl``/``.json`` or
   ``.parquet`` (one document per record, its ``text_field``);
-- ``hub``: a dataset streamed from the Hugging Face Hub (``name``, ``config_name``, ``split``).
+- ``hub``: a dataset streamed from the Hugging Face Hub (``name``, ``config_name``, ``split``);
+- ``prepared``: a folder written by ``python -m train.prepare_data`` (`datasets`' save_to_disk);
+- ``mixture``: a weighted list of sources of the kinds above (``sources``, each with a ``weight``).
 
-`documents()` yields each document as tokens with a JSON-able cursor saying where it starts, built on
-`datasets`' own `IterableDataset.state_dict()`, so a stream can be reopened mid-way without
-re-reading what came before.
+Pipeline keys (top level only): ``streams`` (documents are dealt to this many streams by their index
+modulo it; global batches are assembled stream by stream), ``shuffle_buffer`` (windows shuffled
+together, over all streams), ``workers`` / ``prefetch`` (background packing), ``on_bad_record``.
+Record keys (top level, or per mixture entry): ``text_field``, ``encoding``, ``val_permille``.
+
+`resolve()` turns a config into a frozen `DataSpec` and raises `DataError` naming the bad value.
 """
 
 from __future__ import annotations
 
+import codecs
 import glob
 import json
 import os
@@ -21,91 +27,182 @@ import socket
 import sysconfig
 import zlib
 from dataclasses import dataclass
-from typing import Iterator
 from urllib.parse import urlparse
 
-import numpy as np
-
-from train.tokenizer import EOT, gpt2
-
-SOURCES = ("stdlib", "files", "hub")
-KEYS = ("source", "paths", "name", "config_name", "split", "text_field", "shuffle_buffer", "val_permille")
-BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # extension → datasets builder
+KINDS = ("stdlib", "files", "hub", "prepared")  # what a single source (or a mixture entry) can be
+SOURCES = (*KINDS, "mixture")
+PIPELINE_KEYS = ("streams", "shuffle_buffer", "workers", "prefetch", "on_bad_record")
+RECORD_KEYS = ("text_field", "encoding", "val_permille")
+KIND_KEYS = {"stdlib": (), "files": ("paths",), "hub": ("name", "config_name", "split"), "prepared": ("path",)}
+ENTRY_KEYS = ("label", "weight", "source", *RECORD_KEYS, *(k for keys in KIND_KEYS.values() for k in keys))
+KEYS = ("source", *PIPELINE_KEYS, *RECORD_KEYS, *(k for keys in KIND_KEYS.values() for k in keys), "sources")
+READERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # extension → reader
+BAD_RECORD_POLICIES = ("skip", "error")
+PREPARED_MARK = "gpt3d-prepared"  # in the description of a prepared dataset's splits
 HUB_ENDPOINT = "https://huggingface.co"
 
 
 class DataError(ValueError):
-    """A data configuration that cannot work, found before any heavy work."""
+    """A data configuration or corpus that cannot work; the message names the value or file."""
 
 
 @dataclass(frozen=True)
-class DataSpec:
-    """A checked `data` config: the source with its files resolved, plus the split and shuffle knobs."""
+class SourceSpec:
+    """One checked source of documents."""
 
-    source: str
-    files: tuple[str, ...]  # every document file (files: sorted; stdlib: scrambled, see _stdlib_files); hub: empty
-    builder: str  # the datasets builder ("text", "json", "parquet") or, for hub, the dataset name
-    config_name: str | None  # hub only
-    split: str  # hub: the split streamed; local files are all one "train" split
-    text_field: str
-    shuffle_buffer: int
-    val_permille: int
+    kind: str  # stdlib | files | hub | prepared
+    label: str  # how messages and shares name it (a mixture entry's label, else the kind)
+    reader: str  # text (a document per file) | json | parquet | hub | prepared
+    files: tuple[str, ...] = ()  # stdlib/files: every document file, in reading order
+    name: str | None = None  # hub: the dataset
+    config_name: str | None = None
+    split: str = "train"
+    path: str | None = None  # prepared: the folder
+    text_field: str = "text"
+    encoding: str = "utf-8"
+    val_permille: int = 5
 
     @property
     def field(self) -> str:
-        """The record field holding a document's text (the text builder always calls it "text")."""
-        return "text" if self.source != "hub" and self.builder == "text" else self.text_field
+        """The record field holding a document's text."""
+        return self.text_field
 
     def fingerprint(self) -> dict:
-        """What fixes the document stream; a resume state must come from a stream with the same one."""
+        """What fixes this source's documents; a resume state must come from a source with the same one."""
         names = "\n".join(os.path.basename(f) for f in self.files)
         return {
-            "source": self.source,
-            "builder": self.builder,
+            "kind": self.kind,
+            "reader": self.reader,
+            "name": self.name,
             "config_name": self.config_name,
             "split": self.split,
-            "text_field": self.text_field,
+            "path": os.path.basename(self.path) if self.path else None,
             "files": len(self.files),
             "files_crc32": zlib.crc32(names.encode()),
-            "shuffle_buffer": self.shuffle_buffer,
+            "text_field": self.text_field,
+            "encoding": codecs.lookup(self.encoding).name,
             "val_permille": self.val_permille,
         }
 
 
-def check_data_config(data_cfg) -> None:
+@dataclass(frozen=True)
+class DataSpec:
+    """A checked `data` config: its sources (one, or a weighted mixture) and the pipeline's shape."""
+
+    sources: tuple[SourceSpec, ...]
+    weights: tuple[float, ...]  # normalised to sum 1
+    streams: int = 1
+    shuffle_buffer: int = 1024
+    workers: int = 0
+    prefetch: int = 2
+    on_bad_record: str = "skip"
+
+    @property
+    def mixture(self) -> bool:
+        return len(self.sources) > 1
+
+    @property
+    def chunk_windows(self) -> int:
+        """Windows each stream shuffles together (its share of the shuffle buffer)."""
+        return self.shuffle_buffer // self.streams
+
+    def fingerprint(self) -> dict:
+        """What fixes the global order of windows (not dp, workers, prefetch or the bad-record policy)."""
+        return {
+            "sources": [s.fingerprint() for s in self.sources],
+            "weights": list(self.weights),
+            "streams": self.streams,
+            "shuffle_buffer": self.shuffle_buffer,
+        }
+
+
+def check_data_config(data_cfg) -> DataSpec:
     """Raise DataError if `data_cfg` cannot work: unknown source or key, missing file, empty glob,
-    unsupported or mixed extensions, missing text field, unreachable Hub. Cheap: reads no documents."""
-    resolve(data_cfg)
+    unsupported or mixed extensions, missing text field, unknown encoding, unreachable Hub, a folder
+    that is not a prepared dataset. Cheap: reads no documents."""
+    return resolve(data_cfg)
 
 
 def resolve(data_cfg) -> DataSpec:
-    """Check `data_cfg` (a dict or omegaconf DictConfig) and resolve its files."""
+    """Check `data_cfg` (a dict or omegaconf DictConfig) and resolve its sources."""
     cfg = _as_dict(data_cfg)
-    unknown = sorted(set(cfg) - set(KEYS))
-    if unknown:
-        raise DataError(f"data: unknown key(s) {unknown}; valid keys: {list(KEYS)}")
+    _refuse_unknown(cfg, KEYS, "data")
     source = cfg.get("source", "stdlib")
     if source not in SOURCES:
         raise DataError(f"data.source={source!r} is not one of {list(SOURCES)}")
-    text_field = cfg.get("text_field") or "text"
-    shuffle_buffer, val_permille = cfg.get("shuffle_buffer", 1024), cfg.get("val_permille", 5)
-    if not isinstance(shuffle_buffer, int) or shuffle_buffer < 1:
-        raise DataError(f"data.shuffle_buffer={shuffle_buffer!r} must be a whole number of windows >= 1")
-    if not isinstance(val_permille, int) or not 0 <= val_permille < 1000:
-        raise DataError(f"data.val_permille={val_permille!r} must be a whole number in [0, 1000)")
-    knobs = dict(text_field=text_field, shuffle_buffer=shuffle_buffer, val_permille=val_permille)
-    if source == "stdlib":
-        return DataSpec("stdlib", _stdlib_files(), "text", None, "train", **knobs)
-    if source == "files":
-        files = _expand(cfg.get("paths"))
-        builder = _builder_of(files)
-        _check_text_field(files[0], builder, text_field)
-        return DataSpec("files", files, builder, None, "train", **knobs)
-    name = cfg.get("name")
-    if not name:
-        raise DataError("data.source=hub needs data.name, a Hugging Face Hub dataset, e.g. HuggingFaceFW/fineweb")
-    _check_hub_reachable(name)
-    return DataSpec("hub", (), name, cfg.get("config_name"), cfg.get("split") or "train", **knobs)
+    streams = _int_at_least(cfg, "streams", 1, 1)
+    shuffle_buffer = _int_at_least(cfg, "shuffle_buffer", 1024, 1)
+    if shuffle_buffer % streams:
+        fits = shuffle_buffer - shuffle_buffer % streams or streams
+        raise DataError(
+            f"data.shuffle_buffer={shuffle_buffer} is not a multiple of data.streams={streams} (each stream shuffles "
+            f"an equal share); use e.g. {fits}"
+        )
+    policy = cfg.get("on_bad_record") or "skip"
+    if policy not in BAD_RECORD_POLICIES:
+        raise DataError(f"data.on_bad_record={policy!r} is not one of {list(BAD_RECORD_POLICIES)}")
+    pipeline = dict(
+        streams=streams,
+        shuffle_buffer=shuffle_buffer,
+        workers=_int_at_least(cfg, "workers", 0, 0),
+        prefetch=_int_at_least(cfg, "prefetch", 2, 1),
+        on_bad_record=policy,
+    )
+    defaults = _record_keys(cfg, "data", {})
+    if source != "mixture":
+        _refuse_misplaced(cfg, source, "data")
+        return DataSpec((_source(cfg, source, source, "data", defaults),), (1.0,), **pipeline)
+    entries = cfg.get("sources")
+    if not entries or not isinstance(entries, list):
+        raise DataError("data.source=mixture needs data.sources, a list of sources each with a weight, e.g. "
+                        "[{label: web, weight: 0.8, source: files, paths: [...]}, {label: wiki, weight: 0.2, ...}]")
+    _refuse_misplaced(cfg, "mixture", "data")
+    sources, weights = [], []
+    for i, entry in enumerate(entries):
+        where = f"data.sources[{i}]"
+        if not isinstance(entry, dict):
+            raise DataError(f"{where} must be a mapping with source, weight and the source's keys; got {entry!r}")
+        entry = {k: v for k, v in entry.items() if v != "???"}
+        _refuse_unknown(entry, ENTRY_KEYS, where)
+        kind = entry.get("source")
+        if kind not in KINDS:
+            raise DataError(f"{where}.source={kind!r} is not one of {list(KINDS)} (mixtures do not nest)")
+        weight = entry.get("weight")
+        if not isinstance(weight, (int, float)) or isinstance(weight, bool) or not weight > 0:
+            raise DataError(f"{where}.weight={weight!r} must be a number > 0 (weights are relative; they are normalised)")
+        _refuse_misplaced(entry, kind, where)
+        label = str(entry.get("label") or f"{kind}{i}")
+        sources.append(_source(entry, kind, label, where, _record_keys(entry, where, defaults)))
+        weights.append(float(weight))
+    labels = [s.label for s in sources]
+    if len(set(labels)) < len(labels):
+        raise DataError(f"data.sources: labels must differ; got {labels}")
+    total = sum(weights)
+    return DataSpec(tuple(sources), tuple(w / total for w in weights), **pipeline)
+
+
+def _source(cfg: dict, kind: str, label: str, where: str, record: dict) -> SourceSpec:
+    """One source's spec from its keys (`where` names it in messages)."""
+    if kind == "stdlib":
+        return SourceSpec("stdlib", label, "text", files=_stdlib_files(), **record)
+    if kind == "files":
+        files = _expand(cfg.get("paths"), where)
+        reader = _reader_of(files, where)
+        _check_text_field(files[0], reader, record["text_field"], where)
+        return SourceSpec("files", label, reader, files=files, **record)
+    if kind == "hub":
+        name = _set(cfg.get("name"))
+        if not name:
+            raise DataError(f"{where}.source=hub needs {where}.name, a Hugging Face Hub dataset, e.g. HuggingFaceFW/fineweb")
+        _check_hub_reachable(name)
+        return SourceSpec("hub", label, "hub", name=name, config_name=cfg.get("config_name"),
+                          split=cfg.get("split") or "train", **record)
+    path = _set(cfg.get("path"))
+    if not path:
+        raise DataError(f"{where}.source=prepared needs {where}.path, a folder written by python -m train.prepare_data")
+    meta = prepared_info(path, f"{where}.path")
+    return SourceSpec("prepared", label, "prepared", path=os.path.abspath(os.path.expanduser(path)),
+                      **{**record, "val_permille": meta["val_permille"], "encoding": meta["encoding"]})
 
 
 def _as_dict(data_cfg) -> dict:
@@ -117,6 +214,46 @@ def _as_dict(data_cfg) -> dict:
 
         data_cfg = OmegaConf.to_container(data_cfg, resolve=True)
     return {k: v for k, v in data_cfg.items() if v != "???"}
+
+
+def _set(value):
+    return None if value == "???" else value
+
+
+def _refuse_unknown(cfg: dict, valid: tuple[str, ...], where: str) -> None:
+    unknown = sorted(set(cfg) - set(valid))
+    if unknown:
+        raise DataError(f"{where}: unknown key(s) {unknown}; valid keys: {list(valid)}")
+
+
+def _refuse_misplaced(cfg: dict, kind: str, where: str) -> None:
+    """A key of another kind of source set to a value (e.g. data.name with source=files) is a mistake."""
+    own = set(KIND_KEYS.get(kind, ("sources",)))
+    for other, keys in {**KIND_KEYS, "mixture": ("sources",)}.items():
+        for key in set(keys) - own:
+            if cfg.get(key) not in (None, [], "", "???"):
+                raise DataError(f"{where}.{key} is for source={other}, not source={kind}; remove it")
+
+
+def _int_at_least(cfg: dict, key: str, default: int, low: int) -> int:
+    value = cfg.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise DataError(f"data.{key}={value!r} must be a whole number >= {low}")
+    return value
+
+
+def _record_keys(cfg: dict, where: str, defaults: dict) -> dict:
+    """text_field, encoding and val_permille of one source (a mixture entry inherits the top level's)."""
+    text_field = cfg.get("text_field") or defaults.get("text_field", "text")
+    encoding = cfg.get("encoding") or defaults.get("encoding", "utf-8")
+    val_permille = cfg.get("val_permille", defaults.get("val_permille", 5))
+    try:
+        codecs.lookup(encoding)
+    except (LookupError, TypeError):
+        raise DataError(f"{where}.encoding={encoding!r} is not an encoding Python knows; e.g. utf-8, latin-1, cp1252") from None
+    if not isinstance(val_permille, int) or isinstance(val_permille, bool) or not 0 <= val_permille < 1000:
+        raise DataError(f"{where}.val_permille={val_permille!r} must be a whole number in [0, 1000)")
+    return dict(text_field=str(text_field), encoding=encoding, val_permille=val_permille)
 
 
 def _stdlib_files() -> tuple[str, ...]:
@@ -134,10 +271,10 @@ def _stdlib_files() -> tuple[str, ...]:
     return tuple(files)
 
 
-def _expand(paths) -> tuple[str, ...]:
-    """Resolve data.paths (a path, glob or list of them) to the sorted files they name."""
+def _expand(paths, where: str) -> tuple[str, ...]:
+    """Resolve a paths value (a path, glob or list of them) to the sorted files they name."""
     if not paths:
-        raise DataError("data.source=files needs data.paths, e.g. data.paths=[/data/corpus/*.jsonl]")
+        raise DataError(f"{where}.source=files needs {where}.paths, e.g. {where}.paths=[/data/corpus/*.jsonl]")
     if isinstance(paths, str):
         paths = [paths]
     files, missing = set(), []
@@ -155,40 +292,64 @@ def _expand(paths) -> tuple[str, ...]:
         else:
             missing.append(f"no such file {pattern!r}")
     if missing:
-        raise DataError("data.paths: " + "; ".join(missing))
+        raise DataError(f"{where}.paths: " + "; ".join(missing))
     return tuple(sorted(files))
 
 
-def _builder_of(files: tuple[str, ...]) -> str:
-    """The one datasets builder that reads every file, from their extensions."""
-    valid = ", ".join(BUILDERS)
-    unknown = sorted({os.path.splitext(f)[1] or "(none)" for f in files} - set(BUILDERS))
+def _reader_of(files: tuple[str, ...], where: str) -> str:
+    """The one reader for every file, from their extensions."""
+    valid = ", ".join(READERS)
+    unknown = sorted({os.path.splitext(f)[1] or "(none)" for f in files} - set(READERS))
     if unknown:
-        raise DataError(f"data.paths: unsupported extension(s) {unknown}; valid: {valid}")
-    builders = {BUILDERS[os.path.splitext(f)[1]] for f in files}
-    if len(builders) > 1:
+        raise DataError(f"{where}.paths: unsupported extension(s) {unknown}; valid: {valid}")
+    readers = {READERS[os.path.splitext(f)[1]] for f in files}
+    if len(readers) > 1:
         kinds = sorted({os.path.splitext(f)[1] for f in files})
-        raise DataError(f"data.paths mixes file kinds {kinds}; use one kind per run ({valid}; .json and .jsonl mix)")
-    return builders.pop()
+        raise DataError(f"{where}.paths mixes file kinds {kinds}; use one kind per source ({valid}; .json and .jsonl mix)")
+    return readers.pop()
 
 
-def _check_text_field(first_file: str, builder: str, text_field: str) -> None:
-    """For record files, check that the first file's records carry `text_field` (schema or first line only)."""
-    if builder == "parquet":
+def _check_text_field(first_file: str, reader: str, text_field: str, where: str) -> None:
+    """For record files, check that the first file's first record carries `text_field` (a wrong field name
+    is a config error, not a bad record). Reads the schema or the first line only."""
+    if reader == "parquet":
         import pyarrow.parquet as pq
 
-        fields = pq.read_schema(first_file).names
+        try:
+            fields = pq.read_schema(first_file).names
+        except Exception as e:  # pyarrow raises ArrowInvalid/OSError for a file that is not parquet
+            raise DataError(f"{where}.paths: {first_file} is not a parquet file ({e})") from None
     elif first_file.endswith(".jsonl"):
-        with open(first_file, encoding="utf-8") as f:
+        with open(first_file, "rb") as f:
             line = f.readline()
         try:
             fields = list(json.loads(line)) if line.strip() else [text_field]
-        except (json.JSONDecodeError, TypeError) as e:
-            raise DataError(f"data.paths: {first_file} does not start with a JSON object per line ({e})") from None
+        except (ValueError, TypeError) as e:
+            raise DataError(f"{where}.paths: {first_file} does not start with a JSON object per line ({e})") from None
     else:
         return
     if text_field not in fields:
-        raise DataError(f"data.text_field={text_field!r} is not a field of {first_file}; its fields: {fields}")
+        raise DataError(f"{where}.text_field={text_field!r} is not a field of {first_file}; its fields: {fields}")
+
+
+def prepared_info(path: str, key: str = "data.path") -> dict:
+    """What `train.prepare_data` recorded in a prepared folder (read from its metadata, not its data)."""
+    folder = os.path.expanduser(str(path))
+    info_file = os.path.join(folder, "train", "dataset_info.json")
+    if not os.path.isfile(os.path.join(folder, "dataset_dict.json")) or not os.path.isfile(info_file):
+        raise DataError(
+            f"{key}={path!r} is not a prepared dataset (no dataset_dict.json with a train split); "
+            "write one with python -m train.prepare_data <data overrides> out=FOLDER"
+        )
+    with open(info_file, encoding="utf-8") as f:
+        description = json.load(f).get("description") or ""
+    try:
+        meta = json.loads(description)
+    except ValueError:
+        meta = {}
+    if not isinstance(meta, dict) or meta.get("format") != PREPARED_MARK:
+        raise DataError(f"{key}={path!r} holds a datasets folder that train.prepare_data did not write")
+    return meta
 
 
 def hub_offline() -> bool:
@@ -217,67 +378,3 @@ def _check_hub_reachable(name: str) -> None:
         socket.create_connection((url.hostname, port), timeout=5).close()
     except OSError as e:
         raise DataError(advice.format(why=f"{url.hostname}:{port}: {e}")) from None
-
-
-def open_stream(spec: DataSpec):
-    """The spec's documents as a streaming `datasets.IterableDataset`, in a fixed order."""
-    import datasets
-
-    datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
-    if spec.source == "hub":
-        try:
-            return datasets.load_dataset(spec.builder, spec.config_name, split=spec.split, streaming=True)
-        except (ConnectionError, OSError) as e:
-            raise DataError(f"data.source=hub: cannot stream {spec.builder!r} ({e}); use data=files") from e
-    options = {"sample_by": "document", "encoding_errors": "replace"} if spec.builder == "text" else {}
-    return datasets.load_dataset(spec.builder, data_files=list(spec.files), split="train", streaming=True, **options)
-
-
-def is_validation(text: str, val_permille: int) -> bool:
-    """The held-out split, per document by a stable hash of its text (so independent of order)."""
-    return zlib.crc32(text.encode("utf-8", "surrogatepass")) % 1000 < val_permille
-
-
-def documents(spec: DataSpec, validation: bool, cursor: dict | None = None, repeat: bool = False) -> Iterator:
-    """Yield (cursor, tokens) for each document of one split, from `cursor` on (None: the start).
-
-    tokens: int32 array, the document's GPT-2 tokens then `<|endoftext|>`, from the cursor's token offset.
-    cursor: {"epoch", "docs": the datasets state just before the document (None at an epoch's start),
-    "offset": tokens of the document already used}; plain ints/strings, fit for a checkpoint.
-    repeat: after the last document start the next epoch (the same documents again), forever.
-    """
-    enc = gpt2()
-    cursor = cursor or {"epoch": 0, "docs": None, "offset": 0}
-    epoch, before, offset = cursor["epoch"], cursor["docs"], cursor["offset"]
-    while True:
-        stream = open_stream(spec)
-        if before is not None:
-            stream.load_state_dict(before)
-        fresh, kept = before is None, 0
-        for record in stream:
-            after = stream.state_dict()
-            text = _text_of(record, spec.field)
-            if is_validation(text, spec.val_permille) == validation:
-                ids = enc.encode_ordinary(text)
-                ids.append(EOT)
-                kept += 1
-                yield {"epoch": epoch, "docs": before, "offset": offset}, np.array(ids[offset:], dtype=np.int32)
-            before, offset = after, 0
-        if not repeat:
-            return
-        if fresh and kept == 0:
-            split = "validation" if validation else "training"
-            raise DataError(f"data.source={spec.source} has no {split} documents (val_permille={spec.val_permille})")
-        epoch, before = epoch + 1, None
-
-
-def _text_of(record: dict, text_field: str) -> str:
-    """The document text of one record, or a clear error."""
-    text = record.get(text_field)
-    if not isinstance(text, str):
-        raise DataError(
-            f"data.text_field={text_field!r}: a record holds {type(text).__name__} there, not text; "
-            f"its fields: {list(record)}"
-        )
-    return text

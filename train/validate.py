@@ -28,13 +28,20 @@ def check(cfg, run_dir: Path) -> GPTConfig:
     _check_batches(cfg, dp)
     _check_train(cfg, run_dir)
     _check_optim(cfg, model_cfg)
+    _check_data(cfg, dp)
+    return model_cfg
+
+
+def _check_data(cfg, dp: int) -> None:
+    """The data config, the batch geometry over streams and ranks, and a cheap probe of the corpus (it must
+    hold training documents for every stream, and validation ones when validation is on)."""
     from train import data
 
+    validation = cfg.train.eval_interval > 0 and cfg.train.eval_batches > 0
     try:
-        data.check_data_config(cfg.data)
+        data.check_data(cfg.data, dp_size=dp, global_batch=cfg.train.global_batch_size, validation=validation)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    return model_cfg
 
 
 def check_generation(cfg) -> tuple[GPTConfig, Path]:
