@@ -27,7 +27,7 @@ OmegaConf.register_new_resolver("rank_zero_only", lambda value: value if is_rank
 
 @hydra.main(version_base=None, config_path=CONFIG_DIR, config_name="config")
 def main(cfg: DictConfig) -> None:
-    from parallel.engine import resolve_device
+    from train.engine import resolve_device
     from train.plan import preflight
     from train.validate import ConfigError, check
 
