@@ -41,9 +41,14 @@ def main(cfg: DictConfig) -> None:
         print(f"gpt3d: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
 
+    from train.data_sources import DataError
     from train.loop import run
 
-    run(cfg, run_dir)
+    try:
+        run(cfg, run_dir)
+    except DataError as err:  # a bad record met mid-run with data.on_bad_record=error, or a dead data worker
+        print(f"gpt3d: error: {err}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 def _discard_if_empty(run_dir: Path) -> None:

@@ -46,7 +46,13 @@ def init_distributed(device: torch.device) -> None:
     _quiet_deepspeed()
     skip_shared_memory_op()
     if device.type == "cuda":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        local = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(local)
+        # Bound to its GPU from the start (NCCL otherwise guesses the device from the global rank);
+        # DeepSpeed then adopts this group.
+        import torch.distributed as dist
+
+        dist.init_process_group("nccl", device_id=local)
     deepspeed.init_distributed(verbose=False)
 
 

@@ -8,7 +8,9 @@ data-parallel slice (global / dp windows) and runs it as micro batches of
 from __future__ import annotations
 
 import contextlib
+import json
 import math
+import os
 import resource
 import time
 from dataclasses import dataclass
@@ -49,6 +51,7 @@ class Trainer:
     batches: data.TrainBatches
     val_batches: list[torch.Tensor]
     tokens_per_step: int
+    plan: object | None  # the planner's prediction for this run (train/plan.py), on CUDA
 
 
 def run(cfg, run_dir: Path) -> Progress:
@@ -103,12 +106,15 @@ def build(cfg, run_dir: Path) -> Trainer:
     )
     # Ranks of one data-parallel replica (its tp and pp ranks) read the same windows.
     train, dp = cfg.train, (topology.dp_rank, topology.dp_size)
-    batches = data.TrainBatches(cfg.data, model_cfg.seq_len, train.global_batch_size, *dp, train.seed)
+    speaks = topology.tp_rank == 0 and topology.pp_rank == 0  # one warning per data-parallel replica
+    batches = data.TrainBatches(cfg.data, model_cfg.seq_len, train.global_batch_size, *dp, train.seed, warn=speaks)
     val_batches = []
     if train.eval_interval > 0 and train.eval_batches > 0:
         val_batches = data.validation_batches(cfg.data, model_cfg.seq_len, train.global_batch_size, train.eval_batches, *dp)
     step = TrainStep(engine, train.micro_batch_size, device)
-    trainer = Trainer(cfg, run_dir, device, topology, model_cfg, engine, step, batches, val_batches, tokens_per_step)
+    plan = _plan(cfg, run_dir, topology.rank) if device.type == "cuda" else None
+    trainer = Trainer(cfg, run_dir, device, topology, model_cfg, engine, step, batches, val_batches, tokens_per_step,
+                      plan)
     _say(
         trainer,
         f"model {model_cfg.name}: {count_parameters(_full_shapes(model_cfg)) / 1e6:.2f}M parameters | "
@@ -125,6 +131,7 @@ def resume(trainer: Trainer) -> tuple[Progress, bool]:
         return Progress(), False
     state = checkpoint.load(trainer.engine, path)
     trainer.batches.load_state_dict(state["data"])
+    trainer.batches.start()  # background workers (data.workers) begin packing from the restored position
     _say(trainer, f"resumed from {path} at step {state['step']}")
     return Progress(state["step"], state["tokens"]), True
 
@@ -132,6 +139,8 @@ def resume(trainer: Trainer) -> tuple[Progress, bool]:
 def open_logger(trainer: Trainer, resumed_step: int | None) -> metrics.MetricsLogger:
     """metrics.jsonl and W&B, on rank 0 only."""
     run_config = OmegaConf.to_container(trainer.cfg, resolve=True)
+    if trainer.plan is not None:
+        run_config["plan"] = trainer.plan.to_json()
     return metrics.MetricsLogger(trainer.run_dir, trainer.cfg.logging, run_config, active=trainer.topology.rank == 0,
                                  resumed_step=resumed_step)
 
@@ -148,15 +157,23 @@ def save_checkpoint(trainer: Trainer, progress: Progress) -> None:
 
 
 def finish(trainer: Trainer, logger: metrics.MetricsLogger) -> None:
-    """The end-of-run sample (every rank takes part: stages pass activations, tp ranks share
-    logits), then the logger is closed."""
+    """The data summary (bad records skipped, per file), the end-of-run sample (every rank takes
+    part: stages pass activations, tp ranks share logits), then the data workers and the logger stop."""
     train = trainer.cfg.train
+    bad = trainer.batches.bad_records(gather=True)  # a collective when ranks read different streams
+    if bad:
+        total = sum(n for reasons in bad.values() for n in reasons.values())
+        lines = [f"  {file}: " + ", ".join(f"{n} {reason}" for reason, n in sorted(reasons.items()))
+                 for file, reasons in sorted(bad.items())]
+        _say(trainer, f"data: {total} bad record(s) skipped (data.on_bad_record=skip):\n" + "\n".join(lines))
+        logger.summary({"data/bad_records": total})
     if train.sample_tokens > 0:
         from train.generate import sample_text
 
         text, _ = sample_text(trainer.engine.module, trainer.model_cfg, trainer.topology, train.sample_prompt,
                               train.sample_tokens, trainer.device, train.seed)
         _say(trainer, "sample:\n" + text)
+    trainer.batches.close()
     logger.close()
 
 
@@ -172,6 +189,7 @@ class Meter:
             count_parameters(_full_shapes(cfg), exclude_positions=True), cfg.n_layer, cfg.d_model, cfg.seq_len
         )
         self.peak = metrics.peak_tflops(trainer.device, trainer.cfg.logging.peak_tflops)
+        self.batches, self.plan = trainer.batches, trainer.plan
         self.seconds_per_step = math.nan
         self.restart()
 
@@ -182,6 +200,11 @@ class Meter:
     def add(self, loss: torch.Tensor) -> None:
         self.loss_sum += loss
         self.steps += 1
+
+    def _shares(self) -> dict:
+        """The realised share of each source of a mixture (data=mixture), as data/share/<label>."""
+        shares = self.batches.mixture_shares()
+        return {f"data/share/{label}": share for label, share in shares.items()} if len(shares) > 1 else {}
 
     @contextlib.contextmanager
     def paused(self):
@@ -204,7 +227,23 @@ class Meter:
             "perf/tflops": tokens_per_s * self.flops_per_token / self.world / 1e12,
             "perf/mfu": metrics.mfu(tokens_per_s, self.flops_per_token, self.peak, self.world),
             "perf/max_mem_gib": _max_memory_gib(self.device),
+            "perf/data_wait_s": self.batches.pop_wait_seconds(),
+            **self._shares(),
+            **({"perf/mfu_predicted": self.plan.predicted_mfu} if self.plan is not None else {}),
         }
+
+
+def _plan(cfg, run_dir: Path, rank: int):
+    """The planner's prediction for this run on this GPU, written to <run dir>/plan.json by rank 0."""
+    from train.plan import plan_for_run
+
+    plan = plan_for_run(cfg)
+    if rank == 0:
+        path = Path(run_dir) / "plan.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(plan.to_json(), indent=2) + "\n")
+        os.replace(tmp, path)
+    return plan
 
 
 def _full_shapes(model_cfg: GPTConfig) -> GPT:
@@ -251,7 +290,9 @@ def _progress_line(record: dict, max_steps: int, seconds_per_step: float) -> str
         parts.append(f"val {record['val/loss']:.4f}")
     parts.append(f"{record['perf/tokens_per_s']:,.0f} tok/s")
     if record["perf/mfu"] is not None:
-        parts.append(f"mfu {100 * record['perf/mfu']:.1f}%")
+        predicted = record.get("perf/mfu_predicted")
+        plan = f" (plan {100 * predicted:.1f}%)" if predicted is not None else ""
+        parts.append(f"mfu {100 * record['perf/mfu']:.1f}%{plan}")
     parts.append(f"eta {_duration(eta)}")
     return " | ".join(parts)
 
