@@ -4,7 +4,8 @@
       → this stage's layers        all of them when pp = 1 (parallel/pipeline.py: stage_bounds)
       → tensor-parallel plan       parallel/tensor.py: shard_layer, the same for every layer
       → allocate, initialise       by index in the full list (model.gpt.init_layers_), so the full
-                                   weights are the one-process model's whatever the layout
+                                   weights are the one-process model's whatever the layout;
+                                   skipped for device="meta" (shapes only, see build_model)
       → a GPT (pp = 1)             the layers in model/'s own container, embedding tied to the head
         or PipelineStages (pp > 1) a DeepSpeed PipelineModule holding this stage's layers
 
@@ -38,7 +39,12 @@ class BuildOptions:
 def build_model(
     config: GPTConfig, topology, seed: int, device: torch.device | str, options: BuildOptions = BuildOptions()
 ) -> nn.Module:
-    """This rank's part of the model for topology's layout, initialised (see module docstring)."""
+    """This rank's part of the model for topology's layout, initialised (see module docstring).
+
+    device="meta" gives the part's exact structure (parameter names, local shapes, sharding and
+    tying) and nothing else: no storage is allocated and nothing is initialised, so even a 175B
+    stage is built in well under a second (the planner's dry run builds every rank's part so).
+    """
     check_layout(config.n_head, config.d_ff, topology.tp_size, topology.pp_size, config.n_layer, topology.world_size)
     with torch.device("meta"):
         layers = layer_list(config)
@@ -48,14 +54,16 @@ def build_model(
     for index, layer in local.items():
         shard_layer(layer, topology, TP_PLAN, options.sequence_parallel, index)
     head = local.get(len(layers) - 1)
+    shapes_only = torch.device(device).type == "meta"
     if topology.pp_size == 1:
         model = GPT(config, layers)  # ties the unembedding to the embedding
         model.loss_fn = loss_for(head)
         model.activation_checkpointing = options.activation_checkpointing
-        return model.materialize(device, seed)
-    for layer in local.values():
-        materialize_(layer, device)
-    init_layers_(local, config, seed)
+        return model if shapes_only else model.materialize(device, seed)
+    if not shapes_only:
+        for layer in local.values():
+            materialize_(layer, device)
+        init_layers_(local, config, seed)
     return PipelineStages(layers, topology, loss_for(head), options.activation_checkpointing)
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from model import GPTConfig
-from parallel.plan_counts import rank_parameters, stage_bounds, stage_blocks
+from parallel.plan_counts import rank_parameters, stage_blocks, stage_layers
 from parallel.tensor import padded_vocab_size
 
 FP32, INT64 = 4, 8
@@ -48,12 +48,9 @@ class StageShape:
     pipelined: bool
 
     @classmethod
-    def of(cls, cfg: GPTConfig, pp: int, stage: int) -> "StageShape":
-        blocks = len(stage_blocks(cfg.n_layer, pp, stage))
-        if pp == 1:
-            return cls(True, blocks, True, False)
-        start, stop = stage_bounds(cfg.n_layer, pp)[stage]
-        return cls(start == 0, blocks, stop == cfg.n_layer + 3, True)
+    def of(cls, config: GPTConfig, pp: int, stage: int) -> "StageShape":
+        layers = stage_layers(config.n_layer, pp, stage)
+        return cls(0 in layers, len(stage_blocks(config.n_layer, pp, stage)), config.n_layer + 1 in layers, pp > 1)
 
 
 @dataclass(frozen=True)
@@ -78,14 +75,14 @@ class ActivationBytes:
         return self.saved - self.weight_copies
 
 
-def block_bytes_per_token(cfg: GPTConfig, tp: int, sequence_parallel: bool, a: int) -> float:
+def block_bytes_per_token(config: GPTConfig, tp: int, sequence_parallel: bool, a: int) -> float:
     """Saved bytes a token costs in one transformer block (module docstring's sum)."""
-    d, f, h = cfg.d_model, cfg.d_ff, cfg.n_head
+    d, f, h = config.d_model, config.d_ff, config.n_head
     sigma = tp if sequence_parallel else 1
     layer_norms = 2 * (FP32 * d + 2 * FP32) / sigma
     matmul_inputs = 2 * a * d
     attention = 5 * a * d / tp + FP32 * h / tp
-    mlp = (2 if cfg.activation == "gelu" else 1) * a * f / tp
+    mlp = (2 if config.activation == "gelu" else 1) * a * f / tp
     return layer_norms + matmul_inputs + attention + mlp
 
 
@@ -93,13 +90,13 @@ def _embedding_bytes_per_token(tp: int) -> float:
     return INT64 + (1 if tp > 1 else 0)
 
 
-def _head_bytes_per_token(cfg: GPTConfig, tp: int, sequence_parallel: bool, a: int) -> float:
+def _head_bytes_per_token(config: GPTConfig, tp: int, sequence_parallel: bool, a: int) -> float:
     sigma = tp if sequence_parallel else 1
-    d = cfg.d_model
+    d = config.d_model
     if tp > 1:
-        loss = FP32 * padded_vocab_size(cfg.vocab_size, tp) / tp + INT64 + 2  # softmax, target, masks
+        loss = FP32 * padded_vocab_size(config.vocab_size, tp) / tp + INT64 + 2  # softmax, target, masks
     else:
-        loss = FP32 * cfg.vocab_size + INT64  # log-softmax output and the flattened targets
+        loss = FP32 * config.vocab_size + INT64  # log-softmax output and the flattened targets
     return (FP32 * d + 2 * FP32) / sigma + a * d + loss
 
 
@@ -121,34 +118,34 @@ def checkpointed_segments(shape: StageShape, k: int) -> int:
 
 
 def micro_batch_activations(
-    cfg: GPTConfig, tp: int, pp: int, stage: int, micro_batch: int, *, sequence_parallel: bool = False,
+    config: GPTConfig, tp: int, pp: int, stage: int, micro_batch: int, *, sequence_parallel: bool = False,
     checkpoint_every: int = 0, autocast: bool = True,
 ) -> ActivationBytes:  # fmt: skip
     """Activation bytes of one micro batch of `micro_batch` sequences on `stage` (module docstring)."""
     a = 2 if autocast else FP32
-    n = micro_batch * cfg.seq_len
-    shape = StageShape.of(cfg, pp, stage)
-    per_block = block_bytes_per_token(cfg, tp, sequence_parallel, a) * n
+    n = micro_batch * config.seq_len
+    shape = StageShape.of(config, pp, stage)
+    per_block = block_bytes_per_token(config, tp, sequence_parallel, a) * n
     ckpt_blocks = checkpointed_blocks(shape, checkpoint_every)
     segments = checkpointed_segments(shape, checkpoint_every)
     sigma = tp if sequence_parallel else 1
-    saved = per_block * (shape.blocks - ckpt_blocks) + segments * FP32 * cfg.d_model * n / sigma
+    saved = per_block * (shape.blocks - ckpt_blocks) + segments * FP32 * config.d_model * n / sigma
     if shape.embedding:
-        saved += _embedding_bytes_per_token(tp) * n + INT64 * cfg.seq_len  # ids, position ids
+        saved += _embedding_bytes_per_token(tp) * n + INT64 * config.seq_len  # ids, position ids
     if shape.head:
-        saved += _head_bytes_per_token(cfg, tp, sequence_parallel, a) * n
+        saved += _head_bytes_per_token(config, tp, sequence_parallel, a) * n
     if shape.pipelined and not shape.head:
-        saved += FP32 * cfg.d_model * n / tp  # the stage output DeepSpeed keeps (tp > 1: its 1/tp part)
+        saved += FP32 * config.d_model * n / tp  # the stage output DeepSpeed keeps (tp > 1: its 1/tp part)
     copies = transient = block_casts = 0
     if autocast:
-        copies, transient, block_casts = _weight_casts(cfg, tp, pp, stage, shape, ckpt_blocks)
+        copies, transient, block_casts = _weight_casts(config, tp, pp, stage, shape, ckpt_blocks)
     recompute = (per_block + block_casts) * min(checkpoint_every, ckpt_blocks)
     return ActivationBytes(round(saved) + copies, copies, round(recompute), round(per_block), transient)
 
 
-def _weight_casts(cfg, tp, pp, stage, shape: StageShape, ckpt_blocks: int) -> tuple[int, int, int]:
+def _weight_casts(config, tp, pp, stage, shape: StageShape, ckpt_blocks: int) -> tuple[int, int, int]:
     """Bytes of bf16 weight casts: (saved for backward, all made during one forward, one block's)."""
-    params = rank_parameters(cfg, tp, pp, stage)
+    params = rank_parameters(config, tp, pp, stage)
     in_blocks = [p for p in params if ".attn." in p.name or ".mlp." in p.name]
     block_matrices = sum(p.numel for p in in_blocks if p.decay) // max(shape.blocks, 1)
     block_vectors = sum(p.numel for p in in_blocks if not p.decay)

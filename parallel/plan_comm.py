@@ -62,14 +62,14 @@ class Transfer:
 
 
 def tensor_parallel(
-    cfg: GPTConfig, shape: StageShape, tp: int, micro_batch: int, micro_batches: int, *,
+    config: GPTConfig, shape: StageShape, tp: int, micro_batch: int, micro_batches: int, *,
     sequence_parallel: bool = False, autocast: bool = True,
 ) -> list[Transfer]:  # fmt: skip
     """Tensor-parallel collectives of one step on a stage (module docstring)."""
     if tp == 1:
         return []
-    n = micro_batch * cfg.seq_len
-    act32, act_mm = n * cfg.d_model * FP32, n * cfg.d_model * (2 if autocast else FP32)
+    n = micro_batch * config.seq_len
+    act32, act_mm = n * config.d_model * FP32, n * config.d_model * (2 if autocast else FP32)
     blocks, m = shape.blocks, micro_batches
 
     def t(op, phase, nbytes, per_mb, what):
@@ -82,7 +82,7 @@ def tensor_parallel(
             t("reduce_scatter", "forward", act_mm, 2 * blocks, "row-parallel outputs"),
             t("reduce_scatter", "backward", act32, 2 * blocks, "gradients of the LayerNorm outputs"),
             t("all_gather", "backward", act_mm, 2 * blocks, "gradients of the row-parallel outputs"),
-            t("all_reduce", "backward", cfg.d_model * FP32, 6 * blocks, "LayerNorm and row-bias gradients"),
+            t("all_reduce", "backward", config.d_model * FP32, 6 * blocks, "LayerNorm and row-bias gradients"),
         ]
     else:
         out += [
@@ -98,7 +98,7 @@ def tensor_parallel(
             out += [
                 t("all_gather", "forward", act32, 1, "final LayerNorm output"),
                 t("reduce_scatter", "backward", act32, 1, "gradient of the final LayerNorm output"),
-                t("all_reduce", "backward", cfg.d_model * FP32, 2, "final LayerNorm gradients"),
+                t("all_reduce", "backward", config.d_model * FP32, 2, "final LayerNorm gradients"),
             ]
         else:
             out.append(t("all_reduce", "backward", act32, 1, "input gradient of the unembedding"))
@@ -106,7 +106,7 @@ def tensor_parallel(
     return [x for x in out if x.count]
 
 
-def pipeline(cfg: GPTConfig, shape: StageShape, tp: int, pp: int, micro_batch: int, micro_batches: int,
+def pipeline(config: GPTConfig, shape: StageShape, tp: int, pp: int, micro_batch: int, micro_batches: int,
              tied_gradient_elements: int) -> list[Transfer]:  # fmt: skip
     """Pipeline traffic of one step by a stage: point-to-point sends, the tied-embedding all-reduce,
     and with tp > 1 DeepSpeed's partitioned sends (each tp rank sends 1/tp of the tensor and the
@@ -114,7 +114,7 @@ def pipeline(cfg: GPTConfig, shape: StageShape, tp: int, pp: int, micro_batch: i
     running backward from it)."""
     if pp == 1:
         return []
-    act = micro_batch * cfg.seq_len * cfg.d_model * FP32
+    act = micro_batch * config.seq_len * config.d_model * FP32
     m, out = micro_batches, []
     if not shape.head:
         out.append(Transfer("pp", "send", "forward", act // tp, m, 2, "stage output to the next stage"))
@@ -131,13 +131,12 @@ def pipeline(cfg: GPTConfig, shape: StageShape, tp: int, pp: int, micro_batch: i
 
 def data_parallel(
     params: list[ParamShape], dp: int, zero_stage: int, micro_batches: int, *, flat_elements: int = 0,
-    unused: frozenset[str] = frozenset(), grad_bytes=lambda p: FP32, weight_bytes: int = FP32,
+    grad_bytes=lambda p: FP32, weight_bytes: int = FP32,
 ) -> list[Transfer]:  # fmt: skip
     """Data-parallel collectives of one step by a rank holding `params`, as DeepSpeed 0.19 runs them.
 
     flat_elements: ZeRO 1/2's padded flat parameter count (plan_counts.StateBytes.details["flat"]);
-    unused: parameters that never get a gradient (the last stage's copy of wpe), left out of ZeRO's
-    reduction; grad_bytes(p): element size p's gradient is reduced in (fp32; under autocast ZeRO
+    grad_bytes(p): element size p's gradient is reduced in (fp32; under autocast ZeRO
     reduces plain nn.Linear gradients in bf16); weight_bytes: element size of the parameters ZeRO
     gathers (gpt3d: fp32; a trainer with bf16 parameters: 2).
     """
@@ -146,7 +145,7 @@ def data_parallel(
     weights = sum(p.numel for p in params) * FP32
     if zero_stage == 0:
         return [Transfer("dp", "all_reduce", "step", weights, 1, dp, "gradients")]
-    grads = sum(p.numel * grad_bytes(p) for p in params if p.name not in unused)
+    grads = sum(p.numel * grad_bytes(p) for p in params)
     if zero_stage in (1, 2):
         reduces = 1 if zero_stage == 1 else micro_batches  # ZeRO-2 reduces after every micro batch
         return [

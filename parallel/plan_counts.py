@@ -1,13 +1,13 @@
 """What one rank of a layout holds: its parameters, and the bytes of its weights, gradients, fp32
 master weights and Adam moments, counted the way the built system allocates them.
 
-Parameters. The model is the flat layer list [Embedding, Block_0 … Block_{L-1}, final norm]; with
-pp > 1 DeepSpeed's PipelineModule cuts the list [Embedding, blocks…, final norm, tied unembedding]
-with `partition_balanced` over "is a PipeBlock" weights (parallel/pipeline.py), so this module asks
-that very function where the cuts fall. The tied embedding is held by the first and, as the
-unembedding, by the last stage (two copies of wte *and* wpe); tensor parallelism splits QKV and fc by
-rows, the two output projections by columns, and the vocabulary (zero-padded to a multiple of 128·tp)
-by rows (parallel/tensor.py); LayerNorms, output-projection biases and wpe are replicated.
+Parameters. parallel/build.py builds a rank's part from the flat layer list [Embedding, Block_0 …
+Block_{L-1}, Head]: all of it when pp = 1 (a GPT, whose unembedding *is* the token embedding, one
+Parameter), else the layers `parallel.pipeline.stage_bounds` puts on the rank's stage (the last
+stage holds its own copy of the tied matrix, as the Head's lm_head.weight). Each layer's parameters
+and their local shapes under tensor parallelism come from the naming API (`parallel.naming.
+layer_shards`), which names every parameter as the full model does: the last stage's tied copy is
+"layers.0.wte.weight" too.
 
 Bytes (DeepSpeed 0.19 with the fp32 parameters gpt3d trains, Adam with two fp32 moments):
 
@@ -28,11 +28,16 @@ With optimizer offload the master weights and moments live in host memory (`host
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
+import torch
+from torch import nn
+
 from model import GPTConfig
-from parallel.tensor import padded_vocab_size
+from model.gpt import make_layer
+from parallel.naming import layer_shards
+from parallel.tensor import TP_PLAN, plan_style
 
 FP32 = 4
 NCCL_START_ALIGNMENT = 2  # DeepSpeed's nccl_start_alignment_factor
@@ -44,18 +49,15 @@ PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's default stage3_param_persistence_
 class ParamShape:
     """One parameter as a rank holds it.
 
-    name: the full model's parameter name ("layers.3.attn.qkv.weight"); shape: this rank's piece;
-    full_numel: the full parameter's elements (without vocabulary padding); replicated: every tp rank
-    holds the same copy; owner: this copy is the one counted when the ranks' shards are added up
-    (tp rank 0 for replicated parameters, the first stage for the tied embedding); linear: a plain
-    nn.Linear parameter (under autocast DeepSpeed reduces its gradient in bf16).
+    name: the full model's parameter name ("layers.3.attn.qkv.weight"; the tied copy on the last
+    pipeline stage: "layers.0.wte.weight"); shape: this rank's piece (vocabulary padding included);
+    full_numel: the full parameter's elements (without padding); linear: it belongs to a plain
+    nn.Linear (under autocast DeepSpeed reduces such gradients in bf16).
     """
 
     name: str
     shape: tuple[int, ...]
     full_numel: int
-    replicated: bool = False
-    owner: bool = True
     linear: bool = False
 
     @property
@@ -69,72 +71,57 @@ class ParamShape:
 
 
 @lru_cache(maxsize=None)
-def stage_bounds(n_layer: int, pp: int) -> tuple[tuple[int, int], ...]:
-    """[start, stop) of each stage in DeepSpeed's layer-spec list [Embedding, Block × L, final norm,
-    tied unembedding], as PipelineModule(partition_method="type:PipeBlock") cuts it."""
-    from deepspeed.runtime.utils import partition_balanced
+def stage_layers(n_layer: int, pp: int, stage: int) -> range:
+    """Indices in the full layer list [Embedding, Block × n_layer, Head] of the layers on `stage`,
+    where parallel/build.py puts them (all of them when pp = 1)."""
+    if not 0 <= stage < pp:
+        raise ValueError(f"stage {stage} does not exist with pp={pp}")
+    if pp == 1:
+        return range(n_layer + 2)
+    from parallel.pipeline import stage_bounds  # imports DeepSpeed's pipeline module
 
-    weights = [0] + [1] * n_layer + [0, 0]
-    parts = [int(p) for p in partition_balanced(weights, pp)]
-    return tuple(zip(parts[:-1], parts[1:]))
+    bounds = stage_bounds(n_layer, pp)
+    return range(bounds[stage], bounds[stage + 1])
 
 
 def stage_blocks(n_layer: int, pp: int, stage: int) -> range:
     """Indices (0-based) of the transformer blocks on `stage`."""
-    if pp == 1:
-        return range(n_layer)
-    start, stop = stage_bounds(n_layer, pp)[stage]
-    return range(max(start - 1, 0), min(stop - 1, n_layer))
+    layers = stage_layers(n_layer, pp, stage)
+    return range(max(layers.start, 1) - 1, min(layers.stop, n_layer + 1) - 1)
 
 
-def _embedding(cfg: GPTConfig, tp: int, owner: bool) -> list[ParamShape]:
-    rows = padded_vocab_size(cfg.vocab_size, tp) // tp if tp > 1 else cfg.vocab_size
-    d = cfg.d_model
-    return [
-        ParamShape("layers.0.wte.weight", (rows, d), cfg.vocab_size * d, owner=owner),
-        ParamShape("layers.0.wpe.weight", (cfg.seq_len, d), cfg.seq_len * d, replicated=True, owner=owner),
-    ]
+@lru_cache(maxsize=64)
+def _plain_linear(config: GPTConfig, kind: int, tp: int) -> frozenset[str]:
+    """Names of the parameters in layer `kind` (0 Embedding, 1 a Block, L + 1 Head) that belong to a
+    plain nn.Linear once the layer is sharded: with tp > 1 the plan swaps every Linear it names."""
+    with torch.device("meta"):
+        layer = make_layer(config, kind)
+    return frozenset(
+        f"{owner}.{name}"
+        for owner, module in layer.named_modules()
+        if type(module) is nn.Linear and (tp == 1 or plan_style(TP_PLAN, f"layers.{kind}.{owner}") is None)
+        for name, _ in module.named_parameters(recurse=False)
+    )
 
 
-def _block(cfg: GPTConfig, tp: int, index: int) -> list[ParamShape]:
-    d, f, linear = cfg.d_model, cfg.d_ff, tp == 1
-    prefix = f"layers.{index + 1}."
-
-    def vector(name, n, sharded=False, is_linear=False):
-        return ParamShape(prefix + name, (n // tp if sharded else n,), n, replicated=not sharded, linear=is_linear)
-
-    def matrix(name, rows, cols, shard_rows):
-        shape = (rows // tp, cols) if shard_rows else (rows, cols // tp)
-        return ParamShape(prefix + name, shape, rows * cols, linear=linear)
-
-    return [
-        vector("ln_1.weight", d), vector("ln_1.bias", d),
-        matrix("attn.qkv.weight", 3 * d, d, True), vector("attn.qkv.bias", 3 * d, tp > 1, linear),
-        matrix("attn.proj.weight", d, d, False), vector("attn.proj.bias", d, False, linear),
-        vector("ln_2.weight", d), vector("ln_2.bias", d),
-        matrix("mlp.fc.weight", f, d, True), vector("mlp.fc.bias", f, tp > 1, linear),
-        matrix("mlp.proj.weight", d, f, False), vector("mlp.proj.bias", d, False, linear),
-    ]  # fmt: skip
-
-
-def _final_norm(cfg: GPTConfig) -> list[ParamShape]:
-    d, prefix = cfg.d_model, f"layers.{cfg.n_layer + 1}.ln_f."
-    return [ParamShape(prefix + "weight", (d,), d, replicated=True), ParamShape(prefix + "bias", (d,), d, replicated=True)]
-
-
-def rank_parameters(cfg: GPTConfig, tp: int, pp: int, stage: int) -> list[ParamShape]:
-    """The parameters of a rank on pipeline stage `stage`, in the order its optimizer sees them
-    (every tp rank of a stage holds the same shapes). pp = 1: GPT.parameters(); pp > 1:
-    PipelineModule.parameters(), the tied embedding first."""
-    if not 0 <= stage < pp:
-        raise ValueError(f"stage {stage} does not exist with pp={pp}")
-    blocks = [p for i in stage_blocks(cfg.n_layer, pp, stage) for p in _block(cfg, tp, i)]
-    if pp == 1:
-        return _embedding(cfg, tp, owner=True) + blocks + _final_norm(cfg)
-    start, stop = stage_bounds(cfg.n_layer, pp)[stage]
-    tied_here = start == 0 or stop == cfg.n_layer + 3
-    params = _embedding(cfg, tp, owner=start == 0) if tied_here else []
-    return params + blocks + (_final_norm(cfg) if start <= cfg.n_layer + 1 < stop else [])
+@lru_cache(maxsize=4096)
+def rank_parameters(config: GPTConfig, tp: int, pp: int, stage: int) -> tuple[ParamShape, ...]:
+    """The parameters of a rank on pipeline stage `stage`, in the order its optimizer sees them, as
+    parallel/build.py builds them (every tp rank of a stage holds the same shapes): the stage's layers
+    in order, each layer's parameters in its own order; the tied copy dropped where its owner, the
+    token embedding, is on the same rank (pp = 1: one Parameter)."""
+    layers = stage_layers(config.n_layer, pp, stage)
+    params: list[ParamShape] = []
+    for index in layers:
+        linear = _plain_linear(config, index if index in (0, config.n_layer + 1) else 1, tp)
+        for name, shard in layer_shards(config, index, tp).items():
+            param = ParamShape(shard.name, shard.local_shape, math.prod(shard.full_shape), name in linear)
+            if shard.tied and 0 in layers:  # the same Parameter as the embedding's: linear if either use is
+                owner = next(i for i, p in enumerate(params) if p.name == shard.name)
+                params[owner] = replace(params[owner], linear=params[owner].linear or param.linear)
+            else:
+                params.append(param)
+    return tuple(params)
 
 
 @dataclass(frozen=True)
@@ -160,13 +147,7 @@ def _groups(params: list[ParamShape]) -> list[list[ParamShape]]:
     return [g for g in ([p for p in params if p.decay], [p for p in params if not p.decay]) if g]
 
 
-def unused_parameters(pp: int, stage: int) -> frozenset[str]:
-    """Parameters a stage holds but never uses, so they get no gradient: the last stage's copy of the
-    position table (the tied embedding is built whole there, but only its wte unembeds)."""
-    return frozenset({"layers.0.wpe.weight"}) if pp > 1 and stage == pp - 1 else frozenset()
-
-
-def _zero12(params: list[ParamShape], dp: int, dp_rank: int, unused: frozenset[str]) -> tuple[int, int, int]:
+def _zero12(params: list[ParamShape], dp: int, dp_rank: int) -> tuple[int, int, int]:
     """(flat elements, partition elements, gradient elements at the step) summed over groups."""
     flat_total = partition_total = grad_total = 0
     for group in _groups(params):
@@ -179,7 +160,6 @@ def _zero12(params: list[ParamShape], dp: int, dp_rank: int, unused: frozenset[s
         lo, hi = dp_rank * part, (dp_rank + 1) * part
         mine = [p for p, start in zip(group, offsets) if start < hi and start + p.numel > lo]
         grad_total += sum(p.numel for p in mine)
-        grad_total += sum(p.numel for p in mine if p.name in unused)  # a zero gradient of its own
         if dp_rank == dp - 1:
             grad_total += flat - offset  # the last partition's alignment padding, a zero tensor of its own
         flat_total, partition_total = flat_total + flat, partition_total + part
@@ -188,19 +168,18 @@ def _zero12(params: list[ParamShape], dp: int, dp_rank: int, unused: frozenset[s
 
 def state_bytes(
     params: list[ParamShape], zero_stage: int, dp: int, dp_rank: int = 0, offload: bool = False,
-    comm_dtype_bytes: tuple[int, ...] = (FP32,), unused: frozenset[str] = frozenset(),
+    comm_dtype_bytes: tuple[int, ...] = (FP32,),
 ) -> StateBytes:  # fmt: skip
     """The bytes a rank holding `params` keeps under ZeRO `zero_stage` over `dp` data-parallel ranks.
 
     comm_dtype_bytes: element sizes of the gradient-reduction dtypes (fp32; with autocast on a GPU
-    and plain nn.Linear layers also bf16): ZeRO 3 keeps one reduce bucket per dtype. unused: names of
-    parameters without a gradient (`unused_parameters`).
+    and plain nn.Linear layers also bf16): ZeRO 3 keeps one reduce bucket per dtype.
     """
     n = sum(p.numel for p in params)
     if zero_stage == 0:
         return StateBytes(weights=FP32 * n, gradients=FP32 * n, master=0, moments=2 * FP32 * n, partition=n)
     if zero_stage in (1, 2):
-        flat, part, grads = _zero12(params, dp, dp_rank, unused)
+        flat, part, grads = _zero12(params, dp, dp_rank)
         master, moments = FP32 * part, 2 * FP32 * part
         host = master + moments if offload else 0
         return StateBytes(
@@ -220,6 +199,6 @@ def state_bytes(
     raise ValueError(f"zero_stage={zero_stage!r}: must be one of [0, 1, 2, 3]")
 
 
-def count_full_parameters(cfg: GPTConfig) -> int:
-    """Parameters of the whole (unsharded, tied) model: what count_parameters(GPT(cfg)) gives."""
-    return sum(p.full_numel for p in rank_parameters(cfg, 1, 1, 0))
+def count_full_parameters(config: GPTConfig) -> int:
+    """Parameters of the whole (unsharded, tied) model: what count_parameters(GPT(config)) gives."""
+    return sum(p.full_numel for p in rank_parameters(config, 1, 1, 0))

@@ -2,23 +2,26 @@
 the shards cover every parameter of the full model exactly once.
 
 Ranks that differ only in their data-parallel coordinate hold identical shards, so the distinct
-shards are the tp × pp pairs (tp rank, pipeline stage). Each is built by the project's own build
-code inside a *fake* process group (torch's "fake" backend: a rank of a world of tp·pp processes
-that never communicates), so nothing is allocated and no other process exists.
+shards are the tp × pp pairs (tp rank, pipeline stage). Each is built by the project's one build
+function, `parallel.build.build_model(..., device="meta")` (structure only: nothing allocated,
+nothing initialised), inside a *fake* process group (torch's "fake" backend: a rank of a world of
+tp·pp processes that never communicates), so no other process exists.
 
-Coverage: every built parameter is a piece of one full parameter (its name and the rows or columns
-it holds). A tensor-parallel replica (a LayerNorm on every tp rank) and the pipeline's second copy of
-the tied embedding are counted once, by tp rank 0 and by the first stage. The check: the counted
-pieces of each full parameter are disjoint, together span it (vocabulary padding aside), and their
-sizes add up to the full model's exact parameter count; and each shard's parameters equal
-`plan_counts.rank_parameters` (names, shapes, order).
+Coverage: the naming API (`parallel.naming.parameter_map`) says which full parameter each built
+parameter is a piece of, and which region of it. A tensor-parallel replica (a LayerNorm on every tp
+rank) is counted by tp rank 0 only, and the tied unembedding (the last stage's copy, or the
+one-process model's second name for the matrix) not at all: its owner is the token embedding. The
+check: the counted regions of each full parameter are disjoint, together span it (vocabulary
+padding is no part of any region), and their sizes add up to the full model's exact parameter
+count; and each shard's parameters equal `plan_counts.rank_parameters` (names, shapes, order, and
+which ones DeepSpeed reduces in bf16 under autocast).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
-import re
 import time
 from dataclasses import dataclass
 
@@ -26,20 +29,8 @@ import torch
 import torch.distributed as dist
 
 from model import GPT, GPTConfig, count_parameters
+from parallel.naming import Shard, parameter_map
 from parallel.plan_counts import ParamShape, rank_parameters
-
-
-@dataclass(frozen=True)
-class Piece:
-    """One built parameter: which full parameter it is a piece of, and which part (dim, start, stop);
-    dim is None for a whole (unsharded) parameter."""
-
-    name: str
-    shape: tuple[int, ...]
-    dim: int | None
-    start: int
-    stop: int
-    owner: bool
 
 
 @dataclass
@@ -73,98 +64,72 @@ def _fake_world(rank: int, world_size: int):
         dist.destroy_process_group()
 
 
-def _build_rank_shard(model_cfg: GPTConfig, tp: int, pp: int) -> torch.nn.Module:
-    """This (fake) rank's part of the model, on meta, built by today's build code: a tensor-parallel
-    GPT for pp = 1, a DeepSpeed PipelineModule stage for pp > 1.
-
-    The one place that knows how the project builds a layout; when parallel/ gains a single build
-    function for every layout, call it here (on the meta device, without initialisation). Until then
-    the pipeline path is run with two things turned off that a meta build cannot do: drawing the
-    initial weights and PipelineModule's move to the accelerator.
-    """
-    from unittest import mock
-
+def _build_rank_shard(model_cfg: GPTConfig, tp: int, pp: int):
+    """This (fake) rank's part of the model and its topology: parallel.build_model on meta."""
+    from parallel.build import build_model
     from parallel.topology import Topology
 
     topology = Topology.create(tp, pp)
-    if pp == 1:
-        from parallel.tensor import shard
-
-        with torch.device("meta"):
-            model = GPT(model_cfg)
-        return shard(model, topology)
-    from deepspeed.runtime.pipe.module import PipelineModule
-
-    from parallel import pipeline
-
-    with contextlib.redirect_stdout(open(os.devnull, "w")), \
-            mock.patch.object(pipeline, "init_layer_", lambda *args, **kwargs: None), \
-            mock.patch.object(PipelineModule, "to", lambda self, *args, **kwargs: self):  # fmt: skip
-        return pipeline.build_pipeline(model_cfg, topology, seed=0, device=torch.device("meta"))
+    return build_model(model_cfg, topology, seed=0, device="meta"), topology
 
 
-def _full_name(built_name: str, n_layer: int) -> str:
-    """The full GPT's name of a built parameter (PipelineModule names layers by spec index and keeps
-    the tied embedding under tied_modules)."""
-    if built_name.startswith("tied_modules.embedding."):
-        return "layers.0." + built_name.removeprefix("tied_modules.embedding.")
-    match = re.fullmatch(r"(\d+)\.(.+)", built_name)
-    return f"layers.{match[1]}.{match[2]}" if match else built_name
+def _compare(part: torch.nn.Module, shards: dict[str, Shard], expected: tuple[ParamShape, ...],
+             where: str) -> list[str]:  # fmt: skip
+    """The part's parameters (unique, in order) against what the planner counts for its rank: full
+    name, local shape, and whether DeepSpeed's autocast would reduce its gradient in bf16 (it belongs
+    to a module of a class DeepSpeed lists as safe in lower precision)."""
+    from deepspeed.runtime.torch_autocast import LOWER_PRECISION_SAFE_MODULES
 
-
-def shard_pieces(module: torch.nn.Module, n_layer: int, tp_rank: int, stage: int) -> list[Piece]:
-    """The pieces a built shard holds, in its parameters() order. The slice comes from the sharding
-    hints parallel/tensor.py leaves on every split parameter (`shard_of`: dim, rank, size)."""
-    pieces = []
-    for name, param in module.named_parameters():
-        full = _full_name(name, n_layer)
-        hint = getattr(param, "shard_of", None)
-        replicated_pipe = getattr(param, "ds_pipe_replicated", False)
-        if hint is None:
-            pieces.append(Piece(full, tuple(param.shape), None, 0, param.shape[0], tp_rank == 0 and not replicated_pipe))
-            continue
-        dim, rank = hint.keywords["dim"], hint.keywords["rank"]
-        step = param.shape[dim]
-        pieces.append(Piece(full, tuple(param.shape), dim, rank * step, (rank + 1) * step, not replicated_pipe))
-    return pieces
-
-
-def _compare(pieces: list[Piece], expected: list[ParamShape], where: str) -> list[str]:
-    got = [(p.name, p.shape) for p in pieces]
-    want = [(p.name, p.shape) for p in expected]
+    lower = {id(p) for m in part.modules() if m.__class__ in LOWER_PRECISION_SAFE_MODULES for p in m.parameters(False)}
+    got = [(shards[name].name, shards[name].local_shape, id(p) in lower) for name, p in part.named_parameters()]
+    want = [(p.name, p.shape, p.linear) for p in expected]
     if got == want:
         return []
-    return [f"{where}: built {got[:4]}… ({len(got)} parameters) ≠ counted {want[:4]}… ({len(want)})"]
+    i = next((i for i, (g, w) in enumerate(zip(got, want)) if g != w), min(len(got), len(want)))
+    built, count = (got[i] if i < len(got) else "nothing"), (want[i] if i < len(want) else "nothing")
+    return [f"{where}: parameter {i} built {built} ≠ counted {count} ({len(got)} built, {len(want)} counted)"]
 
 
-def _coverage(pieces: list[Piece], full: dict[str, torch.Size]) -> tuple[int, list[str]]:
-    """Elements of the full model the owned pieces cover, and every overlap, gap or stray piece."""
+def counted(shards: dict[str, Shard], tp_rank: int) -> list[Shard]:
+    """The shards of one rank that count towards the full model: not the tied copy, and a replicated
+    parameter only on tp rank 0."""
+    return [s for s in shards.values() if not s.tied and (not s.replicated or tp_rank == 0)]
+
+
+def coverage(pieces: list[Shard], full: dict[str, tuple[int, ...]]) -> tuple[int, list[str]]:
+    """Elements of the full model the counted pieces cover, and every overlap, gap or stray piece."""
     problems, covered = [], 0
-    by_name: dict[str, list[Piece]] = {}
+    by_name: dict[str, list[Shard]] = {}
     for piece in pieces:
-        if piece.owner:
-            by_name.setdefault(piece.name, []).append(piece)
+        by_name.setdefault(piece.name, []).append(piece)
     for name in sorted(set(by_name) - set(full)):
         problems.append(f"{name}: built but not a parameter of the full model")
     for name, shape in full.items():
-        owned = sorted(by_name.get(name, []), key=lambda p: p.start)
-        if not owned:
+        held = by_name.get(name, [])
+        if not held:
             problems.append(f"{name}: no shard holds it")
             continue
-        if owned[0].dim is None:
-            if len(owned) > 1 or owned[0].shape != tuple(shape):
-                problems.append(f"{name}: held whole {len(owned)} times, shapes {[p.shape for p in owned]}")
-            covered += shape.numel()
+        if {p.split_dim for p in held} == {None}:
+            if len(held) > 1 or held[0].full_shape != tuple(shape):
+                problems.append(f"{name}: held whole {len(held)} times, shapes {[p.full_shape for p in held]}")
+            covered += math.prod(shape)
             continue
-        dim, extent, position = owned[0].dim, shape[owned[0].dim], 0
-        for piece in owned:
-            if piece.start != position:
-                problems.append(f"{name}: pieces along dim {dim} jump from {position} to {piece.start}")
-            position = piece.stop
-            rows = max(0, min(piece.stop, extent) - piece.start)  # rows past the extent are padding
-            covered += shape.numel() // extent * rows
-        if position < extent:
-            problems.append(f"{name}: pieces cover {position} of {extent} along dim {dim}")
+        dims = {p.split_dim for p in held}
+        if len(dims) > 1:
+            problems.append(f"{name}: pieces split along different dims {sorted(dims, key=str)}")
+            continue
+        dim, position = dims.pop(), 0
+        for piece in sorted(held, key=lambda p: p.index[dim].start):
+            region = piece.index[dim]
+            if region.start != position:
+                problems.append(f"{name}: pieces along dim {dim} jump from {position} to {region.start}")
+            others = [s for d, s in enumerate(piece.index) if d != dim]
+            if others != [slice(0, n) for d, n in enumerate(shape) if d != dim]:
+                problems.append(f"{name}: a piece holds {piece.index}, not all of the other dims of {tuple(shape)}")
+            position = region.stop
+            covered += math.prod(shape) // shape[dim] * (region.stop - region.start)
+        if position != shape[dim]:
+            problems.append(f"{name}: pieces cover {position} of {shape[dim]} along dim {dim}")
     return covered, problems
 
 
@@ -172,20 +137,28 @@ def dry_run(model_cfg: GPTConfig, tp: int, pp: int, log=None) -> DryRunReport:
     """Build all tp·pp distinct shards on meta and check their coverage (see module docstring)."""
     started = time.perf_counter()
     with torch.device("meta"):
-        full_model = GPT(model_cfg)
-    full = {name: p.shape for name, p in full_model.named_parameters()}
+        full_model = GPT(model_cfg)  # the one-process model: the names and shapes to cover
+    full = {name: tuple(p.shape) for name, p in full_model.named_parameters()}
     pieces, problems = [], []
     for stage in range(pp):
         expected = rank_parameters(model_cfg, tp, pp, stage)
         for tp_rank in range(tp):
-            with _fake_world(stage * tp + tp_rank, tp * pp):
-                shard = _build_rank_shard(model_cfg, tp, pp)
-                built = shard_pieces(shard, model_cfg.n_layer, tp_rank, stage)
-            problems += _compare(built, expected, f"stage {stage}, tp rank {tp_rank}")
-            pieces += built
+            where = f"stage {stage}, tp rank {tp_rank}"
+            with _fake_world(stage * tp + tp_rank, tp * pp):  # DeepSpeed's rank order: pipe, data, model
+                part, topology = _build_rank_shard(model_cfg, tp, pp)
+                if (topology.pp_rank, topology.tp_rank) != (stage, tp_rank):
+                    placed = f"stage {topology.pp_rank}, tp rank {topology.tp_rank}"
+                    raise RuntimeError(f"{where}: the fake rank is ({placed})")
+                try:
+                    shards = parameter_map(part, model_cfg, topology)  # checks every local shape too
+                except (KeyError, ValueError) as error:  # a parameter the naming API cannot place
+                    problems.append(f"{where}: {error}")
+                    continue
+            problems += _compare(part, shards, expected, where)
+            pieces += counted(shards, tp_rank)
         if log is not None:
             log(f"dry run: stage {stage + 1}/{pp} built ({tp} tensor-parallel shards)")
-    covered, coverage_problems = _coverage(pieces, full)
+    covered, coverage_problems = coverage(pieces, full)
     return DryRunReport(
         shards=tp * pp,
         full_parameters=count_parameters(full_model),

@@ -1,8 +1,8 @@
 """What a built rank really holds and sends: runs inside the gloo processes of tests/test_plan_counts.py.
 
-`probe(...)` builds this rank's model, optimizer and DeepSpeed engine the way train/loop.py does,
-runs two optimizer steps of random tokens and reports, from the engine's own objects at the second
-step (just before the optimizer updates):
+`probe(...)` builds this rank's model (parallel.build), optimizer and DeepSpeed engine (train.engine)
+the way train/loop.py does, runs two optimizer steps of random tokens and reports, from the engine's
+own objects at the second step (just before the optimizer updates):
 
   parameters  module parameters (unique)                 weights   their storages (ZeRO 1/2: the
   gradients   p.grad (ZeRO 0), the gradient partition              flat buffers; ZeRO 3: the
@@ -62,9 +62,10 @@ def probe(model: dict, tp: int, pp: int, zero_stages: list[int], global_batch: i
     os.environ["DS_ACCELERATOR"] = "cpu"
     from deepspeed.comm import comm as ds_comm
 
-    from parallel import engine as engines
+    from parallel.build import BuildOptions, build_model
     from parallel.comm import record_comm
     from parallel.topology import Topology
+    from train import engine as engines
     from train.optimizer import make_lr_scheduler, make_optimizer, make_schedule
 
     engines.init_distributed(torch.device("cpu"))
@@ -80,7 +81,8 @@ def probe(model: dict, tp: int, pp: int, zero_stages: list[int], global_batch: i
                       "warmup_tokens": 10, "decay_tokens": 10_000, "min_lr_ratio": 0.1},
             "deepspeed": {"comms_logger": {"enabled": True, "prof_all": True, "verbose": False}},
         })  # fmt: skip
-        model_obj = engines.build_model(cfg_model, cfg, topology, torch.device("cpu"))
+        options = BuildOptions(cfg.parallel.sequence_parallel, cfg.parallel.activation_checkpointing)
+        model_obj = build_model(cfg_model, topology, cfg.train.seed, torch.device("cpu"), options)
         pipelined = pp > 1
         mpu = model_obj.mpu() if pipelined else topology.mpu
         optimizer = make_optimizer(model_obj, cfg.optim, 1e-3, clip=stage == 0, mpu=mpu)

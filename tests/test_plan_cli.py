@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from model import GPT, GPTConfig, count_parameters
-from parallel.plan_dry_run import Piece, _coverage
+from parallel.naming import Shard
+from parallel.plan_dry_run import counted, coverage
 from train.plan_hardware import preset
 from tests.cli import REPO
 
@@ -49,23 +50,61 @@ def test_175b_dry_run_builds_every_shard_and_covers_each_parameter_once():
     assert f"each of the {full:,} parameters exactly once" in proc.stdout
 
 
-def _piece(name, dim, start, stop, owner=True):
-    return Piece(name, (stop - start, 4), dim, start, stop, owner)
+@pytest.mark.parametrize("tp, pp", [(1, 2), (2, 1), (1, 1)])
+def test_dry_run_of_small_layouts(tp, pp):
+    """Where plain nn.Linear layers remain (tp = 1), the planner's bf16-reduced parameters are checked too:
+    the tied matrix is one at pp = 1 (the unembedding is a Linear) and only on the last stage at pp > 1."""
+    proc = plan("model=toy", f"parallel.tp={tp}", f"parallel.pp={pp}", f"plan.gpus={tp * pp}", "plan.dry_run=true")
+    assert f"built all {tp * pp} distinct rank shards" in proc.stdout
+    with torch.device("meta"):
+        full = count_parameters(GPT(GPTConfig(name="toy", n_layer=4, n_head=4, d_model=128, seq_len=128)))
+    assert f"each of the {full:,} parameters exactly once" in proc.stdout
+
+
+def _piece(name, start, stop, dim=0, full=(10, 4)):
+    """A Shard of `name` holding [start, stop) of `full` along `dim`."""
+    index = [slice(0, n) for n in full]
+    index[dim] = slice(start, stop)
+    local = [slice(0, n) for n in full]
+    local[dim] = slice(0, stop - start)
+    shape = tuple(stop - start if d == dim else n for d, n in enumerate(full))
+    return Shard(name, full, dim, tuple(index), tuple(local), shape)
+
+
+def _whole(name, full=(10, 4), tied=False):
+    return Shard(name, full, None, tuple(slice(0, n) for n in full), tuple(slice(0, n) for n in full), full, tied)
 
 
 @pytest.mark.parametrize(
     "pieces, problem",
     [
-        ([_piece("w", 0, 0, 4), _piece("w", 0, 6, 10)], "jump from 4 to 6"),  # a gap
-        ([_piece("w", 0, 0, 6), _piece("w", 0, 4, 10)], "jump from 6 to 4"),  # an overlap
-        ([_piece("w", 0, 0, 4)], "cover 4 of 10"),  # a missing tail
-        ([_piece("w", 0, 0, 10), _piece("stray", None, 0, 1)], "not a parameter of the full model"),
-        ([_piece("w", 0, 0, 10, owner=False)], "no shard holds it"),
+        ([_piece("w", 0, 4), _piece("w", 6, 10)], "jump from 4 to 6"),  # a gap
+        ([_piece("w", 0, 6), _piece("w", 4, 10)], "jump from 6 to 4"),  # an overlap
+        ([_piece("w", 0, 4)], "cover 4 of 10"),  # a missing tail
+        ([_piece("w", 0, 10), _piece("stray", 0, 1)], "not a parameter of the full model"),
+        ([], "no shard holds it"),
+        ([_whole("w"), _whole("w")], "held whole 2 times"),  # a replica counted twice
+        ([_piece("w", 0, 5), _piece("w", 0, 4, dim=1)], "split along different dims"),
+        ([_piece("w", 0, 5), _piece("w", 5, 10, full=(10, 3))], "not all of the other dims"),
     ],
 )
 def test_coverage_check_finds_gaps_overlaps_and_strays(pieces, problem):
-    covered, problems = _coverage(pieces, {"w": torch.Size([10, 4])})
+    covered, problems = coverage(pieces, {"w": (10, 4)})
     assert any(problem in p for p in problems), problems
+
+
+def test_coverage_counts_a_padded_vocabulary_once_and_each_parameter_whole():
+    """Rows past the vocabulary are nobody's: 300 rows over 4 ranks of 128 leave the last rank none."""
+    rows = [_piece("wte", 0, 128, full=(300, 4)), _piece("wte", 128, 256, full=(300, 4)),
+            _piece("wte", 256, 300, full=(300, 4)), _piece("wte", 300, 300, full=(300, 4))]  # fmt: skip
+    covered, problems = coverage(rows + [_whole("ln")], {"wte": (300, 4), "ln": (10, 4)})
+    assert problems == [] and covered == 300 * 4 + 10 * 4
+
+
+def test_only_tp_rank_0_counts_a_replica_and_no_rank_the_tied_copy():
+    shards = {"ln": _whole("ln"), "w": _piece("w", 5, 10), "lm_head": _whole("wte", tied=True)}
+    assert [s.name for s in counted(shards, tp_rank=0)] == ["ln", "w"]
+    assert [s.name for s in counted(shards, tp_rank=1)] == ["w"]
 
 
 def test_table_lists_first_middle_and_last_stage_and_fits_the_175b_paper_setting():

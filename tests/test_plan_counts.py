@@ -18,7 +18,7 @@ import pytest
 from model import GPTConfig
 from parallel import plan_comm
 from parallel.plan_activations import StageShape
-from parallel.plan_counts import FP32, rank_parameters, state_bytes, unused_parameters
+from parallel.plan_counts import FP32, rank_parameters, state_bytes
 from tests.distributed import run_distributed
 from tests.plan_probe import probe
 
@@ -46,7 +46,7 @@ def run_dp():
 def _expected_state(model: dict, tp: int, pp: int, dp: int, result: dict):
     stage, dp_rank, _ = result["coords"]
     params = rank_parameters(GPTConfig(**model), tp, pp, stage)
-    return params, state_bytes(params, result["zero_stage"], dp, dp_rank, unused=unused_parameters(pp, stage))
+    return params, state_bytes(params, result["zero_stage"], dp, dp_rank)
 
 
 def _assert_state(model, tp, pp, dp, results):
@@ -81,11 +81,10 @@ def _planned(model: dict, tp: int, pp: int, dp: int, result: dict) -> list:
     m = GLOBAL_BATCH // (MICRO_BATCH * dp)
     tied = sum(p.numel for p in params if p.name.endswith("wte.weight"))
     flat = state_bytes(params, zero, dp).details.get("flat", 0)
-    unused = unused_parameters(pp, stage)
     return (
         plan_comm.tensor_parallel(cfg, shape, tp, MICRO_BATCH, m, autocast=False)
         + plan_comm.pipeline(cfg, shape, tp, pp, MICRO_BATCH, m, tied)
-        + plan_comm.data_parallel(params, dp, zero, m, flat_elements=flat, unused=unused)
+        + plan_comm.data_parallel(params, dp, zero, m, flat_elements=flat)
     )
 
 

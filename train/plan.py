@@ -162,6 +162,7 @@ def _dry_run(cfg, out, err) -> int:
     """plan.dry_run=true: build and check the layout's shards (the batch does not matter here)."""
     from parallel.plan_dry_run import dry_run
     from parallel.topology import check_layout
+    from train.engine import skip_shared_memory_op
 
     try:
         model_cfg, par = model_config(cfg), cfg.parallel
@@ -169,6 +170,7 @@ def _dry_run(cfg, out, err) -> int:
     except ValueError as error:
         print(f"gpt3d plan: error: {error}", file=err)
         return 2
+    skip_shared_memory_op()  # the fake process groups never communicate: no op to compile
     report = dry_run(model_cfg, par.tp, par.pp, log=lambda line: print(line, file=err, flush=True))
     if report.ok:
         print(f"dry run: built all {report.shards} distinct rank shards (tp × pp) on meta in {report.seconds:.1f} s; "

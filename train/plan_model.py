@@ -37,7 +37,6 @@ from parallel.plan_counts import (
     rank_parameters,
     stage_blocks,
     state_bytes,
-    unused_parameters,
 )
 from parallel.tensor import padded_vocab_size
 from train.plan_hardware import Hardware
@@ -306,8 +305,7 @@ def _rank(cfg, layout: Layout, impl: Implementation, hw: Hardware, stage: int, i
     params = rank_parameters(cfg, tp, pp, stage)
     shape = StageShape.of(cfg, pp, stage)
     comm_dtypes = (FP32, 2) if impl.autocast and tp == 1 else (FP32,)
-    unused = unused_parameters(pp, stage)
-    state = state_bytes(params, layout.zero_stage, dp, 0, layout.offload_optimizer, comm_dtypes, unused)
+    state = state_bytes(params, layout.zero_stage, dp, 0, layout.offload_optimizer, comm_dtypes)
     acts = micro_batch_activations(
         cfg, tp, pp, stage, layout.micro_batch, sequence_parallel=layout.sequence_parallel,
         checkpoint_every=layout.checkpoint_every, autocast=impl.autocast,
@@ -325,7 +323,7 @@ def _rank(cfg, layout: Layout, impl: Implementation, hw: Hardware, stage: int, i
                                   sequence_parallel=layout.sequence_parallel, autocast=impl.autocast)
         + plan_comm.pipeline(cfg, shape, tp, pp, layout.micro_batch, m, tied)
         + plan_comm.data_parallel(params, dp, layout.zero_stage, m, flat_elements=state.details.get("flat", 0),
-                                  unused=unused, grad_bytes=grad_bytes, weight_bytes=FP32 if impl.fp32_weights else 2)
+                                  grad_bytes=grad_bytes, weight_bytes=FP32 if impl.fp32_weights else 2)
     )  # fmt: skip
     compute_s, flops = _stage_compute(cfg, layout, impl, hw, stage, shape)
     tp_s = _comm_time([t for t in transfers if t.group == "tp"], hw, inter_node) / m
