@@ -65,7 +65,7 @@ class ParameterState:
 
         weights = values["model"]
         if self.zero_stage == 3:
-            from deepspeed.zero import GatheredParameters
+            from deepspeed.runtime.zero import GatheredParameters
 
             with GatheredParameters([param], modifier_rank=0):  # rank 0 of the dp group's copy is kept
                 param.data.copy_(weights.reshape(param.shape).to(param.device, param.dtype))
@@ -83,19 +83,25 @@ class ParameterState:
     def ensure_state(self) -> None:
         """Give every parameter the optimizer steps (module parameters, or DeepSpeed's flat fp32
         partitions) the state torch's AdamW creates at its first step, where it has none yet."""
-        for group in self.adam.param_groups:
-            on_device = group.get("capturable", False) or group.get("fused", False)
-            for p in group["params"]:
-                state = self.adam.state[p]
-                if state:
-                    continue
-                state["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if on_device
-                                 else torch.tensor(0.0, dtype=torch.float32))
-                for key in MOMENTS:
-                    state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        # ZeRO-1/2 link each parameter's fragments to the flat state after its first step; link now.
+        # ZeRO-3 puts its flat partitions into the param groups only while it steps them.
+        stepped = getattr(self.wrapper, "fp32_partitioned_groups_flat", None)
+        if stepped is None:
+            stepped = [p for group in self.adam.param_groups for p in group["params"]]
+        on_device = self.adam.defaults.get("capturable", False) or self.adam.defaults.get("fused", False)
+        for p in stepped:
+            state = self.adam.state[p]
+            if state:
+                continue
+            state["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if on_device
+                             else torch.tensor(0.0, dtype=torch.float32))
+            for key in MOMENTS:
+                state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        # ZeRO-1/2 link each parameter's fragments of the flat state (what safe_*_optimizer_state
+        # read and write) once, after the first step of the first param group, before the other
+        # groups have any state (DeepSpeed 0.19 steps group by group): link again, now that all have.
         link = getattr(self.wrapper, "_lazy_init_hp_params_optimizer_state", None)
         if link is not None:
+            self.wrapper._hp_optimizer_states_linked = False
             link()
 
     def step_count(self) -> int:
