@@ -28,6 +28,7 @@ import dataclasses
 import json
 import random
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -82,6 +83,20 @@ def _holds_checkpoints(root: Path) -> bool:
 
 def _is_step_folder(path: Path) -> bool:
     return path.is_dir() and ((path / files.MANIFEST).exists() or files.step_of(path) is not None)
+
+
+def check_resume_model(resume, run_dir: Path, model_cfg) -> None:
+    """Before anything is built: the newest checkpoint a resume would consider holds this model
+    (CheckpointError otherwise). Unverified and cheap; `load` verifies."""
+    path = find_resume_path(resume, run_dir)
+    folders = [path] if path is not None and _is_step_folder(path) else files.step_folders(path) if path else []
+    for folder in folders:
+        try:
+            saved = files.read_json(folder / files.STATE)["model"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # damaged: `load` reports it and takes an older one
+        check_model(saved, model_cfg, folder)
+        return
 
 
 def select(path: Path, verify=None, warn=None) -> Path:
@@ -441,5 +456,7 @@ def read_model_weights(folder: Path, config) -> dict[str, torch.Tensor]:
         raise ValueError(f"checkpoint {folder} does not fit the configured model: {'; '.join(problems[:5])}; "
                          "use the model.* settings of the run that saved it")
     requests = {f"model/{name}": torch.empty(shape) for name, shape in full_shapes(config).items()}
-    tensors.read(requests, reader, distributed=False)
+    with warnings.catch_warnings():  # DCP's note that it reads in one process: that is the point here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        tensors.read(requests, reader, distributed=False)
     return {name.removeprefix("model/"): tensor for name, tensor in requests.items()}

@@ -92,6 +92,11 @@ def build(cfg, run_dir: Path) -> Trainer:
     torch.manual_seed(cfg.train.seed)
     options = BuildOptions(cfg.parallel.sequence_parallel, cfg.parallel.activation_checkpointing)
     model = build_model(model_cfg, topology, cfg.train.seed, device, options)
+    if cfg.train.init_from is not None:  # a Hugging Face GPT-2 folder (train/export.py): its weights, sliced
+        from parallel.naming import load_full_
+        from train.export import read_init_weights
+
+        load_full_(model, read_init_weights(Path(cfg.train.init_from), model_cfg), model_cfg, topology)
     pipelined = topology.pp_size > 1
     # A PipelineModule brings its own grid (same topology) and DeepSpeed then wants no mpu of ours.
     mpu = model.mpu() if pipelined else topology.mpu
