@@ -27,7 +27,9 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-SHARD_SUFFIX = ".safetensors"
+if not hasattr(dcp, "HuggingFaceStorageReader"):
+    raise ImportError(f"gpt3d's checkpoints need PyTorch 2.9 or newer (torch.distributed.checkpoint's safetensors "
+                      f"storage); this is PyTorch {torch.__version__}")
 
 
 @dataclass
