@@ -17,16 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from cli import metrics, train, write_corpus
+from cli import metrics, train
 from train import checkpoint
 
 RUN = ["train.eval_interval=0", "logging.wandb.mode=disabled", "train.checkpoint_interval=1",
        "train.keep_checkpoints=3", "train.keep_every=2"]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +125,14 @@ def test_a_crafted_pickle_is_refused_without_running(run, tmp_path):
     assert not marker.exists()
 
 
+def test_a_forged_state_file_is_refused(run):
+    folder = run / "checkpoints" / "step00000006"
+    (folder / "state.json").write_text('{"format": "something else", "step": 6}')
+    forge_manifest(folder)
+    chosen, warnings = choose(run)
+    assert chosen == "step00000005" and "state.json is not a gpt3d-checkpoint state" in warnings[0]
+
+
 def test_a_deepspeed_checkpoint_with_a_crafted_pickle_is_refused_without_running(tmp_path):
     """The old format's files are pickles (DeepSpeed loads them with weights_only=False): never read."""
     marker = tmp_path / "pwned"
@@ -147,7 +150,8 @@ def test_a_deepspeed_checkpoint_with_a_crafted_pickle_is_refused_without_running
 def test_resume_skips_damaged_checkpoints_and_continues_exactly(run, corpus, tmp_path):
     """Garbage in step 6, a crafted pickle in step 5 with a forged manifest, step 4's `latest` gone
     and an interrupted save left over: the run resumes from step 4 with one warning per damaged
-    checkpoint, removes the leftover, and logs steps 5 and 6 exactly as the undamaged run did."""
+    checkpoint, its first save removes the leftover, and it logs steps 5 and 6 exactly as the
+    undamaged run did."""
     expected = metrics(run)
     marker = tmp_path / "pwned"
     with open(shard(run, 6), "r+b") as f:

@@ -10,16 +10,11 @@ from __future__ import annotations
 
 import pytest
 
-from cli import metrics, train, write_corpus
+from cli import metrics, train
 
 # 4 heads, so that tp=4 is a layout; checkpoints at steps 4 and 8.
 RUN = ["model.n_head=4", "train.eval_interval=0", "logging.wandb.mode=disabled", "train.checkpoint_interval=4"]
 SOURCE = ["parallel.tp=2", "parallel.pp=2", "parallel.zero_stage=1"]  # on 8 processes: dp = 2
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cli import TINY, write_corpus
+from cli import TINY
 from model import GPTConfig
 from parallel.naming import full_shapes
 from tests.distributed import run_distributed
@@ -52,7 +52,8 @@ def whole_state(trainer) -> dict:
         with GatheredParameters([param], enabled=params.zero_stage == 3):  # the weights the forward pass uses
             assert torch.equal(param.detach().reshape(values["model"].shape), values["model"]), local
         for kind, value in values.items():
-            regions[(kind, shard.name, tuple((s.start, s.stop) for s in shard.index))] = (shard.full_shape, value[shard.local_index].detach().cpu().clone())
+            bounds = tuple((s.start, s.stop) for s in shard.index)
+            regions[(kind, shard.name, bounds)] = (shard.full_shape, value[shard.local_index].detach().cpu().clone())
     return {"regions": regions, "steps": params.step_count(), "lr": trainer.engine.get_lr()}
 
 
@@ -93,8 +94,7 @@ def assemble(ranks: list[dict]) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    corpus = write_corpus(tmp_path_factory.mktemp("corpus"))
+def saved(tmp_path_factory, corpus):
     run_dir = tmp_path_factory.mktemp("saved") / "run"
     ranks = run_distributed(save_worker, 4, str(corpus), str(run_dir), timeout=600)
     return corpus, run_dir, ranks
@@ -109,7 +109,8 @@ def test_fp32_weights_and_adam_moments_move_exactly(saved, world, layout):
     resumed_ranks = run_distributed(resume_worker, world, str(corpus), str(run_dir), layout, timeout=600)
     before, after = assemble(saved_ranks), assemble(resumed_ranks)
     names = full_shapes(GPTConfig(n_layer=3, n_head=4, d_model=32, seq_len=32))  # the TINY model's parameters
-    assert before.keys() == after.keys() == {f"{kind}/{name}" for name in names for kind in ("model", "exp_avg", "exp_avg_sq")}
+    kinds = ("model", "exp_avg", "exp_avg_sq")
+    assert before.keys() == after.keys() == {f"{kind}/{name}" for name in names for kind in kinds}
     for key, expected in before.items():
         assert torch.equal(after[key], expected), key
     assert before["exp_avg_sq/layers.1.attn.qkv.weight"].abs().sum() > 0  # moments of two real steps

@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from cli import REPO, train, write_corpus
+from cli import REPO, train
 from model import GPTConfig, build, generate
 from tests.distributed import run_distributed
 from train import checkpoint
@@ -28,11 +28,6 @@ LAYOUT = ["parallel.tp=2", "parallel.pp=2"]
 def export_cli(*args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "train.export", *map(str, args)], cwd=REPO, capture_output=True,
                           text=True, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 @pytest.fixture(scope="module")

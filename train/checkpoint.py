@@ -136,7 +136,27 @@ def _verify_here(folder: Path) -> list[str]:
     manifest, problems = files.structure_problems(folder)
     if problems:
         return problems
-    return files.digest_problems(folder, manifest, sorted(manifest["files"]))
+    return files.digest_problems(folder, manifest, sorted(manifest["files"])) or _state_problems(folder)
+
+
+def _state_problems(folder: Path) -> list[str]:
+    """What is wrong with an (intact) folder's state.json and rng.json, as this gpt3d reads them."""
+    try:
+        state, rng = files.read_json(folder / files.STATE), files.read_json(folder / files.RNG)
+    except (OSError, ValueError):
+        return ["state.json or rng.json is not valid JSON"]
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        return [f"state.json is not a {FORMAT} state"]
+    if state.get("format_version") != FORMAT_VERSION:
+        return [f"format version {state.get('format_version')!r} (written by gpt3d {state.get('gpt3d')}); this gpt3d "
+                f"reads version {FORMAT_VERSION}"]
+    expected = {"step": int, "tokens": int, "layout": dict, "model": dict, "optimizer": dict, "engine": dict}
+    wrong = [key for key, kind in expected.items() if not isinstance(state.get(key), kind)]
+    if wrong or not isinstance(state["optimizer"].get("adam_step"), int):
+        return [f"state.json lacks {wrong or ['optimizer.adam_step']}"]
+    if not isinstance(rng, dict) or not isinstance(rng.get("ranks"), list) or not rng["ranks"]:
+        return ["rng.json holds no RNG states"]
+    return []
 
 
 def _verify_together(folder: Path) -> list[str]:
@@ -150,7 +170,8 @@ def _verify_together(folder: Path) -> list[str]:
         problems = files.digest_problems(folder, manifest, names)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, problems)
-    return sorted({p for ps in gathered for p in ps})
+    problems = sorted({p for ps in gathered for p in ps})
+    return problems or _state_problems(folder)
 
 
 def _warn(text: str) -> None:
@@ -182,6 +203,7 @@ def save(engine, topology, model_cfg, run_dir: Path, step: int, tokens: int, dat
     deleted, except steps that are multiples of `keep_every` (> 0). Returns the folder."""
     import torch.distributed as dist
 
+    _check_plain(data_state=data_state, extra=extra)
     root, tag = checkpoint_dir(run_dir), step_tag(step)
     tmp = root / f"{files.TMP_PREFIX}{tag}"
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -218,13 +240,18 @@ def save(engine, topology, model_cfg, run_dir: Path, step: int, tokens: int, dat
     return root / tag
 
 
+def _check_plain(**values) -> None:
+    """JSON-able or a TypeError, on every rank before any collective (rank 0 alone writes them)."""
+    try:
+        json.dumps(values, allow_nan=False)
+    except (TypeError, ValueError) as err:
+        raise TypeError(f"checkpoint: {', '.join(values)} must hold only dicts, lists, strings, finite numbers, "
+                        f"booleans and None ({err})") from None
+
+
 def _write_state(tmp: Path, state: dict, rng: dict, described: dict) -> None:
     for name, value in ((files.STATE, state), (files.RNG, rng)):
-        try:
-            files.write_json(tmp / name, value)
-        except (TypeError, ValueError) as err:
-            raise TypeError(f"checkpoint {name}: a value is not plain JSON data ({err}); extra and the data "
-                            f"state must hold only dicts, lists, strings, finite numbers, booleans and None") from None
+        files.write_json(tmp / name, value)
         described[name] = files.describe(tmp / name)
     manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "step": state["step"],
                 "layout": state["layout"], "files": dict(sorted(described.items()))}
@@ -247,7 +274,8 @@ def _collect(part, model_cfg, topology, params: ParameterState) -> dict[str, ten
             continue
         offsets, _ = tensors.region(shard.index)
         for kind in KINDS:
-            out[f"{kind}/{shard.name}"] = tensors.FullSlice(values[kind][shard.local_index].cpu(), shard.full_shape, offsets)
+            region = values[kind][shard.local_index].cpu()
+            out[f"{kind}/{shard.name}"] = tensors.FullSlice(region, shard.full_shape, offsets)
     return out
 
 
@@ -335,11 +363,6 @@ def load(engine, topology, model_cfg, path: Path) -> dict:
     "extra", "path" (the folder used), "layout", "model" (as saved)}."""
     import torch.distributed as dist
 
-    if dist.get_rank() == 0:
-        removed = files.remove_leftovers(path if not _is_step_folder(path) else path.parent)
-        if removed:
-            print(f"checkpoint: removed the leftovers of an interrupted save: {', '.join(removed)}", flush=True)
-    dist.barrier()
     folder = select(path, verify=_verify_together, warn=_warn if dist.get_rank() == 0 else lambda text: None)
     state = files.read_json(folder / files.STATE)
     check_model(state.get("model", {}), model_cfg, folder)
@@ -356,8 +379,8 @@ def load(engine, topology, model_cfg, path: Path) -> dict:
         setattr(engine, key, value)
     ranks = files.read_json(folder / files.RNG)["ranks"]
     set_rng_state(ranks[dist.get_rank() % len(ranks)])  # the same rank's at the same layout
-    return {"step": state["step"], "tokens": state["tokens"], "data": state.get("data"), "extra": state.get("extra", {}),
-            "path": folder, "layout": state["layout"], "model": state["model"]}
+    return {"step": state["step"], "tokens": state["tokens"], "data": state.get("data"),
+            "extra": state.get("extra", {}), "path": folder, "layout": state["layout"], "model": state["model"]}
 
 
 def check_model(saved: dict, model_cfg, folder: Path) -> None:
