@@ -429,9 +429,9 @@ def _restore(part, model_cfg, topology, params: ParameterState, reader: tensors.
             size = 0
         batches[-1].append((param, shard))
         size += nbytes
-    count = torch.tensor([len(batches)])
-    dist.all_reduce(count, op=dist.ReduceOp.MAX)
-    for i in range(int(count)):
+    counts = [None] * dist.get_world_size()
+    dist.all_gather_object(counts, len(batches))  # an object collective: also on NCCL, with no device tensor
+    for i in range(max(counts)):
         batch = batches[i] if i < len(batches) else []
         requests = {}
         for _, shard in batch:
