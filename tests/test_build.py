@@ -1,8 +1,8 @@
 """One build path for every layout: each rank's part holds slices of the one-process model.
 
 Each case spawns gloo ranks that build their part with parallel.build_model, describe every
-parameter with parallel.naming, generate greedily with the LayoutDecoder and save a DeepSpeed
-checkpoint of the untrained part. The tests put the pieces back together and compare them with
+parameter with parallel.naming, generate greedily with the LayoutDecoder and save a checkpoint
+(train.checkpoint) of the untrained part. The tests put the pieces back together and compare them with
 the one-process model built from the same seed: weights exactly, generated tokens exactly, and
 the checkpoint read back whole (train.checkpoint.read_model_weights) exactly.
 """
@@ -35,6 +35,7 @@ def part_worker(tp: int, pp: int, sequence_parallel: bool, save_dir: str) -> dic
     from parallel.build import BuildOptions, build_model
     from parallel.generate import LayoutDecoder
     from parallel.topology import Topology
+    from train.checkpoint import save
     from train.engine import create_engine
 
     topology = Topology.create(tp=tp, pp=pp)
@@ -48,7 +49,7 @@ def part_worker(tp: int, pp: int, sequence_parallel: bool, save_dir: str) -> dic
     }
     ds_config = {"train_batch_size": topology.dp_size, "train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**9}
     engine = create_engine(part, torch.optim.AdamW(part.parameters()), None, ds_config, mpu=None if pp > 1 else topology.mpu)
-    engine.save_checkpoint(save_dir, tag="untrained")
+    save(engine, topology, CONFIG, save_dir, step=0, tokens=0)
     return result
 
 
@@ -109,10 +110,10 @@ def test_greedy_generation_at_every_layout_equals_one_process(layout, reference)
 
 
 def test_a_checkpoint_of_any_layout_reads_back_as_the_whole_model(layout, reference):
-    from train.checkpoint import read_model_weights
+    from train.checkpoint import read_model_weights, tag_folder
 
     name, _, save_dir = layout
-    weights = read_model_weights(save_dir / "untrained", CONFIG)
+    weights = read_model_weights(tag_folder(save_dir), CONFIG)
     assert weights.keys() == reference["params"].keys()
     for full_name, expected in reference["params"].items():
         assert torch.equal(weights[full_name], expected), f"{name}: {full_name}"

@@ -73,7 +73,7 @@ def test_resume_continues_bit_for_bit(tmp_path, corpus):
         (["train.seed=-1"], "train.seed=-1: must be an integer in [0, 2^31)"),
         (["optim.min_lr_ratio=5"], "optim.min_lr_ratio=5: must be in [0, 1]"),
         (["optim.lr=null", "model.name=mine"], "optim.lr is null and model.name='mine' has no paper LR"),
-        (["train.resume=/nonexistent/ckpt"], "train.resume='/nonexistent/ckpt': no DeepSpeed checkpoint there"),
+        (["train.resume=/nonexistent/ckpt"], "train.resume='/nonexistent/ckpt': no gpt3d checkpoint there"),
     ],
 )
 def test_bad_config_fails_before_work_and_leaves_nothing(tmp_path, corpus, overrides, message):

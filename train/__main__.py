@@ -41,12 +41,14 @@ def main(cfg: DictConfig) -> None:
         print(f"gpt3d: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
 
+    from train.checkpoint import CheckpointError
     from train.data_sources import DataError
     from train.loop import run
 
     try:
         run(cfg, run_dir)
-    except DataError as err:  # a bad record met mid-run with data.on_bad_record=error, or a dead data worker
+    # a bad record met mid-run with data.on_bad_record=error, a dead data worker; no usable checkpoint to resume
+    except (DataError, CheckpointError) as err:
         print(f"gpt3d: error: {err}", file=sys.stderr)
         raise SystemExit(1) from None
 

@@ -26,10 +26,6 @@ from model import GPTConfig, generate
 from train.__main__ import CONFIG_DIR, _drop_launcher_arguments
 from train.tokenizer import EOT, gpt2
 
-# Model config keys that do not change the weights' meaning: the checkpoint need not match them.
-RUN_ONLY_KEYS = ("name", "attention_impl", "dropout", "init_std")
-
-
 @torch.no_grad()
 def sample_text(part, config: GPTConfig, topology, prompt: str, max_new_tokens: int, device, seed: int,
                 temperature: float = 0.8, top_k: int | None = 50) -> tuple[str, list[int]]:
@@ -55,12 +51,8 @@ def checkpoint_weights(folder: Path, model_cfg: GPTConfig) -> dict[str, torch.Te
     from train import checkpoint
     from train.validate import ConfigError
 
-    saved = checkpoint.saved_model_config(folder) or {}
-    differing = sorted(k for k, v in saved.items() if k not in RUN_ONLY_KEYS and getattr(model_cfg, k, None) != v)
-    if differing:
-        raise ConfigError(f"checkpoint {folder} holds another model: it was saved with "
-                          f"{', '.join(f'model.{k}={saved[k]!r}' for k in differing)}; pass the same")
     try:
+        checkpoint.check_model(checkpoint.saved_model_config(folder) or {}, model_cfg, folder)
         return checkpoint.read_model_weights(folder, model_cfg)
     except ValueError as err:
         raise ConfigError(str(err)) from None

@@ -92,6 +92,11 @@ def build(cfg, run_dir: Path) -> Trainer:
     torch.manual_seed(cfg.train.seed)
     options = BuildOptions(cfg.parallel.sequence_parallel, cfg.parallel.activation_checkpointing)
     model = build_model(model_cfg, topology, cfg.train.seed, device, options)
+    if cfg.train.init_from is not None:  # a Hugging Face GPT-2 folder (train/export.py): its weights, sliced
+        from parallel.naming import load_full_
+        from train.export import read_init_weights
+
+        load_full_(model, read_init_weights(Path(cfg.train.init_from), model_cfg), model_cfg, topology)
     pipelined = topology.pp_size > 1
     # A PipelineModule brings its own grid (same topology) and DeepSpeed then wants no mpu of ours.
     mpu = model.mpu() if pipelined else topology.mpu
@@ -125,15 +130,23 @@ def build(cfg, run_dir: Path) -> Trainer:
 
 
 def resume(trainer: Trainer) -> tuple[Progress, bool]:
-    """Load the checkpoint train.resume names, if any: engine, RNG, data position; (progress, resumed)."""
+    """Load the checkpoint train.resume names, if any, at this run's layout (whatever layout saved
+    it): weights, optimizer, schedule, RNG, data position; (progress, resumed)."""
     path = checkpoint.find_resume_path(trainer.cfg.train.resume, trainer.run_dir)
     if path is None:
         return Progress(), False
-    state = checkpoint.load(trainer.engine, path)
+    state = checkpoint.load(trainer.engine, trainer.topology, trainer.model_cfg, path)
     trainer.batches.load_state_dict(state["data"])
     trainer.batches.start()  # background workers (data.workers) begin packing from the restored position
-    _say(trainer, f"resumed from {path} at step {state['step']}")
+    saved, now = state["layout"], checkpoint.layout_of(trainer.engine, trainer.topology)
+    moved = "" if saved == now else f" (saved at {_layout_text(saved)}, now {_layout_text(now)})"
+    _say(trainer, f"resumed from {state['path']} at step {state['step']}{moved}")
     return Progress(state["step"], state["tokens"]), True
+
+
+def _layout_text(layout: dict) -> str:
+    offload = " offload" if layout["offload_optimizer"] else ""
+    return f"tp={layout['tp']} pp={layout['pp']} dp={layout['dp']} zero={layout['zero_stage']}{offload}"
 
 
 def open_logger(trainer: Trainer, resumed_step: int | None) -> metrics.MetricsLogger:
@@ -151,8 +164,11 @@ def evaluate(trainer: Trainer) -> float:
 
 
 def save_checkpoint(trainer: Trainer, progress: Progress) -> None:
-    data_state = trainer.batches.state_dict()
-    path = checkpoint.save(trainer.engine, trainer.run_dir, progress.step, progress.tokens, data_state, model=trainer.model_cfg)
+    """A checkpoint of the run after this step (train/checkpoint.py), then retention."""
+    train = trainer.cfg.train
+    data_state = trainer.batches.state_dict()  # a collective when ranks read different streams
+    path = checkpoint.save(trainer.engine, trainer.topology, trainer.model_cfg, trainer.run_dir, progress.step,
+                           progress.tokens, data_state, keep=train.keep_checkpoints, keep_every=train.keep_every)
     _say(trainer, f"checkpoint {path}")
 
 

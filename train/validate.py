@@ -27,6 +27,7 @@ def check(cfg, run_dir: Path) -> GPTConfig:
     dp = _check_parallel(cfg, model_cfg)
     _check_batches(cfg, dp)
     _check_train(cfg, run_dir)
+    _check_checkpoints(cfg, run_dir, model_cfg)
     _check_optim(cfg, model_cfg)
     _check_data(cfg, dp)
     return model_cfg
@@ -189,6 +190,28 @@ def _check_train(cfg, run_dir: Path) -> None:
 
     if cfg.logging.wandb.mode not in WANDB_MODES:
         raise ConfigError(f"logging.wandb.mode={cfg.logging.wandb.mode!r}: must be one of {list(WANDB_MODES)}")
+
+
+def _check_checkpoints(cfg, run_dir: Path, model_cfg: GPTConfig) -> None:
+    """Retention (train.keep_checkpoints, train.keep_every); the checkpoint to resume holds this
+    model; train.init_from is a Hugging Face GPT-2 folder of this model's shape."""
+    from train.checkpoint import check_resume_model
+
+    train = cfg.train
+    try:
+        check_resume_model(train.resume, run_dir, model_cfg)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    _positive_int("train.keep_checkpoints", train.keep_checkpoints)
+    if not isinstance(train.keep_every, int) or isinstance(train.keep_every, bool) or train.keep_every < 0:
+        raise ConfigError(f"train.keep_every={train.keep_every!r}: must be a non-negative integer (0: keep none extra)")
+    if train.init_from is not None:
+        from train.export import check_init_from
+
+        try:
+            check_init_from(Path(str(train.init_from)), model_cfg)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
 
 
 def _check_seed_and_device(cfg) -> None:
