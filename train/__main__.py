@@ -29,10 +29,12 @@ OmegaConf.register_new_resolver("rank_zero_only", lambda value: value if is_rank
 def main(cfg: DictConfig) -> None:
     from train.engine import resolve_device
     from train.plan import preflight
-    from train.validate import ConfigError, check
+    from train.validate import ConfigError, check, check_keys
 
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
     try:
+        check_keys(cfg, hydra_cfg.job.config_name, list(hydra_cfg.overrides.task))
         check(cfg, run_dir)
         if resolve_device(cfg.train.device).type == "cuda":
             preflight(cfg)  # stop before building anything if the planner predicts it cannot fit
@@ -42,11 +44,14 @@ def main(cfg: DictConfig) -> None:
         raise SystemExit(2) from None
 
     from train.data_sources import DataError
+    from train.faults import NonFiniteError
     from train.loop import run
 
     try:
         run(cfg, run_dir)
-    except DataError as err:  # a bad record met mid-run with data.on_bad_record=error, or a dead data worker
+    # a bad record met mid-run with data.on_bad_record=error, a dead data worker; too many skipped
+    # steps in a row, or weights that are not finite
+    except (DataError, NonFiniteError) as err:
         print(f"gpt3d: error: {err}", file=sys.stderr)
         raise SystemExit(1) from None
 

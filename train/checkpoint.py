@@ -39,10 +39,10 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save(engine, run_dir: Path, step: int, tokens: int, data_state: dict, model=None) -> Path:
+def save(engine, run_dir: Path, step: int, tokens: int, data_state: dict, model=None, extra: dict | None = None) -> Path:
     """Save a checkpoint of the engine and the loop's state after `step` optimizer steps (and the
-    model config `model`, a GPTConfig, for whoever reads the weights later)."""
-    client_state = {"step": step, "tokens": tokens, "data": data_state, "rng": rng_state()}
+    model config `model`, a GPTConfig, for whoever reads the weights later; `extra`: more client state)."""
+    client_state = {"step": step, "tokens": tokens, "data": data_state, "rng": rng_state(), **(extra or {})}
     if model is not None:
         client_state["model"] = dataclasses.asdict(model)
     engine.save_checkpoint(str(checkpoint_dir(run_dir)), tag=step_tag(step), client_state=client_state)
