@@ -49,10 +49,12 @@ def main(cfg: DictConfig) -> None:
 
     try:
         run(cfg, run_dir)
-    # a bad record met mid-run with data.on_bad_record=error, a dead data worker; too many skipped
-    # steps in a row, or weights that are not finite
-    except (DataError, NonFiniteError) as err:
+    except DataError as err:  # a bad record met mid-run with data.on_bad_record=error, or a dead data worker
         print(f"gpt3d: error: {err}", file=sys.stderr)
+        raise SystemExit(1) from None
+    except NonFiniteError as err:  # too many skipped steps in a row, or non-finite weights: every rank alike
+        if is_rank_zero():
+            print(f"gpt3d: error: {err}", file=sys.stderr)
         raise SystemExit(1) from None
 
 

@@ -30,7 +30,7 @@ def check_known_keys(cfg, config_name: str, overrides: list[str]) -> None:
     reference = compose(config_name=config_name, overrides=kept)
     for key, valid in _unknown(cfg, reference, ""):
         group, _, name = key.rpartition(".")
-        near = difflib.get_close_matches(name, valid, n=3)
+        near = difflib.get_close_matches(name, valid, n=3, cutoff=0.8)
         guess = f"did you mean {' or '.join(f'{group}.{n}' if group else n for n in near)}? " if near else ""
         raise ValueError(f"{key} is not a setting ('+' adds only keys that configs/ defines); {guess}"
                          f"valid keys of {group or 'the top level'}: {valid}")

@@ -89,7 +89,7 @@ def run(cfg, run_dir: Path) -> Progress:
             if _due(progress.step, cfg.train.checkpoint_interval, last):
                 with meter.paused():  # saving time is not training throughput
                     saved = save_checkpoint(trainer, progress, guard)
-            verdict = guard.agree(result)  # the step's one collective: a stop signal on any rank?
+            verdict = guard.agree(progress.step, result)  # the step's one collective: a stop signal on any rank?
             if verdict.signal:
                 guard.stopped(progress.step, verdict, saved or save_checkpoint(trainer, progress, guard))
                 stopped = True

@@ -37,7 +37,9 @@ class StopSignals:
     """Turns SIGTERM / SIGINT / SIGUSR1 into a stop request (`received`: the first signal's number)."""
 
     def __init__(self, rank: int):
-        self.rank, self.received, self.step = rank, 0, 0  # `step`: the step running now, for the message
+        self.rank, self.received = rank, 0
+        self.step = 0  # the step running now (set by the loop); `received_step`: the one a signal came in
+        self.received_step = 0
         self._first_interrupt: float | None = None
         self._previous: dict = {}
 
@@ -61,7 +63,7 @@ class StopSignals:
             self._first_interrupt = now
         if self.received:
             return
-        self.received = signum
+        self.received, self.received_step = signum, self.step
         if os.environ.get("LOCAL_RANK", "0") == "0":  # one line per node, not one per rank
             _write(f"gpt3d: rank {self.rank}: {signal.Signals(signum).name} during step {self.step}: finishing it, "
                    f"then saving a checkpoint and stopping (Ctrl-C again to exit at once, without one)\n")
@@ -78,34 +80,37 @@ class Verdict:
 
     signal: int  # the largest signal number any rank received since it started (0: none)
     rank: int | None  # the largest rank that received one
+    step: int  # the step that rank was running when it came
 
 
-def agree(loss: torch.Tensor, skipped: bool, received: int) -> Verdict:
-    """The one collective of a step: max over ranks of [loss not finite, skipped, applied, signal, rank + 1].
+def agree(loss: torch.Tensor, skipped: bool, signals: StopSignals) -> Verdict:
+    """The one collective of a step: max over ranks of
+    [loss not finite, skipped, applied, signal, rank + 1, step the signal came in].
 
     It also checks that the step was skipped on every rank or on none, and never applied on a rank
     whose loss was not finite (train/faults.py explains why neither can happen; this proves it, each step).
     """
     import torch.distributed as dist
 
+    received = signals.received
     rank = dist.get_rank()
-    flags = torch.tensor([0, int(skipped), int(not skipped), received, rank + 1 if received else 0],
-                         dtype=torch.int64, device=loss.device)
+    flags = torch.tensor([0, int(skipped), int(not skipped), received, rank + 1 if received else 0,
+                          signals.received_step], dtype=torch.int64, device=loss.device)
     flags[0] = (~torch.isfinite(loss)).to(torch.int64)
     if dist.get_world_size() > 1:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    non_finite, any_skipped, any_applied, signum, who = flags.tolist()
+    non_finite, any_skipped, any_applied, signum, who, step = flags.tolist()
     if any_skipped and any_applied:
         raise RuntimeError("the ranks disagree on whether this step's update was skipped; their weights now differ")
     if non_finite and any_applied:
         raise RuntimeError("a rank's loss was not finite, yet the optimizer applied the update")
-    return Verdict(signum, who - 1 if who else None)
+    return Verdict(signum, who - 1 if who else None, step)
 
 
 def write_marker(run_dir: Path, step: int, verdict: Verdict, checkpoint: Path) -> None:
     """<run dir>/preempted.json (rank 0; temporary name, then renamed)."""
     record = {"step": step, "signal": signal.Signals(verdict.signal).name, "rank": verdict.rank,
-              "checkpoint": str(checkpoint)}
+              "signal_step": verdict.step, "checkpoint": str(checkpoint)}
     path = Path(run_dir) / MARKER
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(record) + "\n")
@@ -118,5 +123,5 @@ def clear_marker(run_dir: Path) -> None:
 
 def stop_message(step: int, verdict: Verdict, checkpoint: Path, run_dir: Path) -> str:
     name = signal.Signals(verdict.signal).name
-    return (f"stopped after step {step} on {name} (received by rank {verdict.rank}); checkpoint {checkpoint}. "
-            f"To resume, re-run the same command with hydra.run.dir={run_dir} (train.resume=auto)")
+    return (f"{name} reached rank {verdict.rank} during step {verdict.step}: stopped after step {step}, checkpoint "
+            f"{checkpoint}. To resume, re-run the same command with hydra.run.dir={run_dir} (train.resume=auto)")

@@ -54,8 +54,10 @@ class Safeguards:
         if ranks_with_bad:
             raise faults.refuse_to_save(step, bad, ranks_with_bad, self.last_checkpoint())
 
-    def agree(self, result) -> preemption.Verdict:
-        return preemption.agree(result.loss, result.skipped, self.signals.received)
+    def agree(self, step: int, result) -> preemption.Verdict:
+        verdict = preemption.agree(result.loss, result.skipped, self.signals)
+        self.signals.step = step + 1  # a signal from now on is the next step's business
+        return verdict
 
     def stopped(self, step: int, verdict: preemption.Verdict, saved: Path) -> None:
         """After the checkpoint of a signalled stop: the marker a job script requeues on, and the message."""
