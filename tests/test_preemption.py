@@ -66,8 +66,8 @@ def rank_process(parent_pid: int, rank: int) -> psutil.Process:
 
 def stopped_step(stdout: str, signal_name: str, rank: int) -> int:
     """The step rank 0 reports the signal arrived in, checking that the run stopped after that very step."""
-    match = re.search(rf"{signal_name} reached rank {rank} during step (\d+): stopped after step (\d+), checkpoint (\S+)\.",
-                      stdout)
+    match = re.search(rf"{signal_name} reached rank {rank} during step (\d+): stopped after step (\d+), checkpoint "
+                      rf"(\S+); to resume, re-run", stdout)
     assert match, stdout[-3000:]
     assert match[1] == match[2]
     return int(match[1])

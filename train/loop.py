@@ -20,7 +20,7 @@ import torch
 from omegaconf import OmegaConf
 
 from model import GPT, GPTConfig, count_parameters
-from train import checkpoint, data, engine as engines, metrics, preemption, resume_checks
+from train import checkpoint, data, engine as engines, metrics, resume_checks
 from train.optimizer import make_lr_scheduler, make_optimizer
 from train.safeguards import Safeguards
 from train.step import TrainStep
@@ -57,42 +57,13 @@ class Trainer:
 
 
 def run(cfg, run_dir: Path) -> Progress:
-    """Train per `cfg` into `run_dir`; returns the final step and token count.
-
-    Faults (train/safeguards.py): a step skipped for a non-finite loss or gradient is counted, and too
-    many in a row stop the run (NonFiniteError); SIGTERM / SIGINT / SIGUSR1 on any rank finish the step,
-    save and return early; a step that hangs ends the process from the watchdog's thread."""
+    """Train per `cfg` into `run_dir`; returns the final step and token count."""
     trainer = build(cfg, run_dir)
     progress, resumed = resume(trainer)
     logger, meter = open_logger(trainer, progress.step if resumed else None), Meter(trainer)
     guard = Safeguards(cfg, run_dir, trainer.engine, trainer.topology.rank, lambda text: _say(trainer, text))
-    if trainer.topology.rank == 0:
-        preemption.clear_marker(run_dir)  # this run is under way again
-    last, stopped = cfg.train.max_steps, False
     try:
-        while progress.step < last and not stopped:
-            guard.step_begins(progress.step + 1)
-            result = trainer.step(next(trainer.batches))
-            progress.advance(trainer.tokens_per_step)
-            meter.add(result.loss, result.skipped)
-            guard.after_step(progress.step, result)  # a skipped step: say so
-            if _due(progress.step, cfg.logging.log_interval, last):
-                record = meter.take(progress, result, guard.skips.total)
-                if trainer.val_batches and _due(progress.step, cfg.train.eval_interval, last):
-                    guard.phase(f"evaluation after step {progress.step}")
-                    record["val/loss"] = evaluate(trainer)
-                logger.log(record)
-                _say(trainer, _progress_line(record, last, meter.seconds_per_step))
-                meter.restart()
-            guard.check_skips(progress.step, trainer.device)  # too many skipped in a row: NonFiniteError
-            saved = None
-            if _due(progress.step, cfg.train.checkpoint_interval, last):
-                with meter.paused():  # saving time is not training throughput
-                    saved = save_checkpoint(trainer, progress, guard)
-            verdict = guard.agree(progress.step, result)  # the step's one collective: a stop signal on any rank?
-            if verdict.signal:
-                guard.stopped(progress.step, verdict, saved or save_checkpoint(trainer, progress, guard))
-                stopped = True
+        stopped = loop(trainer, progress, logger, meter, guard)
     except BaseException:
         trainer.batches.close()
         logger.close()
@@ -101,6 +72,40 @@ def run(cfg, run_dir: Path) -> Progress:
         guard.close()
     finish(trainer, logger, sample=not stopped)
     return progress
+
+
+def loop(trainer: Trainer, progress: Progress, logger: metrics.MetricsLogger, meter: Meter, guard: Safeguards) -> bool:
+    """Step, log (+ evaluate), checkpoint until train.max_steps; True when a signal stopped it early.
+
+    Faults (train/safeguards.py): a step skipped for a non-finite loss or gradient is counted, and too
+    many in a row raise NonFiniteError; SIGTERM / SIGINT / SIGUSR1 on any rank end the loop on every
+    rank after the step with a checkpoint; a step that hangs ends the process from the watchdog's thread."""
+    cfg, last = trainer.cfg, trainer.cfg.train.max_steps
+    while progress.step < last:
+        guard.step_begins(progress.step + 1)
+        result = trainer.step(next(trainer.batches))
+        progress.advance(trainer.tokens_per_step)
+        meter.add(result.loss, result.skipped)
+        guard.after_step(progress.step, result)  # a skipped step: say so
+        if _due(progress.step, cfg.logging.log_interval, last):
+            record = meter.take(progress, result, guard.skips.total)
+            if trainer.val_batches and _due(progress.step, cfg.train.eval_interval, last):
+                guard.phase(f"evaluation after step {progress.step}")
+                record["val/loss"] = evaluate(trainer)
+            logger.log(record)
+            _say(trainer, _progress_line(record, last, meter.seconds_per_step))
+            meter.restart()
+        guard.check_skips(progress.step, trainer.device)  # too many skipped in a row: NonFiniteError
+        saved = None
+        if _due(progress.step, cfg.train.checkpoint_interval, last):
+            with meter.paused():  # saving time is not training throughput
+                saved = save_checkpoint(trainer, progress, guard)
+        verdict = guard.agree(progress.step, result)  # the step's one collective: a stop signal on any rank?
+        if verdict.signal:
+            saved = saved or save_checkpoint(trainer, progress, guard)
+            guard.stopped(progress.step, verdict, saved, finished=progress.step == last)
+            return progress.step < last
+    return False
 
 
 def build(cfg, run_dir: Path) -> Trainer:

@@ -121,7 +121,9 @@ def clear_marker(run_dir: Path) -> None:
     (Path(run_dir) / MARKER).unlink(missing_ok=True)
 
 
-def stop_message(step: int, verdict: Verdict, checkpoint: Path, run_dir: Path) -> str:
+def stop_message(step: int, verdict: Verdict, checkpoint: Path, run_dir: Path, finished: bool) -> str:
     name = signal.Signals(verdict.signal).name
+    what = ("the run had reached its last step" if finished else
+            f"to resume, re-run the same command with hydra.run.dir={run_dir} (train.resume=auto)")
     return (f"{name} reached rank {verdict.rank} during step {verdict.step}: stopped after step {step}, checkpoint "
-            f"{checkpoint}. To resume, re-run the same command with hydra.run.dir={run_dir} (train.resume=auto)")
+            f"{checkpoint}; {what}")

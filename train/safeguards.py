@@ -25,6 +25,8 @@ class Safeguards:
         self.watchdog = Watchdog(run_dir, rank)
         self._first = True
         self.signals.install()
+        if rank == 0:
+            preemption.clear_marker(run_dir)  # this run is under way again
 
     def step_begins(self, step: int) -> None:
         self.signals.step = step
@@ -59,11 +61,12 @@ class Safeguards:
         self.signals.step = step + 1  # a signal from now on is the next step's business
         return verdict
 
-    def stopped(self, step: int, verdict: preemption.Verdict, saved: Path) -> None:
-        """After the checkpoint of a signalled stop: the marker a job script requeues on, and the message."""
-        if self.rank == 0:
+    def stopped(self, step: int, verdict: preemption.Verdict, saved: Path, finished: bool) -> None:
+        """After the checkpoint of a signalled stop: the marker a job script requeues on (unless the run
+        had reached its last step anyway), and the message."""
+        if self.rank == 0 and not finished:
             preemption.write_marker(self.run_dir, step, verdict, saved)
-        self.say(preemption.stop_message(step, verdict, saved, self.run_dir))
+        self.say(preemption.stop_message(step, verdict, saved, self.run_dir, finished))
 
     def last_checkpoint(self) -> Path | None:
         try:
