@@ -76,7 +76,8 @@ def attempt(run_dir, corpus, log, rng: random.Random | None, timing: dict) -> st
                 return f"killed {now - started:.2f} s after start, {rows - rows_before} new rows"
             time.sleep(0.01)
         codes = [p.wait() for p in procs]
-        assert codes == [0, 0], f"attempt ended with {codes}:\n{read_log(f'{log}-rank0')[1][-3000:]}"
+        assert codes == [0, 0], f"attempt ended with {codes}:\n" + "\n".join(
+            read_log(f"{log}-rank{r}")[1][-3000:] for r in range(2))
         return "finished"
     finally:
         for p in procs:

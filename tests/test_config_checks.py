@@ -43,8 +43,11 @@ def test_keys_added_with_plus_must_exist(tmp_path, corpus, override, message):
 
 @pytest.fixture(scope="module")
 def two_steps(tmp_path_factory, corpus):
-    """A run of 2 steps with lr 3e-3 and a checkpoint at its end."""
+    """A run of 2 steps with lr 3e-3 and a checkpoint at its end, started where an earlier attempt was
+    killed after logging its first step and before any checkpoint (that row must not stay)."""
     run_dir = tmp_path_factory.mktemp("two_steps") / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "tokens": 128, "train/loss": 10.0}\n')
     train(run_dir, corpus, "train.max_steps=2", *QUIET)
     return run_dir
 
@@ -68,7 +71,7 @@ def test_another_model_shape_is_refused_before_anything_is_built(two_steps, tmp_
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "holds another model: model.n_layer=3 there, 2 here; model.d_model=32 there, 64 here" in proc.stderr
     assert "model toy" not in proc.stdout  # nothing was built
-    assert [r["step"] for r in metrics(run_dir)] == [1, 2]
+    assert [r["step"] for r in metrics(run_dir)] == [1, 2]  # once each (see two_steps)
 
 
 def test_a_changed_schedule_is_kept_from_the_checkpoint_and_said(two_steps, tmp_path, corpus):

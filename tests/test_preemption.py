@@ -27,7 +27,8 @@ import pytest
 from distributed import free_port
 from cli import REPO, arguments, clean_env, launcher, metrics, read_log, start, train, write_corpus
 
-RUN = ["train.max_steps=16", "train.checkpoint_interval=0", "train.eval_interval=0", "logging.wandb.mode=disabled"]
+STEPS = 16
+RUN = [f"train.max_steps={STEPS}", "train.checkpoint_interval=0", "train.eval_interval=0", "logging.wandb.mode=disabled"]
 
 
 @pytest.fixture(scope="module")
@@ -64,13 +65,25 @@ def rank_process(parent_pid: int, rank: int) -> psutil.Process:
     raise AssertionError(f"no rank {rank} process under {parent_pid}")
 
 
-def stopped_step(stdout: str, signal_name: str, rank: int) -> int:
-    """The step rank 0 reports the signal arrived in, checking that the run stopped after that very step."""
-    match = re.search(rf"{signal_name} reached rank {rank} during step (\d+): stopped after step (\d+), checkpoint "
-                      rf"(\S+); to resume, re-run", stdout)
-    assert match, stdout[-3000:]
-    assert match[1] == match[2]
-    return int(match[1])
+def interrupted(log: Path, cmd: list[str], run_dir: Path, send, env: dict | None = None, **popen) -> tuple[int, str, str]:
+    """Start cmd; once two steps are logged, `send(proc)` a signal; the run must exit 0. Returns the step
+    rank 0 says the signal arrived in (checked to be the step it stopped after, and one the run was in:
+    after the last step the test saw logged, at most one past the next) and the run's output."""
+    proc = start(log, cmd, env=env, **popen)
+    try:
+        before = wait_for_rows(run_dir, 2, proc)
+        send(proc)
+        after = rows_logged(run_dir)
+        assert proc.wait(timeout=300) == 0, read_log(log)[1][-3000:]
+    finally:
+        proc.kill()
+    out, err = read_log(log)
+    match = re.search(r"(\w+) reached rank (\d+) during step (\d+): stopped after step (\d+), checkpoint \S+; to resume",
+                      out)
+    assert match and match[3] == match[4], out[-3000:]
+    step = int(match[3])
+    assert before <= step <= after + 1 and step < STEPS
+    return step, out, err
 
 
 def check_stopped_at(run_dir: Path, step: int, signal_name: str, rank: int) -> None:
@@ -82,27 +95,17 @@ def check_stopped_at(run_dir: Path, step: int, signal_name: str, rank: int) -> N
 
 
 def test_sigterm_to_one_rank_of_two_stops_both_after_the_step_and_resumes(tmp_path, corpus):
-    run_dir, log = tmp_path / "run", tmp_path / "first"
+    run_dir = tmp_path / "run"
     cmd = [*launcher("torchrun", 2), *arguments(run_dir, corpus, *RUN)]
-    proc = start(log, cmd)
-    try:
-        before = wait_for_rows(run_dir, 2, proc)
-        os.kill(rank_process(proc.pid, 1).pid, signal.SIGTERM)  # the worker, not torchrun
-        after = rows_logged(run_dir)
-        assert proc.wait(timeout=300) == 0, read_log(log)[1][-3000:]
-    finally:
-        proc.kill()
-    out, _ = read_log(log)
-    step = stopped_step(out, "SIGTERM", rank=1)
-    # it was running when the signal came: after the last step the test saw logged, at most one past the next
-    assert before <= step <= after + 1 and step < 16
+    step, out, _ = interrupted(tmp_path / "first", cmd, run_dir,
+                               lambda proc: os.kill(rank_process(proc.pid, 1).pid, signal.SIGTERM))  # the worker
+    assert "SIGTERM reached rank 1" in out and "sample:" not in out
     check_stopped_at(run_dir, step, "SIGTERM", rank=1)
-    assert "sample:" not in out
     # the same command again: resumes from that checkpoint and finishes, every step logged once
     proc = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"resumed from {run_dir / 'checkpoints'} at step {step}" in proc.stdout
-    assert [r["step"] for r in metrics(run_dir)] == list(range(1, 17))
+    assert [r["step"] for r in metrics(run_dir)] == list(range(1, STEPS + 1))
     assert not (run_dir / "preempted.json").exists()
 
 
@@ -136,17 +139,9 @@ def test_slurm_script_stops_on_sigusr1_to_one_task_requeues_and_resumes(tmp_path
            "SLURM_JOB_NODELIST": "node-001", "SLURM_NTASKS": "2", "RUN_DIR": str(run_dir),
            "SCONTROL_LOG": str(requeues), "MASTER_PORT": str(free_port())}
     cmd = ["bash", str(REPO / "launch" / "slurm.sbatch"), *arguments(run_dir, corpus, *RUN)[1:]]  # it sets the run dir
-    proc = start(tmp_path / "job", cmd, env=env)
-    try:
-        before = wait_for_rows(run_dir, 2, proc)
-        os.kill(rank_process(proc.pid, 1).pid, signal.SIGUSR1)
-        after = rows_logged(run_dir)
-        assert proc.wait(timeout=300) == 0, read_log(tmp_path / "job")[1][-3000:]
-    finally:
-        proc.kill()
-    out, _ = read_log(tmp_path / "job")
-    step = stopped_step(out, "SIGUSR1", rank=1)
-    assert before <= step <= after + 1 and step < 16
+    step, out, _ = interrupted(tmp_path / "job", cmd, run_dir,
+                               lambda proc: os.kill(rank_process(proc.pid, 1).pid, signal.SIGUSR1), env=env)
+    assert "SIGUSR1 reached rank 1" in out and "requeueing job 4242" in out
     check_stopped_at(run_dir, step, "SIGUSR1", rank=1)
     assert requeues.read_text().split() == ["4242"]
     # SLURM starts the requeued job: same id, same run directory
@@ -154,25 +149,17 @@ def test_slurm_script_stops_on_sigusr1_to_one_task_requeues_and_resumes(tmp_path
     proc = subprocess.run(cmd, cwd=REPO, env=clean_env(env), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"at step {step}" in proc.stdout and "resumed from" in proc.stdout
-    assert [r["step"] for r in metrics(run_dir)] == list(range(1, 17))
+    assert [r["step"] for r in metrics(run_dir)] == list(range(1, STEPS + 1))
     assert requeues.read_text().split() == ["4242"] and not (run_dir / "preempted.json").exists()
 
 
 def test_ctrl_c_with_data_workers_stops_after_the_step_with_a_checkpoint(tmp_path, corpus):
     """SIGINT to the whole process group, as a terminal sends it: the data worker must not die of it."""
-    run_dir, log = tmp_path / "run", tmp_path / "run-log"
-    proc = start(log, [*launcher("python", 1), *arguments(run_dir, corpus, *RUN, "data.workers=1")],
-                 start_new_session=True)
-    try:
-        before = wait_for_rows(run_dir, 2, proc)
-        os.killpg(proc.pid, signal.SIGINT)
-        after = rows_logged(run_dir)
-        assert proc.wait(timeout=300) == 0, read_log(log)[1][-3000:]
-    finally:
-        proc.kill()
-    out, err = read_log(log)
-    step = stopped_step(out, "SIGINT", rank=0)
-    assert before <= step <= after + 1
+    run_dir = tmp_path / "run"
+    cmd = [*launcher("python", 1), *arguments(run_dir, corpus, *RUN, "data.workers=1")]
+    step, out, err = interrupted(tmp_path / "run-log", cmd, run_dir, lambda proc: os.killpg(proc.pid, signal.SIGINT),
+                                 start_new_session=True)
+    assert "SIGINT reached rank 0" in out
     assert f"rank 0: SIGINT during step {step}: finishing it" in err
     check_stopped_at(run_dir, step, "SIGINT", rank=0)
 

@@ -59,8 +59,9 @@ class Trainer:
 def run(cfg, run_dir: Path) -> Progress:
     """Train per `cfg` into `run_dir`; returns the final step and token count."""
     trainer = build(cfg, run_dir)
-    progress, resumed = resume(trainer)
-    logger, meter = open_logger(trainer, progress.step if resumed else None), Meter(trainer)
+    progress, _ = resume(trainer)
+    # rows after the step this run starts from (0: none) are from a run killed before its next checkpoint
+    logger, meter = open_logger(trainer, progress.step), Meter(trainer)
     guard = Safeguards(cfg, run_dir, trainer.engine, trainer.topology.rank, lambda text: _say(trainer, text))
     try:
         stopped = loop(trainer, progress, logger, meter, guard)
@@ -170,7 +171,7 @@ def resume(trainer: Trainer) -> tuple[Progress, bool]:
 
 
 def open_logger(trainer: Trainer, resumed_step: int | None) -> metrics.MetricsLogger:
-    """metrics.jsonl and W&B, on rank 0 only."""
+    """metrics.jsonl and W&B, on rank 0 only; records after `resumed_step` are dropped (see MetricsLogger)."""
     run_config = OmegaConf.to_container(trainer.cfg, resolve=True)
     if trainer.plan is not None:
         run_config["plan"] = trainer.plan.to_json()

@@ -5,7 +5,9 @@ that stopped alone would leave the others blocked in their next collective. So a
 flag. At the end of every step (after its logging, evaluation and checkpoint) the ranks all-reduce
 (max) one small vector of integers, `agree`, holding each rank's flag together with the step's
 non-finite checks, and all stop when any rank was signalled. The step that was running when the
-signal arrived is finished and the checkpoint is at that step.
+signal arrived is finished and the checkpoint is at that step. (Python runs a signal handler only
+once the C++ call under way returns: a signal that comes during the closing collective itself is
+seen after it, and counts for the next step.)
 
 SIGINT twice exits at once, without a checkpoint: the second one must come at least
 `DUPLICATE_WINDOW_S` after the first, since a launcher that passes the terminal's Ctrl-C on to its
@@ -69,6 +71,15 @@ class StopSignals:
                    f"then saving a checkpoint and stopping (Ctrl-C again to exit at once, without one)\n")
 
 
+    def take(self, step: int) -> tuple[int, int]:
+        """(signal, the step it came in; 0, 0 for none) for the agreement that ends `step`; a signal handled
+        from now on belongs to step + 1. No handler can run between the read and the advance: CPython runs
+        Python signal handlers only at calls and backward jumps, and there are none in between. (A signal
+        that arrives while the agreement's collective is under way is handled when it returns: the next step's.)"""
+        taken, self.step = (self.received, self.received_step), step + 1
+        return taken
+
+
 def _write(text: str) -> None:
     """To stderr from a signal handler: one unbuffered write (print could re-enter a buffered stream)."""
     os.write(2, text.encode())
@@ -83,7 +94,7 @@ class Verdict:
     step: int  # the step that rank was running when it came
 
 
-def agree(loss: torch.Tensor, skipped: bool, signals: StopSignals) -> Verdict:
+def agree(step: int, loss: torch.Tensor, skipped: bool, signals: StopSignals) -> Verdict:
     """The one collective of a step: max over ranks of
     [loss not finite, skipped, applied, signal, rank + 1, step the signal came in].
 
@@ -92,10 +103,10 @@ def agree(loss: torch.Tensor, skipped: bool, signals: StopSignals) -> Verdict:
     """
     import torch.distributed as dist
 
-    received = signals.received
+    received, received_step = signals.take(step)
     rank = dist.get_rank()
-    flags = torch.tensor([0, int(skipped), int(not skipped), received, rank + 1 if received else 0,
-                          signals.received_step], dtype=torch.int64, device=loss.device)
+    flags = torch.tensor([0, int(skipped), int(not skipped), received, rank + 1 if received else 0, received_step],
+                         dtype=torch.int64, device=loss.device)
     flags[0] = (~torch.isfinite(loss)).to(torch.int64)
     if dist.get_world_size() > 1:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)

@@ -57,9 +57,7 @@ class Safeguards:
             raise faults.refuse_to_save(step, bad, ranks_with_bad, self.last_checkpoint())
 
     def agree(self, step: int, result) -> preemption.Verdict:
-        verdict = preemption.agree(result.loss, result.skipped, self.signals)
-        self.signals.step = step + 1  # a signal from now on is the next step's business
-        return verdict
+        return preemption.agree(step, result.loss, result.skipped, self.signals)
 
     def stopped(self, step: int, verdict: preemption.Verdict, saved: Path, finished: bool) -> None:
         """After the checkpoint of a signalled stop: the marker a job script requeues on (unless the run
