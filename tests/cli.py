@@ -43,13 +43,18 @@ def launcher(kind: str, nproc: int, module: str = "train") -> list[str]:
     raise ValueError(kind)
 
 
+def arguments(run_dir: Path, corpus: Path | None, *overrides: str) -> list[str]:
+    """The overrides of a TINY run in run_dir on the corpus (None: the overrides choose the data)."""
+    data = [f"data.paths=[{corpus}/*.txt]"] if corpus is not None else []
+    return [f"hydra.run.dir={run_dir}", *TINY, *data, *overrides]
+
+
 def train(
     run_dir: Path, corpus: Path | None, *overrides: str, kind: str = "python", nproc: int = 1, check: bool = True,
     env: dict | None = None,
 ) -> subprocess.CompletedProcess:
-    clean = _clean_env(env or {})
-    data = [f"data.paths=[{corpus}/*.txt]"] if corpus is not None else []  # None: the overrides choose the data
-    cmd = [*launcher(kind, nproc), f"hydra.run.dir={run_dir}", *TINY, *data, *overrides]
+    clean = clean_env(env or {})
+    cmd = [*launcher(kind, nproc), *arguments(run_dir, corpus, *overrides)]
     proc = subprocess.run(cmd, cwd=REPO, env=clean, capture_output=True, text=True, timeout=600)
     if check:
         assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
@@ -62,16 +67,27 @@ def generate(
     """`python -m train.generate` on a run's checkpoint, with the TINY model."""
     model = [o for o in TINY if o.startswith("model.")]
     cmd = [*launcher(kind, nproc, "train.generate"), *model, f"generate.checkpoint={checkpoint}", *overrides]
-    proc = subprocess.run(cmd, cwd=REPO, env=_clean_env({}), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=REPO, env=clean_env({}), capture_output=True, text=True, timeout=600)
     if check:
         assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return proc
 
 
-def _clean_env(extra: dict) -> dict:
+def start(log: Path, cmd: list[str], env: dict | None = None, **popen) -> subprocess.Popen:
+    """Start `cmd` in the repository without waiting; its stdout and stderr go to <log>.out and <log>.err
+    (files, not pipes: nothing blocks however much it prints). `read_log(log)` gives them back."""
+    with open(f"{log}.out", "w") as out, open(f"{log}.err", "w") as err:
+        return subprocess.Popen(cmd, cwd=REPO, env=clean_env(env), stdout=out, stderr=err, text=True, **popen)
+
+
+def read_log(log: Path) -> tuple[str, str]:
+    return Path(f"{log}.out").read_text(), Path(f"{log}.err").read_text()
+
+
+def clean_env(extra: dict | None = None) -> dict:
     """This environment without any launcher variables, quiet W&B, unbuffered output, one thread."""
     clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    clean.update({"WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}, **extra)
+    clean.update({"WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}, **(extra or {}))
     return clean
 
 

@@ -101,10 +101,26 @@ def test_grad_clip_zero_measures_without_clipping():
         assert torch.equal(p.grad, g)
 
 
-def test_non_finite_norm_is_recorded_as_nan_and_nothing_is_scaled():
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_non_finite_norm_skips_the_update_and_says_overflow(bad):
     model = _one_layer_with_grads(1.0)
-    model.weight.grad[0, 0] = float("inf")
+    weights = [p.detach().clone() for p in model.parameters()]
     opt = make_optimizer(model, OPTIM, 1e-3)
+    opt.step()  # a finite step first: Adam has moments and a step count to keep
+    assert not opt.overflow
+    moved = [p.detach().clone() for p in model.parameters()]
+    assert not all(torch.equal(a, b) for a, b in zip(weights, moved))
+    state = {k: v.clone() for k, v in opt.state[model.weight].items()}
+    for p in model.parameters():
+        p.grad.fill_(1.0)  # the first step clipped them in place
+    model.weight.grad[0, 0] = bad
     opt.step()
-    assert math.isnan(opt._global_grad_norm)
+    assert opt.overflow and math.isnan(opt._global_grad_norm)
     assert model.bias.grad.eq(1.0).all()  # not negated or scaled
+    for p, before in zip(model.parameters(), moved):
+        assert torch.equal(p.detach(), before)  # no weight change
+    for key, value in opt.state[model.weight].items():
+        assert torch.equal(value, state[key]), key  # moments and Adam's step count unchanged
+    model.weight.grad[0, 0] = 1.0
+    opt.step()  # the next finite step updates again
+    assert not opt.overflow and float(opt.state[model.weight]["step"]) == 2

@@ -29,10 +29,12 @@ OmegaConf.register_new_resolver("rank_zero_only", lambda value: value if is_rank
 def main(cfg: DictConfig) -> None:
     from train.engine import resolve_device
     from train.plan import preflight
-    from train.validate import ConfigError, check
+    from train.validate import ConfigError, check, check_keys
 
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
     try:
+        check_keys(cfg, hydra_cfg.job.config_name, list(hydra_cfg.overrides.task))
         check(cfg, run_dir)
         if resolve_device(cfg.train.device).type == "cuda":
             preflight(cfg)  # stop before building anything if the planner predicts it cannot fit
@@ -43,6 +45,7 @@ def main(cfg: DictConfig) -> None:
 
     from train.checkpoint import CheckpointError
     from train.data_sources import DataError
+    from train.faults import NonFiniteError
     from train.loop import run
 
     try:
@@ -50,6 +53,10 @@ def main(cfg: DictConfig) -> None:
     # a bad record met mid-run with data.on_bad_record=error, a dead data worker; no usable checkpoint to resume
     except (DataError, CheckpointError) as err:
         print(f"gpt3d: error: {err}", file=sys.stderr)
+        raise SystemExit(1) from None
+    except NonFiniteError as err:  # too many skipped steps in a row, or non-finite weights: every rank alike
+        if is_rank_zero():
+            print(f"gpt3d: error: {err}", file=sys.stderr)
         raise SystemExit(1) from None
 
 

@@ -85,18 +85,27 @@ def _is_step_folder(path: Path) -> bool:
     return path.is_dir() and ((path / files.MANIFEST).exists() or files.step_of(path) is not None)
 
 
-def check_resume_model(resume, run_dir: Path, model_cfg) -> None:
-    """Before anything is built: the newest checkpoint a resume would consider holds this model
-    (CheckpointError otherwise). Unverified and cheap; `load` verifies."""
+def saved_state(resume, run_dir: Path) -> tuple[Path, dict] | None:
+    """(folder, its state.json) of the newest checkpoint a resume would consider whose state is
+    readable, or None. Unverified and cheap (`load` verifies): for the checks made before any build."""
     path = find_resume_path(resume, run_dir)
     folders = [path] if path is not None and _is_step_folder(path) else files.step_folders(path) if path else []
     for folder in folders:
         try:
-            saved = files.read_json(folder / files.STATE)["model"]
-        except (OSError, ValueError, KeyError, TypeError):
+            state = files.read_json(folder / files.STATE)
+        except (OSError, ValueError):
             continue  # damaged: `load` reports it and takes an older one
-        check_model(saved, model_cfg, folder)
-        return
+        if isinstance(state, dict) and isinstance(state.get("model"), dict):
+            return folder, state
+    return None
+
+
+def check_resume_model(resume, run_dir: Path, model_cfg) -> None:
+    """Before anything is built: the newest checkpoint a resume would consider holds this model
+    (CheckpointError otherwise)."""
+    found = saved_state(resume, run_dir)
+    if found is not None:
+        check_model(found[1]["model"], model_cfg, found[0])
 
 
 def select(path: Path, verify=None, warn=None) -> Path:

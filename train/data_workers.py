@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import multiprocessing as mp
 import queue
+import signal
 import traceback
 
 from train.data_sources import DataError, DataSpec
@@ -98,7 +99,7 @@ class WorkerPool:
         for proc in self.procs:
             proc.join(timeout=5)
             if proc.is_alive():
-                proc.terminate()
+                proc.kill()  # it ignores SIGTERM
                 proc.join(timeout=5)
         for q in self.queues:
             q.cancel_join_thread()
@@ -107,7 +108,12 @@ class WorkerPool:
 
 
 def _work(spec: DataSpec, lanes: dict, slot: dict, seq_len: int, seed: int, warn: bool, out, taken, wake, stop) -> None:
-    """A worker's loop: pack the most urgent of its lanes that is fewer than `prefetch` chunks ahead."""
+    """A worker's loop: pack the most urgent of its lanes that is fewer than `prefetch` chunks ahead.
+
+    Stop signals (a terminal's Ctrl-C, a scheduler's SIGTERM / SIGUSR1 to every process of the job)
+    are for the training process, which finishes its step and then stops the workers itself."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
     try:
         warned: set = set()
         packers = {lane: LanePacker(spec, lane, seq_len, seed, state, warn, warned) for lane, state in lanes.items()}

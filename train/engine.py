@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from datetime import timedelta
 
 import torch
 from omegaconf import OmegaConf
@@ -30,11 +31,12 @@ def resolve_device(requested: str) -> torch.device:
     return torch.device(requested)
 
 
-def init_distributed(device: torch.device) -> None:
-    """Join the launcher's process group (torchrun / deepspeed), or make a one-process one.
+def init_distributed(device: torch.device, timeout_s: float = 1800.0) -> None:
+    """Join the launcher's process group (torchrun / deepspeed / srun), or make a one-process one.
 
     DeepSpeed picks gloo on CPU and nccl on CUDA; DS_ACCELERATOR is pinned so a CPU run on a
-    GPU machine stays on the CPU.
+    GPU machine stays on the CPU. A collective that waits longer than `timeout_s`
+    (train.collective_timeout_s) fails instead of waiting forever.
     """
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if device.type == "cuda" else "cpu")
     if "RANK" not in os.environ:
@@ -45,6 +47,7 @@ def init_distributed(device: torch.device) -> None:
 
     _quiet_deepspeed()
     skip_shared_memory_op()
+    _default_group_timeout(timedelta(seconds=timeout_s))
     if device.type == "cuda":
         local = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(local)
@@ -52,8 +55,16 @@ def init_distributed(device: torch.device) -> None:
         # DeepSpeed then adopts this group.
         import torch.distributed as dist
 
-        dist.init_process_group("nccl", device_id=local)
-    deepspeed.init_distributed(verbose=False)
+        dist.init_process_group("nccl", device_id=local, timeout=timedelta(seconds=timeout_s))
+    deepspeed.init_distributed(verbose=False, timeout=timedelta(seconds=timeout_s))
+
+
+def _default_group_timeout(timeout: timedelta) -> None:
+    """The timeout of the groups made later (tp, pp, dp: DeepSpeed's and ours), which torch's
+    new_group takes from these module defaults, not from the world group: set once, at start."""
+    import torch.distributed.distributed_c10d as c10d
+
+    c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timeout
 
 
 def skip_shared_memory_op() -> None:

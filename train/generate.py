@@ -87,9 +87,12 @@ def _write_json(path: Path, value: dict) -> None:
 
 @hydra.main(version_base=None, config_path=CONFIG_DIR, config_name="generate")
 def main(cfg: DictConfig) -> None:
-    from train.validate import ConfigError, check_generation
+    from hydra.core.hydra_config import HydraConfig
+
+    from train.validate import ConfigError, check_generation, check_keys
 
     try:
+        check_keys(cfg, "generate", list(HydraConfig.get().overrides.task))
         model_cfg, folder = check_generation(cfg)
         weights = checkpoint_weights(folder, model_cfg)
     except ConfigError as err:

@@ -20,8 +20,9 @@ import torch
 from omegaconf import OmegaConf
 
 from model import GPT, GPTConfig, count_parameters
-from train import checkpoint, data, engine as engines, metrics
-from train.optimizer import make_lr_scheduler, make_optimizer, make_schedule
+from train import checkpoint, data, engine as engines, metrics, resume_checks
+from train.optimizer import make_lr_scheduler, make_optimizer
+from train.safeguards import Safeguards
 from train.step import TrainStep
 
 
@@ -52,30 +53,60 @@ class Trainer:
     val_batches: list[torch.Tensor]
     tokens_per_step: int
     plan: object | None  # the planner's prediction for this run (train/plan.py), on CUDA
+    schedule: resume_checks.RunSchedule  # the LR schedule, and what checkpoints record of it
 
 
 def run(cfg, run_dir: Path) -> Progress:
     """Train per `cfg` into `run_dir`; returns the final step and token count."""
     trainer = build(cfg, run_dir)
-    progress, resumed = resume(trainer)
-    logger, meter = open_logger(trainer, progress.step if resumed else None), Meter(trainer)
-    last = cfg.train.max_steps
+    progress, _ = resume(trainer)
+    # rows after the step this run starts from (0: none) are from a run killed before its next checkpoint
+    logger, meter = open_logger(trainer, progress.step), Meter(trainer)
+    guard = Safeguards(cfg, run_dir, trainer.engine, trainer.topology.rank, lambda text: _say(trainer, text))
+    try:
+        stopped = loop(trainer, progress, logger, meter, guard)
+    except BaseException:
+        trainer.batches.close()
+        logger.close()
+        raise
+    finally:
+        guard.close()
+    finish(trainer, logger, sample=not stopped)
+    return progress
+
+
+def loop(trainer: Trainer, progress: Progress, logger: metrics.MetricsLogger, meter: Meter, guard: Safeguards) -> bool:
+    """Step, log (+ evaluate), checkpoint until train.max_steps; True when a signal stopped it early.
+
+    Faults (train/safeguards.py): a step skipped for a non-finite loss or gradient is counted, and too
+    many in a row raise NonFiniteError; SIGTERM / SIGINT / SIGUSR1 on any rank end the loop on every
+    rank after the step with a checkpoint; a step that hangs ends the process from the watchdog's thread."""
+    cfg, last = trainer.cfg, trainer.cfg.train.max_steps
     while progress.step < last:
+        guard.step_begins(progress.step + 1)
         result = trainer.step(next(trainer.batches))
         progress.advance(trainer.tokens_per_step)
-        meter.add(result.loss)
+        meter.add(result.loss, result.skipped)
+        guard.after_step(progress.step, result)  # a skipped step: say so
         if _due(progress.step, cfg.logging.log_interval, last):
-            record = meter.take(progress, result)
+            record = meter.take(progress, result, guard.skips.total)
             if trainer.val_batches and _due(progress.step, cfg.train.eval_interval, last):
+                guard.phase(f"evaluation after step {progress.step}")
                 record["val/loss"] = evaluate(trainer)
             logger.log(record)
             _say(trainer, _progress_line(record, last, meter.seconds_per_step))
             meter.restart()
+        guard.check_skips(progress.step, trainer.device)  # too many skipped in a row: NonFiniteError
+        saved = None
         if _due(progress.step, cfg.train.checkpoint_interval, last):
             with meter.paused():  # saving time is not training throughput
-                save_checkpoint(trainer, progress)
-    finish(trainer, logger)
-    return progress
+                saved = save_checkpoint(trainer, progress, guard)
+        verdict = guard.agree(progress.step, result)  # the step's one collective: a stop signal on any rank?
+        if verdict.signal:
+            saved = saved or save_checkpoint(trainer, progress, guard)
+            guard.stopped(progress.step, verdict, saved, finished=progress.step == last)
+            return progress.step < last
+    return False
 
 
 def build(cfg, run_dir: Path) -> Trainer:
@@ -84,7 +115,7 @@ def build(cfg, run_dir: Path) -> Trainer:
     from parallel.topology import Topology
 
     device = engines.resolve_device(cfg.train.device)
-    engines.init_distributed(device)
+    engines.init_distributed(device, cfg.train.collective_timeout_s)
     topology = Topology.create(cfg.parallel.tp, cfg.parallel.pp)
     model_cfg = GPTConfig.from_dict(OmegaConf.to_container(cfg.model))
     tokens_per_step = cfg.train.global_batch_size * model_cfg.seq_len
@@ -100,7 +131,8 @@ def build(cfg, run_dir: Path) -> Trainer:
     pipelined = topology.pp_size > 1
     # A PipelineModule brings its own grid (same topology) and DeepSpeed then wants no mpu of ours.
     mpu = model.mpu() if pipelined else topology.mpu
-    schedule = make_schedule(cfg.optim, model_cfg.name, tokens_per_step, cfg.train.max_steps)
+    run_schedule = resume_checks.schedule_for_run(cfg, model_cfg.name, tokens_per_step, run_dir)  # a resume keeps its own
+    schedule = run_schedule.schedule
     optimizer = make_optimizer(model, cfg.optim, schedule.peak_lr, clip=cfg.parallel.zero_stage == 0, mpu=mpu)
     engine = engines.create_engine(
         model,
@@ -119,7 +151,7 @@ def build(cfg, run_dir: Path) -> Trainer:
     step = TrainStep(engine, train.micro_batch_size, device)
     plan = _plan(cfg, run_dir, topology.rank) if device.type == "cuda" else None
     trainer = Trainer(cfg, run_dir, device, topology, model_cfg, engine, step, batches, val_batches, tokens_per_step,
-                      plan)
+                      plan, run_schedule)
     _say(
         trainer,
         f"model {model_cfg.name}: {count_parameters(_full_shapes(model_cfg)) / 1e6:.2f}M parameters | "
@@ -136,6 +168,8 @@ def resume(trainer: Trainer) -> tuple[Progress, bool]:
     if path is None:
         return Progress(), False
     state = checkpoint.load(trainer.engine, trainer.topology, trainer.model_cfg, path)
+    if trainer.schedule.restart:  # train.reset_schedule=true with changed settings
+        resume_checks.follow_new_schedule(trainer.engine.lr_scheduler, trainer.schedule.schedule.peak_lr)
     trainer.batches.load_state_dict(state["data"])
     trainer.batches.start()  # background workers (data.workers) begin packing from the restored position
     saved, now = state["layout"], checkpoint.layout_of(trainer.engine, trainer.topology)
@@ -150,7 +184,7 @@ def _layout_text(layout: dict) -> str:
 
 
 def open_logger(trainer: Trainer, resumed_step: int | None) -> metrics.MetricsLogger:
-    """metrics.jsonl and W&B, on rank 0 only."""
+    """metrics.jsonl and W&B, on rank 0 only; records after `resumed_step` are dropped (see MetricsLogger)."""
     run_config = OmegaConf.to_container(trainer.cfg, resolve=True)
     if trainer.plan is not None:
         run_config["plan"] = trainer.plan.to_json()
@@ -163,18 +197,24 @@ def evaluate(trainer: Trainer) -> float:
     return _mean_over_ranks(_mean(trainer.step.evaluate(trainer.val_batches)))
 
 
-def save_checkpoint(trainer: Trainer, progress: Progress) -> None:
-    """A checkpoint of the run after this step (train/checkpoint.py), then retention."""
+def save_checkpoint(trainer: Trainer, progress: Progress, guard: Safeguards) -> Path:
+    """A checkpoint of the run after this step (train/checkpoint.py), then retention; never one of
+    non-finite weights (NonFiniteError instead)."""
     train = trainer.cfg.train
+    guard.phase(f"checkpoint at step {progress.step}")
+    guard.before_saving(progress.step, trainer.device)
     data_state = trainer.batches.state_dict()  # a collective when ranks read different streams
     path = checkpoint.save(trainer.engine, trainer.topology, trainer.model_cfg, trainer.run_dir, progress.step,
-                           progress.tokens, data_state, keep=train.keep_checkpoints, keep_every=train.keep_every)
+                           progress.tokens, data_state, extra={"schedule": trainer.schedule.state},
+                           keep=train.keep_checkpoints, keep_every=train.keep_every)
     _say(trainer, f"checkpoint {path}")
+    return path
 
 
-def finish(trainer: Trainer, logger: metrics.MetricsLogger) -> None:
+def finish(trainer: Trainer, logger: metrics.MetricsLogger, sample: bool = True) -> None:
     """The data summary (bad records skipped, per file), the end-of-run sample (every rank takes
-    part: stages pass activations, tp ranks share logits), then the data workers and the logger stop."""
+    part: stages pass activations, tp ranks share logits; none after a stop on a signal), then the
+    data workers and the logger stop."""
     train = trainer.cfg.train
     bad = trainer.batches.bad_records(gather=True)  # a collective when ranks read different streams
     if bad:
@@ -183,7 +223,7 @@ def finish(trainer: Trainer, logger: metrics.MetricsLogger) -> None:
                  for file, reasons in sorted(bad.items())]
         _say(trainer, f"data: {total} bad record(s) skipped (data.on_bad_record=skip):\n" + "\n".join(lines))
         logger.summary({"data/bad_records": total})
-    if train.sample_tokens > 0:
+    if sample and train.sample_tokens > 0:
         from train.generate import sample_text
 
         text, _ = sample_text(trainer.engine.module, trainer.model_cfg, trainer.topology, train.sample_prompt,
@@ -210,11 +250,14 @@ class Meter:
         self.restart()
 
     def restart(self) -> None:
-        self.loss_sum, self.steps = torch.zeros((), dtype=torch.float64, device=self.device), 0
+        self.loss_sum, self.steps, self.applied = torch.zeros((), dtype=torch.float64, device=self.device), 0, 0
         self.clock = time.perf_counter()
 
-    def add(self, loss: torch.Tensor) -> None:
-        self.loss_sum += loss
+    def add(self, loss: torch.Tensor, skipped: bool = False) -> None:
+        """One step; a skipped step's (non-finite) loss stays out of the mean, its time stays in."""
+        if not skipped:
+            self.loss_sum += loss
+            self.applied += 1
         self.steps += 1
 
     def _shares(self) -> dict:
@@ -228,17 +271,21 @@ class Meter:
         yield
         self.clock += time.perf_counter() - started
 
-    def take(self, progress: Progress, result) -> dict:
-        """The metrics record of the steps since the last one (mean loss over steps and ranks)."""
+    def take(self, progress: Progress, result, skipped_steps: int) -> dict:
+        """The metrics record of the steps since the last one (mean loss over the applied steps and the
+        ranks; None when every step since was skipped) and the run's skipped steps so far."""
         elapsed = time.perf_counter() - self.clock
         self.seconds_per_step = elapsed / self.steps
         tokens_per_s = self.steps * self.tokens_per_step / elapsed
+        loss_sum = _mean_over_ranks(self.loss_sum)  # a collective: every rank takes part, skips or not
+        finite = result.grad_norm is not None and math.isfinite(result.grad_norm)
         return {
             "step": progress.step,
             "tokens": progress.tokens,
-            "train/loss": _mean_over_ranks(self.loss_sum) / self.steps,
+            "train/loss": loss_sum / self.applied if self.applied else None,
             "train/lr": result.lr,
-            "train/grad_norm": result.grad_norm,
+            "train/grad_norm": result.grad_norm if finite else None,
+            "train/skipped_steps": skipped_steps,
             "perf/tokens_per_s": tokens_per_s,
             "perf/tflops": tokens_per_s * self.flops_per_token / self.world / 1e12,
             "perf/mfu": metrics.mfu(tokens_per_s, self.flops_per_token, self.peak, self.world),
@@ -295,13 +342,16 @@ def _max_memory_gib(device: torch.device) -> float:
 
 def _progress_line(record: dict, max_steps: int, seconds_per_step: float) -> str:
     eta = (max_steps - record["step"]) * seconds_per_step
+    loss = record["train/loss"]
     parts = [
         f"step {record['step']:>{len(str(max_steps))}}/{max_steps}",
-        f"loss {record['train/loss']:.4f}",
+        f"loss {loss:.4f}" if loss is not None else "loss -",
         f"lr {record['train/lr']:.2e}",
     ]
     if record["train/grad_norm"] is not None:
         parts.append(f"grad {record['train/grad_norm']:.2f}")
+    if record["train/skipped_steps"]:
+        parts.append(f"skipped {record['train/skipped_steps']}")
     if "val/loss" in record:
         parts.append(f"val {record['val/loss']:.4f}")
     parts.append(f"{record['perf/tokens_per_s']:,.0f} tok/s")

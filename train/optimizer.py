@@ -90,15 +90,20 @@ class ClippingAdamW(torch.optim.AdamW):
     `_global_grad_norm`, where DeepSpeed's engines read it after each step.
 
     g ← g · min(1, max_norm / (‖g‖ + 1e-6)), ‖g‖ over the whole model whatever the layout (see
-    `global_grad_norm`); max_norm = 0 measures without clipping, as DeepSpeed reads 0. A non-finite
-    norm is recorded as nan and nothing is scaled. Used at ZeRO stage 0; at stages ≥ 1 DeepSpeed's
-    ZeRO optimizer clips instead (max_norm=None).
+    `global_grad_norm`); max_norm = 0 measures without clipping, as DeepSpeed reads 0. Used at ZeRO
+    stage 0; at stages ≥ 1 DeepSpeed's ZeRO optimizer clips instead (max_norm=None).
+
+    A non-finite norm (inf or nan, recorded as nan) skips the update: no weight, moment or step-count
+    changes, and `overflow` is set, which is how DeepSpeed's engine learns of a skipped step (it then
+    leaves the LR schedule alone and counts `engine.skipped_steps`, as for its own ZeRO and fp16
+    optimizers). The norm is the same on every rank, so every rank skips.
     """
 
     def __init__(self, params, max_norm: float | None, mpu=None, **adamw_kwargs):
         super().__init__(params, **adamw_kwargs)
         self.max_norm, self.mpu = max_norm, mpu
         self._global_grad_norm = None
+        self.overflow = False
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -106,7 +111,10 @@ class ClippingAdamW(torch.optim.AdamW):
             params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
             norm = global_grad_norm(params, self.mpu)
             self._global_grad_norm = norm
-            if self.max_norm > 0 and math.isfinite(norm) and self.max_norm / (norm + 1e-6) < 1.0:
+            self.overflow = not math.isfinite(norm)
+            if self.overflow:
+                return None
+            if self.max_norm > 0 and self.max_norm / (norm + 1e-6) < 1.0:
                 torch._foreach_mul_([p.grad for p in params], self.max_norm / (norm + 1e-6))
         return super().step(closure)
 

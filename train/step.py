@@ -9,9 +9,10 @@ into micro batches of `micro_batch_size` (inputs = window[:, :-1], targets = win
   PipelineEngine  (pp > 1)   train_batch over all micro batches (1F1B schedule, one update)
 
 Both return the mean loss over the micro batches, on the device (no host sync), the pre-clip
-global gradient norm and the learning rate the update used. Everything a step does to the model
-and optimizer passes through `TrainStep.__call__`, which is where a guard on that step (e.g.
-skipping an update whose loss or gradient norm is not finite on some rank) belongs.
+global gradient norm, the learning rate the update used and whether the update was skipped. Every
+loss goes through `faults.flag_non_finite` before backward, so a non-finite loss on any rank makes
+every rank's optimizer skip the update (train/faults.py); DeepSpeed counts the skip in
+`engine.skipped_steps`.
 """
 
 from __future__ import annotations
@@ -20,12 +21,15 @@ from dataclasses import dataclass
 
 import torch
 
+from train.faults import flag_non_finite, flagging
+
 
 @dataclass
 class StepResult:
     loss: torch.Tensor  # mean loss over this rank's micro batches: a float32 scalar on the device
     grad_norm: float | None  # global L2 norm of the gradient before clipping (None if the engine gives none)
     lr: float  # the learning rate of this update
+    skipped: bool = False  # the optimizer skipped the update (a non-finite loss or gradient on some rank)
 
 
 class TrainStep:
@@ -36,6 +40,8 @@ class TrainStep:
 
         self.engine, self.micro_batch_size, self.device = engine, micro_batch_size, device
         self.pipelined = isinstance(engine, PipelineEngine)
+        if self.pipelined:  # the last stage's loss, computed inside DeepSpeed's schedule
+            engine.module.loss_fn = flagging(engine.module.loss_fn)
 
     def __call__(self, windows: torch.Tensor) -> StepResult:
         """One optimizer step on this rank's windows (n, T + 1) of the global batch."""
@@ -43,17 +49,18 @@ class TrainStep:
         micro_batches = micro_batch_split(windows.to(self.device), self.micro_batch_size)
         engine.train()
         lr = engine.get_lr()[0]  # the rate this step uses; DeepSpeed advances the schedule in step()
+        skipped_before = engine.skipped_steps
         if self.pipelined:
             loss = engine.train_batch(data_iter=iter(micro_batches))  # 1F1B over all micro batches
         else:
             loss = 0.0
             for inputs, targets in micro_batches:
                 micro_loss = engine(inputs, targets)
-                engine.backward(micro_loss)
+                engine.backward(flag_non_finite(micro_loss))
                 engine.step()
                 loss += micro_loss.detach().float() / len(micro_batches)
         grad_norm = engine.get_global_grad_norm()
-        return StepResult(loss, None if grad_norm is None else float(grad_norm), lr)
+        return StepResult(loss, None if grad_norm is None else float(grad_norm), lr, engine.skipped_steps > skipped_before)
 
     @torch.no_grad()
     def evaluate(self, val_batches: list[torch.Tensor]) -> list[float]:

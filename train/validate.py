@@ -21,16 +21,41 @@ class ConfigError(ValueError):
     """A configuration value that cannot work; the message names it and the valid choices."""
 
 
+def check_keys(cfg, config_name: str, overrides: list[str]) -> None:
+    """No key beyond those the config files define, in any group (train/config_keys.py). Raises ConfigError."""
+    from train.config_keys import check_known_keys
+
+    try:
+        check_known_keys(cfg, config_name, overrides)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
 def check(cfg, run_dir: Path) -> GPTConfig:
     """Validate the whole run config (for a run in `run_dir`); returns the model config. Raises ConfigError."""
     model_cfg = _check_model(cfg)
-    dp = _check_parallel(cfg, model_cfg)
-    _check_batches(cfg, dp)
     _check_train(cfg, run_dir)
     _check_checkpoints(cfg, run_dir, model_cfg)
+    _check_resume(cfg, run_dir)  # may set train.global_batch_size back to the checkpoint's
+    dp = _check_parallel(cfg, model_cfg)
+    _check_batches(cfg, dp)
     _check_optim(cfg, model_cfg)
     _check_data(cfg, dp)
     return model_cfg
+
+
+def _check_resume(cfg, run_dir: Path) -> None:
+    """Against the checkpoint a resume would load: a changed schedule is kept or reset
+    (train/resume_checks.py), with a note."""
+    from train.launch_info import is_rank_zero
+    from train.resume_checks import check_resumed_config, saved_run_state
+
+    saved = saved_run_state(cfg, run_dir)
+    if saved is None:
+        return
+    note = check_resumed_config(saved, cfg)
+    if note and is_rank_zero():
+        print(f"gpt3d: note: {note}", flush=True)
 
 
 def _check_data(cfg, dp: int) -> None:
@@ -186,6 +211,13 @@ def _check_train(cfg, run_dir: Path) -> None:
         value = cfg.train[key]
         if not isinstance(value, int) or value < 0:
             raise ConfigError(f"train.{key}={value!r}: must be a non-negative integer")
+    _positive_int("train.max_consecutive_skips", cfg.train.max_consecutive_skips)
+    for key in ("step_timeout_s", "collective_timeout_s"):
+        value = cfg.train[key]
+        if not _is_number(value) or value <= 0:
+            raise ConfigError(f"train.{key}={value!r}: must be a positive number of seconds")
+    if not isinstance(cfg.train.reset_schedule, bool):
+        raise ConfigError(f"train.reset_schedule={cfg.train.reset_schedule!r}: must be true or false")
     from train.metrics import WANDB_MODES
 
     if cfg.logging.wandb.mode not in WANDB_MODES:

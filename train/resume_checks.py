@@ -1,0 +1,95 @@
+"""What a resumed run may change: never the model's shape; its schedule only when asked to.
+
+Every checkpoint records the model config (train/checkpoint.py refuses another model shape) and,
+in its client state, the schedule the run trains with ("schedule", `RunSchedule.state`): the
+configured SCHEDULE_KEYS and the LR schedule they resolved to (peak, warmup and decay in tokens,
+floor). On resume, before anything is built:
+
+- a schedule key that differs (a longer train.max_steps, another optim.lr, …) keeps the checkpoint's
+  schedule: its resolved LR schedule and its global batch size; train.max_steps still says where the
+  run stops. With train.reset_schedule=true the new values apply instead, evaluated at the step the
+  run has reached, as if it had used them from the start. Either way one note says which.
+
+The schedule a run keeps is recorded again in its own checkpoints, so it stays the one the run
+started with (or was last reset to), however often the run is resumed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from train import checkpoint
+from train.optimizer import Schedule, make_schedule
+
+SCHEDULE_KEYS = ("train.max_steps", "train.global_batch_size", "optim.lr", "optim.warmup_tokens",
+                 "optim.decay_tokens", "optim.min_lr_ratio")
+
+
+@dataclass(frozen=True)
+class RunSchedule:
+    schedule: Schedule  # the LR schedule this run follows
+    state: dict  # what its checkpoints record: {"config": {key: value}, "resolved": Schedule's fields}
+    restart: bool  # reset_schedule changed it: the resumed LR scheduler must follow the new one
+
+
+def saved_run_state(cfg, run_dir: Path) -> dict | None:
+    """{"folder", "schedule"} of the checkpoint train.resume picks (its recorded schedule: the
+    `schedule` entry of its client state, None when it records none), or None when nothing resumes."""
+    found = checkpoint.saved_state(cfg.train.resume, run_dir)
+    if found is None:
+        return None
+    folder, state = found
+    extra = state.get("extra")
+    return {"folder": folder, "schedule": extra.get("schedule") if isinstance(extra, dict) else None}
+
+
+def check_resumed_config(saved: dict, cfg) -> str | None:
+    """Compare the configured schedule with the checkpoint's (see the module docstring; the model's
+    shape is checked by train.checkpoint.check_resume_model). Keeping the schedule sets
+    cfg.train.global_batch_size back to the checkpoint's. Returns the note to print, or None when
+    nothing changed.
+    """
+    if saved["schedule"] is None:
+        return None
+    before = saved["schedule"]["config"]
+    changed = {key: (before[key], OmegaConf.select(cfg, key)) for key in SCHEDULE_KEYS if before.get(key) != OmegaConf.select(cfg, key)}
+    if not changed:
+        return None
+    listed = ", ".join(f"{key} {old!r} → {new!r}" for key, (old, new) in changed.items())
+    if cfg.train.reset_schedule:
+        return f"resume: {listed}: train.reset_schedule=true: the new schedule applies from the step reached"
+    if "train.global_batch_size" in changed:
+        cfg.train.global_batch_size = before["train.global_batch_size"]
+    kept = Schedule(**saved["schedule"]["resolved"])
+    return (f"resume: {listed}: keeping the checkpoint's schedule (peak LR {kept.peak_lr:g}, warmup {kept.warmup_tokens:,} "
+            f"tokens, cosine to {kept.min_lr_ratio:g}× by {kept.decay_tokens:,} tokens, global batch "
+            f"{before['train.global_batch_size']}); the run stops at train.max_steps={cfg.train.max_steps}. "
+            f"Set train.reset_schedule=true to follow the new values instead")
+
+
+def schedule_for_run(cfg, model_name: str, tokens_per_step: int, run_dir: Path) -> RunSchedule:
+    """The checkpoint's schedule when resuming one that records it (unless train.reset_schedule), else the
+    configured one."""
+    configured = make_schedule(cfg.optim, model_name, tokens_per_step, cfg.train.max_steps)
+    state = {"config": {key: OmegaConf.select(cfg, key) for key in SCHEDULE_KEYS},
+             "resolved": dataclasses.asdict(configured)}
+    saved = saved_run_state(cfg, run_dir)
+    if saved is None or saved["schedule"] is None:
+        return RunSchedule(configured, state, restart=False)
+    if cfg.train.reset_schedule:
+        return RunSchedule(configured, state, restart=state != saved["schedule"])
+    return RunSchedule(Schedule(**saved["schedule"]["resolved"]), saved["schedule"], restart=False)
+
+
+def follow_new_schedule(lr_scheduler, peak_lr: float) -> None:
+    """Point a just-loaded LambdaLR at this run's schedule: the checkpoint restored the old peak as
+    base_lrs and the old rate in the optimizer; take the new ones at the step count it restored."""
+    lr_scheduler.base_lrs = [peak_lr] * len(lr_scheduler.base_lrs)
+    rates = [base * fn(lr_scheduler.last_epoch) for base, fn in zip(lr_scheduler.base_lrs, lr_scheduler.lr_lambdas)]
+    for group, rate in zip(lr_scheduler.optimizer.param_groups, rates):
+        group["lr"] = rate
+    lr_scheduler._last_lr = rates
