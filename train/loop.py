@@ -1,8 +1,10 @@
 """What one run does: build, resume, then step, log, evaluate and checkpoint until max_steps, finish.
 
-One optimizer step = one global batch of `train.global_batch_size` windows. This rank takes its
-data-parallel slice (global / dp windows) and runs it as micro batches of
-`train.micro_batch_size` (train/step.py); DeepSpeed accumulates and steps at the boundary.
+One optimizer step = one global batch of `train.global_batch_size` windows, or, under a batch-size
+ramp (`train.batch_ramp`, train/batch_ramp.py), of the ramp's size at the tokens seen so far. This
+rank takes its data-parallel slice (global / dp windows) and runs it as micro batches of
+`train.micro_batch_size` (train/step.py); DeepSpeed accumulates and steps at the boundary. The
+learning rate follows the tokens seen (train/optimizer.py: TokenLR).
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ import torch
 from omegaconf import OmegaConf
 
 from model import GPT, GPTConfig, count_parameters
-from train import checkpoint, data, engine as engines, metrics
-from train.optimizer import make_lr_scheduler, make_optimizer, make_schedule
+from train import batch_ramp, checkpoint, data, engine as engines, metrics
+from train.optimizer import TokenLR, make_optimizer, make_schedule
 from train.step import TrainStep
 
 
@@ -50,7 +52,8 @@ class Trainer:
     step: TrainStep
     batches: data.TrainBatches
     val_batches: list[torch.Tensor]
-    tokens_per_step: int
+    ramp: batch_ramp.BatchRamp  # global batch size (sequences) by tokens seen
+    lr: TokenLR  # the learning rate by tokens seen
     plan: object | None  # the planner's prediction for this run (train/plan.py), on CUDA
 
 
@@ -61,15 +64,16 @@ def run(cfg, run_dir: Path) -> Progress:
     logger, meter = open_logger(trainer, progress.step if resumed else None), Meter(trainer)
     last = cfg.train.max_steps
     while progress.step < last:
-        result = trainer.step(next(trainer.batches))
-        progress.advance(trainer.tokens_per_step)
-        meter.add(result.loss)
+        windows, size = next_batch(trainer, progress)
+        result = trainer.step(windows)
+        progress.advance(size * trainer.model_cfg.seq_len)
+        meter.add(result.loss, size)
         if _due(progress.step, cfg.logging.log_interval, last):
             record = meter.take(progress, result)
             if trainer.val_batches and _due(progress.step, cfg.train.eval_interval, last):
                 record["val/loss"] = evaluate(trainer)
             logger.log(record)
-            _say(trainer, _progress_line(record, last, meter.seconds_per_step))
+            _say(trainer, _progress_line(record, last, meter.eta_s))
             meter.restart()
         if _due(progress.step, cfg.train.checkpoint_interval, last):
             with meter.paused():  # saving time is not training throughput
@@ -87,7 +91,7 @@ def build(cfg, run_dir: Path) -> Trainer:
     engines.init_distributed(device)
     topology = Topology.create(cfg.parallel.tp, cfg.parallel.pp)
     model_cfg = GPTConfig.from_dict(OmegaConf.to_container(cfg.model))
-    tokens_per_step = cfg.train.global_batch_size * model_cfg.seq_len
+    ramp = batch_ramp.from_config(cfg.train, model_cfg.seq_len)
 
     torch.manual_seed(cfg.train.seed)
     options = BuildOptions(cfg.parallel.sequence_parallel, cfg.parallel.activation_checkpointing)
@@ -95,12 +99,13 @@ def build(cfg, run_dir: Path) -> Trainer:
     pipelined = topology.pp_size > 1
     # A PipelineModule brings its own grid (same topology) and DeepSpeed then wants no mpu of ours.
     mpu = model.mpu() if pipelined else topology.mpu
-    schedule = make_schedule(cfg.optim, model_cfg.name, tokens_per_step, cfg.train.max_steps)
+    schedule = make_schedule(cfg.optim, model_cfg.name, ramp.tokens_after(cfg.train.max_steps))
     optimizer = make_optimizer(model, cfg.optim, schedule.peak_lr, clip=cfg.parallel.zero_stage == 0, mpu=mpu)
+    lr = TokenLR(optimizer, schedule, ramp.size_at(0) * model_cfg.seq_len)
     engine = engines.create_engine(
         model,
         optimizer,
-        make_lr_scheduler(optimizer, schedule, tokens_per_step),
+        lr,
         engines.deepspeed_config(cfg, topology.dp_size, device),
         mpu=None if pipelined else mpu,
     )
@@ -113,15 +118,22 @@ def build(cfg, run_dir: Path) -> Trainer:
         val_batches = data.validation_batches(cfg.data, model_cfg.seq_len, train.global_batch_size, train.eval_batches, *dp)
     step = TrainStep(engine, train.micro_batch_size, device)
     plan = _plan(cfg, run_dir, topology.rank) if device.type == "cuda" else None
-    trainer = Trainer(cfg, run_dir, device, topology, model_cfg, engine, step, batches, val_batches, tokens_per_step,
-                      plan)
+    trainer = Trainer(cfg, run_dir, device, topology, model_cfg, engine, step, batches, val_batches, ramp, lr, plan)
     _say(
         trainer,
         f"model {model_cfg.name}: {count_parameters(_full_shapes(model_cfg)) / 1e6:.2f}M parameters | "
         f"{topology.world_size} process(es) on {device} (tp={topology.tp_size} pp={topology.pp_size} "
-        f"dp={topology.dp_size} zero={cfg.parallel.zero_stage}) | {tokens_per_step} tokens/step | run dir {run_dir}",
+        f"dp={topology.dp_size} zero={cfg.parallel.zero_stage}) | {_batch_line(ramp)} | run dir {run_dir}",
     )
     return trainer
+
+
+def _batch_line(ramp: batch_ramp.BatchRamp) -> str:
+    tokens = ramp.full * ramp.seq_len
+    if not ramp.enabled:
+        return f"{tokens} tokens/step"
+    return (f"batch ramp {ramp.start} → {ramp.full} sequences by {ramp.increment} over {ramp.ramp_tokens:,} tokens, "
+            f"then {tokens} tokens/step")
 
 
 def resume(trainer: Trainer) -> tuple[Progress, bool]:
@@ -134,6 +146,15 @@ def resume(trainer: Trainer) -> tuple[Progress, bool]:
     trainer.batches.start()  # background workers (data.workers) begin packing from the restored position
     _say(trainer, f"resumed from {path} at step {state['step']}")
     return Progress(state["step"], state["tokens"]), True
+
+
+def next_batch(trainer: Trainer, progress: Progress) -> tuple[torch.Tensor, int]:
+    """This rank's windows of the next global batch and that batch's size in sequences: the ramp's
+    size at the tokens seen so far (train.batch_ramp; else train.global_batch_size). The learning rate
+    is set for the tokens seen once this batch is trained on."""
+    size = trainer.ramp.size_at(progress.tokens)
+    trainer.lr.set_tokens(progress.tokens + size * trainer.model_cfg.seq_len)
+    return trainer.batches.next_batch(size), size
 
 
 def open_logger(trainer: Trainer, resumed_step: int | None) -> metrics.MetricsLogger:
@@ -183,23 +204,28 @@ class Meter:
 
     def __init__(self, trainer: Trainer):
         self.device, self.world = trainer.device, trainer.topology.world_size
-        self.tokens_per_step = trainer.tokens_per_step
         cfg = trainer.model_cfg
+        self.seq_len = cfg.seq_len
         self.flops_per_token = metrics.flops_per_token(
             count_parameters(_full_shapes(cfg), exclude_positions=True), cfg.n_layer, cfg.d_model, cfg.seq_len
         )
         self.peak = metrics.peak_tflops(trainer.device, trainer.cfg.logging.peak_tflops)
         self.batches, self.plan = trainer.batches, trainer.plan
-        self.seconds_per_step = math.nan
+        self.run_tokens = trainer.ramp.tokens_after(trainer.cfg.train.max_steps)
+        self.eta_s = math.nan  # seconds until max_steps at the last record's speed
         self.restart()
 
     def restart(self) -> None:
         self.loss_sum, self.steps = torch.zeros((), dtype=torch.float64, device=self.device), 0
+        self.tokens, self.batch_size = 0, None
         self.clock = time.perf_counter()
 
-    def add(self, loss: torch.Tensor) -> None:
+    def add(self, loss: torch.Tensor, batch_size: int) -> None:
+        """One step's loss and its global batch (sequences)."""
         self.loss_sum += loss
         self.steps += 1
+        self.tokens += batch_size * self.seq_len
+        self.batch_size = batch_size
 
     def _shares(self) -> dict:
         """The realised share of each source of a mixture (data=mixture), as data/share/<label>."""
@@ -215,14 +241,15 @@ class Meter:
     def take(self, progress: Progress, result) -> dict:
         """The metrics record of the steps since the last one (mean loss over steps and ranks)."""
         elapsed = time.perf_counter() - self.clock
-        self.seconds_per_step = elapsed / self.steps
-        tokens_per_s = self.steps * self.tokens_per_step / elapsed
+        tokens_per_s = self.tokens / elapsed
+        self.eta_s = (self.run_tokens - progress.tokens) / tokens_per_s
         return {
             "step": progress.step,
             "tokens": progress.tokens,
             "train/loss": _mean_over_ranks(self.loss_sum) / self.steps,
             "train/lr": result.lr,
             "train/grad_norm": result.grad_norm,
+            "train/batch_size": self.batch_size,  # sequences in the last step's global batch
             "perf/tokens_per_s": tokens_per_s,
             "perf/tflops": tokens_per_s * self.flops_per_token / self.world / 1e12,
             "perf/mfu": metrics.mfu(tokens_per_s, self.flops_per_token, self.peak, self.world),
@@ -277,8 +304,7 @@ def _max_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # kB → GiB
 
 
-def _progress_line(record: dict, max_steps: int, seconds_per_step: float) -> str:
-    eta = (max_steps - record["step"]) * seconds_per_step
+def _progress_line(record: dict, max_steps: int, eta: float) -> str:
     parts = [
         f"step {record['step']:>{len(str(max_steps))}}/{max_steps}",
         f"loss {record['train/loss']:.4f}",

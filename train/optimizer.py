@@ -60,11 +60,11 @@ def resolve_peak_lr(optim_cfg, model_name: str) -> float:
     return PAPER_PEAK_LR[model_name]
 
 
-def make_schedule(optim_cfg, model_name: str, tokens_per_step: int, max_steps: int) -> Schedule:
-    """The run's schedule; warmup is capped at 10% of the run so short runs still decay."""
-    total_tokens = tokens_per_step * max_steps
-    decay = int(optim_cfg.decay_tokens) if optim_cfg.decay_tokens is not None else total_tokens
-    warmup = min(int(optim_cfg.warmup_tokens), max(total_tokens // 10, 1))
+def make_schedule(optim_cfg, model_name: str, run_tokens: int) -> Schedule:
+    """The schedule of a run of `run_tokens` tokens (with a batch ramp, BatchRamp.tokens_after(max_steps));
+    warmup is capped at 10% of the run so short runs still decay."""
+    decay = int(optim_cfg.decay_tokens) if optim_cfg.decay_tokens is not None else run_tokens
+    warmup = min(int(optim_cfg.warmup_tokens), max(run_tokens // 10, 1))
     if decay <= warmup:
         raise ValueError(
             f"optim.decay_tokens={decay} must exceed the warmup ({warmup} tokens); "
@@ -144,12 +144,34 @@ def make_optimizer(model: nn.Module, optim_cfg, peak_lr: float, clip: bool = Tru
     )
 
 
-def make_lr_scheduler(optimizer: torch.optim.Optimizer, schedule: Schedule, tokens_per_step: int):
-    """A LambdaLR stepping once per optimizer step.
+class TokenLR:
+    """The learning rate as a function of tokens seen, for DeepSpeed's `lr_scheduler` slot.
 
-    Optimizer step s (0-based) uses η at the tokens seen once it is done, (s + 1)·tokens_per_step,
-    so the first step already has a non-zero rate.
+    Before each optimizer step the loop calls `set_tokens(τ)` with the tokens seen once that step is
+    done, and every parameter group gets η(τ); so the first step already has a non-zero rate, and with
+    a constant batch of b tokens step s (0-based) runs at η((s + 1)·b). The rate follows the tokens
+    actually trained on, also when the batch grows (train/batch_ramp.py) and after a resume (the loop
+    restores τ). DeepSpeed calls `step()` after each update; the tokens, not the step count, move
+    the rate, so it does nothing. Its state (τ) is plain data.
     """
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: schedule.lr_at((step + 1) * tokens_per_step) / schedule.peak_lr
-    )
+
+    def __init__(self, optimizer: torch.optim.Optimizer, schedule: Schedule, first_step_tokens: int):
+        self.optimizer, self.schedule = optimizer, schedule
+        self.set_tokens(first_step_tokens)
+
+    def set_tokens(self, tokens: int) -> None:
+        self.tokens = int(tokens)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.schedule.lr_at(self.tokens)
+
+    def step(self) -> None:
+        """DeepSpeed's call after an update: nothing to do (see the class docstring)."""
+
+    def get_last_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def state_dict(self) -> dict:
+        return {"tokens": self.tokens}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.set_tokens(state["tokens"])
