@@ -108,7 +108,7 @@ def test_the_ramp_must_split_over_streams_ranks_and_micro_batches():
 # -- DeepSpeed follows the batch ---------------------------------------------------------------------------
 
 CONFIG = GPTConfig(name="ramp-test", n_layer=2, n_head=2, d_model=32, seq_len=16, vocab_size=300)
-SIZES = [2, 6, 4, 8, 2]  # global batches (sequences) of consecutive steps: 1, 3, 2, 4, 1 micro batches of 2
+SIZES = [2, 6, 4, 8, 2]  # global batches (sequences) of consecutive steps
 SCHEDULE = Schedule(peak_lr=1e-2, warmup_tokens=40, decay_tokens=1000, min_lr_ratio=0.1)
 OPTIM = {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "grad_clip": 0.5}
 
@@ -118,8 +118,9 @@ def _windows() -> list[torch.Tensor]:
     return [torch.randint(0, CONFIG.vocab_size, (n, CONFIG.seq_len + 1), generator=g) for n in SIZES]  # (n, T+1)
 
 
-def ramp_worker(pp: int, zero: int) -> dict:
-    """Steps of SIZES sequences through the DeepSpeed engine the loop builds, the LR told the tokens seen."""
+def ramp_worker(pp: int, zero: int, micro: int) -> dict:
+    """Steps of SIZES sequences through the DeepSpeed engine the loop builds, the LR told the tokens seen;
+    data-parallel rank r trains on rows [r·n/dp, (r+1)·n/dp) of each batch of n."""
     from parallel.build import build_model
     from parallel.naming import parameter_map
     from parallel.topology import Topology
@@ -130,7 +131,7 @@ def ramp_worker(pp: int, zero: int) -> dict:
     engines.init_distributed(torch.device("cpu"))
     topology = Topology.create(1, pp)
     cfg = OmegaConf.create({
-        "train": {"global_batch_size": max(SIZES), "micro_batch_size": 2},
+        "train": {"global_batch_size": max(SIZES), "micro_batch_size": micro},
         "parallel": {"tp": 1, "pp": pp, "zero_stage": zero, "offload_optimizer": False, "sequence_parallel": False},
         "optim": OPTIM,
     })  # fmt: skip
@@ -140,12 +141,16 @@ def ramp_worker(pp: int, zero: int) -> dict:
     lr = TokenLR(optimizer, SCHEDULE, SIZES[0] * CONFIG.seq_len)
     ds_config = engines.deepspeed_config(cfg, topology.dp_size, torch.device("cpu"))
     engine = engines.create_engine(part, optimizer, lr, ds_config, mpu=None if pp > 1 else mpu)
-    step, tokens, results = TrainStep(engine, 2, torch.device("cpu")), 0, []
+    step, tokens, results = TrainStep(engine, micro, torch.device("cpu")), 0, []
+    dp, r = topology.dp_size, topology.dp_rank
     for windows in _windows():
         tokens += len(windows) * CONFIG.seq_len
         lr.set_tokens(tokens)
-        result = step(windows)
-        results.append((float(result.loss), result.grad_norm, result.lr))
+        n = len(windows) // dp
+        result = step(windows[r * n : (r + 1) * n])
+        loss = result.loss.detach().clone()
+        torch.distributed.all_reduce(loss)  # the mean over dp ranks (pipeline stages hold the same loss)
+        results.append((float(loss) / topology.world_size, result.grad_norm, result.lr))
     shards = parameter_map(part, CONFIG, topology)
     weights = {s.name: part.get_parameter(n).detach().clone() for n, s in shards.items() if not s.tied}
     return {"steps": results, "weights": weights}
@@ -172,12 +177,16 @@ def reference() -> dict:
     return {"steps": steps, "weights": dict(model.named_parameters())}
 
 
-@pytest.mark.parametrize("pp, zero", [(1, 0), (2, 1)], ids=["one-process", "pipeline-2-zero1"])
-def test_each_step_is_one_update_on_the_mean_gradient_of_its_whole_batch(reference, pp, zero):
+@pytest.mark.parametrize(
+    "world, pp, zero, micro",
+    [(1, 1, 0, 2), (2, 2, 1, 2), (2, 1, 2, 1)],
+    ids=["one-process", "pipeline-2-zero1", "dp2-zero2"],
+)
+def test_each_step_is_one_update_on_the_mean_gradient_of_its_whole_batch(reference, world, pp, zero, micro):
     """Losses, pre-clip gradient norms (a wrong 1/accumulation scale would show here), learning rates and the
-    weights after all steps equal plain PyTorch's, for a batch of 1, 3, 2, 4, 1 micro batches."""
-    ranks = run_distributed(ramp_worker, pp, pp, zero)
-    for k, (expected, got) in enumerate(zip(reference["steps"], ranks[-1]["steps"])):  # the last stage has the loss
+    weights after all steps equal plain PyTorch's, for batches of 1, 3, 2, 4, 1 micro batches per rank."""
+    ranks = run_distributed(ramp_worker, world, pp, zero, micro)
+    for k, (expected, got) in enumerate(zip(reference["steps"], ranks[0]["steps"])):
         assert got[0] == pytest.approx(expected[0], rel=1e-5), f"loss, step {k}"
         assert got[1] == pytest.approx(expected[1], rel=1e-4), f"gradient norm, step {k}"
         assert got[2] == expected[2], f"learning rate, step {k}"
