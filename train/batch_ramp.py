@@ -46,10 +46,6 @@ class BatchRamp:
             return self.full
         return min(self.full, self.start + self.increment * (tokens * self.increments // self.ramp_tokens))
 
-    def sizes(self) -> list[int]:
-        """Every batch size the ramp takes, smallest first (the full batch last)."""
-        return list(range(self.start, self.full + 1, self.increment)) if self.enabled else [self.full]
-
     def tokens_after(self, steps: int) -> int:
         """Tokens seen after `steps` optimizer steps, walking the ramp one batch size at a time."""
         tokens = 0
@@ -70,9 +66,10 @@ def from_config(train_cfg, seq_len: int) -> BatchRamp:
     full = train_cfg.global_batch_size
     ramp = train_cfg.get("batch_ramp")
     if ramp is None or ramp.get("start") is None:
-        if ramp is not None and ramp.get("increment") is not None:
-            raise ValueError(f"train.batch_ramp.increment={ramp.increment!r} is set but train.batch_ramp.start is null "
-                             "(no ramp); set start too, or leave increment null")
+        for key in ("increment", "tokens"):
+            if ramp is not None and ramp.get(key) is not None:
+                raise ValueError(f"train.batch_ramp.{key}={ramp[key]!r} is set but train.batch_ramp.start is null (no "
+                                 f"ramp); set start too, or leave {key} null")
         return BatchRamp(full, full, 1, full, seq_len)
     unit = ramp.get("unit", "sequences")
     if unit not in UNITS:
