@@ -61,6 +61,16 @@ def train(
     return proc
 
 
+def start(run_dir: Path, corpus: Path | None, *overrides: str, log: Path) -> subprocess.Popen:
+    """One-process `python -m train` as `train` runs it, in the background, writing its output to `log`, in
+    a session of its own: the session id is its pid, so a test can find and stop whatever it started."""
+    data = [f"data.paths=[{corpus}/*.txt]"] if corpus is not None else []
+    cmd = [*launcher("python", 1), f"hydra.run.dir={run_dir}", *TINY, *data, *overrides]
+    with open(log, "w") as out:
+        return subprocess.Popen(cmd, cwd=REPO, env=_clean_env({}), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
 def generate(
     checkpoint: Path, *overrides: str, kind: str = "python", nproc: int = 1, check: bool = True
 ) -> subprocess.CompletedProcess:

@@ -66,7 +66,7 @@ def probe(model: dict, tp: int, pp: int, zero_stages: list[int], global_batch: i
     from parallel.comm import record_comm
     from parallel.topology import Topology
     from train import engine as engines
-    from train.optimizer import make_lr_scheduler, make_optimizer, make_schedule
+    from train.optimizer import TokenLR, make_optimizer, make_schedule
 
     engines.init_distributed(torch.device("cpu"))
     topology = Topology.create(tp, pp)
@@ -86,7 +86,7 @@ def probe(model: dict, tp: int, pp: int, zero_stages: list[int], global_batch: i
         pipelined = pp > 1
         mpu = model_obj.mpu() if pipelined else topology.mpu
         optimizer = make_optimizer(model_obj, cfg.optim, 1e-3, clip=stage == 0, mpu=mpu)
-        scheduler = make_lr_scheduler(optimizer, make_schedule(cfg.optim, "probe", 64, 10), 64)
+        scheduler = TokenLR(optimizer, make_schedule(cfg.optim, "probe", 64 * 10), 64)
         ds_config = engines.deepspeed_config(cfg, topology.dp_size, torch.device("cpu"))
         engine = engines.create_engine(model_obj, optimizer, scheduler, ds_config, mpu=None if pipelined else mpu)
         captured = {}

@@ -6,7 +6,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from train.optimizer import make_lr_scheduler, make_optimizer, make_schedule, param_groups, Schedule
+from train.optimizer import TokenLR, make_optimizer, make_schedule, param_groups, Schedule
 
 OPTIM = OmegaConf.create(
     {
@@ -17,7 +17,7 @@ OPTIM = OmegaConf.create(
 
 
 def test_schedule_at_warmup_end_mid_decay_and_floor():
-    s = make_schedule(OPTIM, "gpt3-125m", tokens_per_step=100, max_steps=1000)
+    s = make_schedule(OPTIM, "gpt3-125m", run_tokens=100 * 1000)
     peak = 6.0e-4  # the paper's 125M learning rate
     assert s.lr_at(0) == 0.0
     assert s.lr_at(500) == pytest.approx(peak / 2)
@@ -32,29 +32,35 @@ def test_schedule_at_warmup_end_mid_decay_and_floor():
 
 def test_short_runs_cap_warmup_at_a_tenth_and_decay_over_the_run():
     cfg = OmegaConf.merge(OPTIM, {"warmup_tokens": 375_000_000, "decay_tokens": None, "lr": 1e-3})
-    s = make_schedule(cfg, "toy", tokens_per_step=1024, max_steps=200)
+    s = make_schedule(cfg, "toy", run_tokens=1024 * 200)
     assert s.warmup_tokens == 1024 * 20 and s.decay_tokens == 1024 * 200 and s.peak_lr == 1e-3
 
 
 def test_explicit_lr_overrides_the_paper_and_unknown_names_need_one():
-    assert make_schedule(OmegaConf.merge(OPTIM, {"lr": 3e-4}), "gpt3-175b", 10, 10_000).peak_lr == 3e-4
+    assert make_schedule(OmegaConf.merge(OPTIM, {"lr": 3e-4}), "gpt3-175b", 100_000).peak_lr == 3e-4
     with pytest.raises(ValueError, match="optim.lr is null and model.name='mine'"):
-        make_schedule(OPTIM, "mine", 10, 10_000)
+        make_schedule(OPTIM, "mine", 100_000)
 
 
-def test_lr_scheduler_steps_follow_tokens():
+def test_token_lr_follows_the_tokens_it_is_told_and_resumes_from_its_state():
     model = torch.nn.Linear(4, 4)
     s = Schedule(peak_lr=1.0, warmup_tokens=400, decay_tokens=2000, min_lr_ratio=0.1)
     opt = make_optimizer(model, OPTIM, s.peak_lr)
-    sched = make_lr_scheduler(opt, s, tokens_per_step=100)
-    seen = []
-    for _ in range(25):
+    sched = TokenLR(opt, s, first_step_tokens=100)
+    assert [g["lr"] for g in opt.param_groups] == [0.25, 0.25]  # 100 of 400 warmup tokens
+    seen, tokens = [], 0
+    for batch in (100, 100, 200, 300, 300, 1000):  # tokens per step, growing as under a batch ramp
+        tokens += batch
+        sched.set_tokens(tokens)  # the tokens seen once this step is done
         seen.append(opt.param_groups[0]["lr"])
         opt.step()
-        sched.step()
-    # step s runs at the rate for (s + 1)·100 tokens
-    assert seen[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
-    assert seen[24] == pytest.approx(0.1)
+        sched.step()  # DeepSpeed's call after the update moves nothing
+        assert opt.param_groups[1]["lr"] == seen[-1]
+    cosine = lambda t: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (t - 400) / 1600))
+    assert seen == pytest.approx([0.25, 0.5, 1.0, cosine(700), cosine(1000), 0.1])
+    fresh = TokenLR(make_optimizer(torch.nn.Linear(4, 4), OPTIM, 1.0), s, first_step_tokens=100)
+    fresh.load_state_dict(sched.state_dict())
+    assert fresh.get_last_lr() == sched.get_last_lr() == [0.1, 0.1] and sched.state_dict() == {"tokens": 2000}
 
 
 def test_weight_decay_only_on_matrices_and_adam_settings():

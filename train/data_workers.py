@@ -10,7 +10,8 @@ some of the rank's lanes and keeping up to ``prefetch`` chunks of each ready ahe
 has taken. A worker packs next the lane whose next chunk is needed soonest (estimated from the
 mixture weights); it never runs more than ``prefetch`` ahead on any lane, and a lane the consumer waits
 for always has room, so it cannot deadlock. A worker's error reaches the consumer as the same
-`DataError` message; a worker that dies is reported with its exit code.
+`DataError` message; a worker that dies is reported with its exit code. A worker whose rank is gone
+(killed, with no chance to stop it) stops by itself.
 """
 
 from __future__ import annotations
@@ -108,7 +109,8 @@ class WorkerPool:
 
 
 def _work(spec: DataSpec, lanes: dict, slot: dict, seq_len: int, seed: int, warn: bool, out, taken, wake, stop) -> None:
-    """A worker's loop: pack the most urgent of its lanes that is fewer than `prefetch` chunks ahead.
+    """A worker's loop: pack the most urgent of its lanes that is fewer than `prefetch` chunks ahead, until
+    told to stop or its rank has exited.
 
     Stop signals (a terminal's Ctrl-C, a scheduler's SIGTERM / SIGUSR1 to every process of the job)
     are for the training process, which finishes its step and then stops the workers itself."""
@@ -118,7 +120,8 @@ def _work(spec: DataSpec, lanes: dict, slot: dict, seq_len: int, seed: int, warn
         warned: set = set()
         packers = {lane: LanePacker(spec, lane, seq_len, seed, state, warn, warned) for lane, state in lanes.items()}
         weight = {lane: spec.weights[lane[0]] for lane in lanes}
-        while not stop.is_set():
+        rank = mp.parent_process()
+        while not stop.is_set() and rank.is_alive():
             wake.clear()  # before looking: a chunk taken after this sets it again, so no wake-up is lost
             ahead = [lane for lane, p in packers.items() if p.index - taken[slot[lane]] < spec.prefetch]
             if not ahead:
@@ -127,6 +130,7 @@ def _work(spec: DataSpec, lanes: dict, slot: dict, seq_len: int, seed: int, warn
             # the stream position where the lane's next chunk starts to be needed, about
             lane = min(ahead, key=lambda lane: (packers[lane].index / weight[lane], lane))
             out.put((lane, packers[lane].next_chunk()))
+        out.cancel_join_thread()  # stopped: nobody reads the chunks still queued, so exit without flushing them
     except DataError as e:
         out.put(("error", str(e)))
     except BaseException as e:  # anything else: the consumer re-raises it with the worker's traceback

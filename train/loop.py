@@ -1,8 +1,10 @@
 """What one run does: build, resume, then step, log, evaluate and checkpoint until max_steps, finish.
 
-One optimizer step = one global batch of `train.global_batch_size` windows. This rank takes its
-data-parallel slice (global / dp windows) and runs it as micro batches of
-`train.micro_batch_size` (train/step.py); DeepSpeed accumulates and steps at the boundary.
+One optimizer step = one global batch of `train.global_batch_size` windows, or, under a batch-size
+ramp (`train.batch_ramp`, train/batch_ramp.py), of the ramp's size at the tokens seen so far. This
+rank takes its data-parallel slice (global / dp windows) and runs it as micro batches of
+`train.micro_batch_size` (train/step.py); DeepSpeed accumulates and steps at the boundary. The
+learning rate follows the tokens seen (train/optimizer.py: TokenLR).
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ import torch
 from omegaconf import OmegaConf
 
 from model import GPT, GPTConfig, count_parameters
-from train import checkpoint, data, engine as engines, metrics, resume_checks
-from train.optimizer import make_lr_scheduler, make_optimizer
+from train import batch_ramp, checkpoint, data, engine as engines, metrics, resume_checks
+from train.optimizer import TokenLR, make_optimizer
 from train.safeguards import Safeguards
 from train.step import TrainStep
 
@@ -51,7 +53,8 @@ class Trainer:
     step: TrainStep
     batches: data.TrainBatches
     val_batches: list[torch.Tensor]
-    tokens_per_step: int
+    ramp: batch_ramp.BatchRamp  # global batch size (sequences) by tokens seen
+    lr: TokenLR  # the learning rate by tokens seen
     plan: object | None  # the planner's prediction for this run (train/plan.py), on CUDA
     schedule: resume_checks.RunSchedule  # the LR schedule, and what checkpoints record of it
 
@@ -84,9 +87,10 @@ def loop(trainer: Trainer, progress: Progress, logger: metrics.MetricsLogger, me
     cfg, last = trainer.cfg, trainer.cfg.train.max_steps
     while progress.step < last:
         guard.step_begins(progress.step + 1)
-        result = trainer.step(next(trainer.batches))
-        progress.advance(trainer.tokens_per_step)
-        meter.add(result.loss, result.skipped)
+        windows, size = next_batch(trainer, progress)
+        result = trainer.step(windows)
+        progress.advance(size * trainer.model_cfg.seq_len)
+        meter.add(result.loss, size, result.skipped)
         guard.after_step(progress.step, result)  # a skipped step: say so
         if _due(progress.step, cfg.logging.log_interval, last):
             record = meter.take(progress, result, guard.skips.total)
@@ -94,7 +98,7 @@ def loop(trainer: Trainer, progress: Progress, logger: metrics.MetricsLogger, me
                 guard.phase(f"evaluation after step {progress.step}")
                 record["val/loss"] = evaluate(trainer)
             logger.log(record)
-            _say(trainer, _progress_line(record, last, meter.seconds_per_step))
+            _say(trainer, _progress_line(record, last, meter.eta_s))
             meter.restart()
         guard.check_skips(progress.step, trainer.device)  # too many skipped in a row: NonFiniteError
         saved = None
@@ -118,7 +122,7 @@ def build(cfg, run_dir: Path) -> Trainer:
     engines.init_distributed(device, cfg.train.collective_timeout_s)
     topology = Topology.create(cfg.parallel.tp, cfg.parallel.pp)
     model_cfg = GPTConfig.from_dict(OmegaConf.to_container(cfg.model))
-    tokens_per_step = cfg.train.global_batch_size * model_cfg.seq_len
+    ramp = batch_ramp.from_config(cfg.train, model_cfg.seq_len)
 
     torch.manual_seed(cfg.train.seed)
     options = BuildOptions(cfg.parallel.sequence_parallel, cfg.parallel.activation_checkpointing)
@@ -131,13 +135,15 @@ def build(cfg, run_dir: Path) -> Trainer:
     pipelined = topology.pp_size > 1
     # A PipelineModule brings its own grid (same topology) and DeepSpeed then wants no mpu of ours.
     mpu = model.mpu() if pipelined else topology.mpu
-    run_schedule = resume_checks.schedule_for_run(cfg, model_cfg.name, tokens_per_step, run_dir)  # a resume keeps its own
+    # the schedule of a run of ramp.tokens_after(max_steps) tokens; a resume keeps its checkpoint's
+    run_schedule = resume_checks.schedule_for_run(cfg, model_cfg.name, ramp.tokens_after(cfg.train.max_steps), run_dir)
     schedule = run_schedule.schedule
     optimizer = make_optimizer(model, cfg.optim, schedule.peak_lr, clip=cfg.parallel.zero_stage == 0, mpu=mpu)
+    lr = TokenLR(optimizer, schedule, ramp.size_at(0) * model_cfg.seq_len)
     engine = engines.create_engine(
         model,
         optimizer,
-        make_lr_scheduler(optimizer, schedule, tokens_per_step),
+        lr,
         engines.deepspeed_config(cfg, topology.dp_size, device),
         mpu=None if pipelined else mpu,
     )
@@ -150,15 +156,23 @@ def build(cfg, run_dir: Path) -> Trainer:
         val_batches = data.validation_batches(cfg.data, model_cfg.seq_len, train.global_batch_size, train.eval_batches, *dp)
     step = TrainStep(engine, train.micro_batch_size, device)
     plan = _plan(cfg, run_dir, topology.rank) if device.type == "cuda" else None
-    trainer = Trainer(cfg, run_dir, device, topology, model_cfg, engine, step, batches, val_batches, tokens_per_step,
-                      plan, run_schedule)
+    trainer = Trainer(cfg, run_dir, device, topology, model_cfg, engine, step, batches, val_batches, ramp, lr, plan,
+                      run_schedule)
     _say(
         trainer,
         f"model {model_cfg.name}: {count_parameters(_full_shapes(model_cfg)) / 1e6:.2f}M parameters | "
         f"{topology.world_size} process(es) on {device} (tp={topology.tp_size} pp={topology.pp_size} "
-        f"dp={topology.dp_size} zero={cfg.parallel.zero_stage}) | {tokens_per_step} tokens/step | run dir {run_dir}",
+        f"dp={topology.dp_size} zero={cfg.parallel.zero_stage}) | {_batch_line(ramp)} | run dir {run_dir}",
     )
     return trainer
+
+
+def _batch_line(ramp: batch_ramp.BatchRamp) -> str:
+    tokens = ramp.full * ramp.seq_len
+    if not ramp.enabled:
+        return f"{tokens} tokens/step"
+    return (f"batch ramp {ramp.start} → {ramp.full} sequences by {ramp.increment} over {ramp.ramp_tokens:,} tokens, "
+            f"then {tokens} tokens/step")
 
 
 def resume(trainer: Trainer) -> tuple[Progress, bool]:
@@ -167,9 +181,7 @@ def resume(trainer: Trainer) -> tuple[Progress, bool]:
     path = checkpoint.find_resume_path(trainer.cfg.train.resume, trainer.run_dir)
     if path is None:
         return Progress(), False
-    state = checkpoint.load(trainer.engine, trainer.topology, trainer.model_cfg, path)
-    if trainer.schedule.restart:  # train.reset_schedule=true with changed settings
-        resume_checks.follow_new_schedule(trainer.engine.lr_scheduler, trainer.schedule.schedule.peak_lr)
+    state = checkpoint.load(trainer.engine, trainer.topology, trainer.model_cfg, path)  # TokenLR: its tokens
     trainer.batches.load_state_dict(state["data"])
     trainer.batches.start()  # background workers (data.workers) begin packing from the restored position
     saved, now = state["layout"], checkpoint.layout_of(trainer.engine, trainer.topology)
@@ -181,6 +193,15 @@ def resume(trainer: Trainer) -> tuple[Progress, bool]:
 def _layout_text(layout: dict) -> str:
     offload = " offload" if layout["offload_optimizer"] else ""
     return f"tp={layout['tp']} pp={layout['pp']} dp={layout['dp']} zero={layout['zero_stage']}{offload}"
+
+
+def next_batch(trainer: Trainer, progress: Progress) -> tuple[torch.Tensor, int]:
+    """This rank's windows of the next global batch and that batch's size in sequences: the ramp's
+    size at the tokens consumed so far (train.batch_ramp; else train.global_batch_size). The learning
+    rate is set for the tokens trained on once this batch is (TokenLR.next_step)."""
+    size = trainer.ramp.size_at(progress.tokens)
+    trainer.lr.next_step(size * trainer.model_cfg.seq_len)
+    return trainer.batches.next_batch(size), size
 
 
 def open_logger(trainer: Trainer, resumed_step: int | None) -> metrics.MetricsLogger:
@@ -239,26 +260,31 @@ class Meter:
 
     def __init__(self, trainer: Trainer):
         self.device, self.world = trainer.device, trainer.topology.world_size
-        self.tokens_per_step = trainer.tokens_per_step
         cfg = trainer.model_cfg
+        self.seq_len = cfg.seq_len
         self.flops_per_token = metrics.flops_per_token(
             count_parameters(_full_shapes(cfg), exclude_positions=True), cfg.n_layer, cfg.d_model, cfg.seq_len
         )
         self.peak = metrics.peak_tflops(trainer.device, trainer.cfg.logging.peak_tflops)
         self.batches, self.plan = trainer.batches, trainer.plan
-        self.seconds_per_step = math.nan
+        self.run_tokens = trainer.ramp.tokens_after(trainer.cfg.train.max_steps)
+        self.eta_s = math.nan  # seconds until max_steps at the last record's speed
         self.restart()
 
     def restart(self) -> None:
         self.loss_sum, self.steps, self.applied = torch.zeros((), dtype=torch.float64, device=self.device), 0, 0
+        self.tokens, self.batch_size = 0, None
         self.clock = time.perf_counter()
 
-    def add(self, loss: torch.Tensor, skipped: bool = False) -> None:
-        """One step; a skipped step's (non-finite) loss stays out of the mean, its time stays in."""
+    def add(self, loss: torch.Tensor, batch_size: int, skipped: bool = False) -> None:
+        """One step and its global batch (sequences); a skipped step's (non-finite) loss stays out of
+        the mean, its time and tokens stay in."""
         if not skipped:
             self.loss_sum += loss
             self.applied += 1
         self.steps += 1
+        self.tokens += batch_size * self.seq_len
+        self.batch_size = batch_size
 
     def _shares(self) -> dict:
         """The realised share of each source of a mixture (data=mixture), as data/share/<label>."""
@@ -275,8 +301,8 @@ class Meter:
         """The metrics record of the steps since the last one (mean loss over the applied steps and the
         ranks; None when every step since was skipped) and the run's skipped steps so far."""
         elapsed = time.perf_counter() - self.clock
-        self.seconds_per_step = elapsed / self.steps
-        tokens_per_s = self.steps * self.tokens_per_step / elapsed
+        tokens_per_s = self.tokens / elapsed
+        self.eta_s = (self.run_tokens - progress.tokens) / tokens_per_s
         loss_sum = _mean_over_ranks(self.loss_sum)  # a collective: every rank takes part, skips or not
         finite = result.grad_norm is not None and math.isfinite(result.grad_norm)
         return {
@@ -286,6 +312,7 @@ class Meter:
             "train/lr": result.lr,
             "train/grad_norm": result.grad_norm if finite else None,
             "train/skipped_steps": skipped_steps,
+            "train/batch_size": self.batch_size,  # sequences in the last step's global batch
             "perf/tokens_per_s": tokens_per_s,
             "perf/tflops": tokens_per_s * self.flops_per_token / self.world / 1e12,
             "perf/mfu": metrics.mfu(tokens_per_s, self.flops_per_token, self.peak, self.world),
@@ -340,8 +367,7 @@ def _max_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # kB → GiB
 
 
-def _progress_line(record: dict, max_steps: int, seconds_per_step: float) -> str:
-    eta = (max_steps - record["step"]) * seconds_per_step
+def _progress_line(record: dict, max_steps: int, eta: float) -> str:
     loss = record["train/loss"]
     parts = [
         f"step {record['step']:>{len(str(max_steps))}}/{max_steps}",

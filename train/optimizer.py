@@ -60,11 +60,11 @@ def resolve_peak_lr(optim_cfg, model_name: str) -> float:
     return PAPER_PEAK_LR[model_name]
 
 
-def make_schedule(optim_cfg, model_name: str, tokens_per_step: int, max_steps: int) -> Schedule:
-    """The run's schedule; warmup is capped at 10% of the run so short runs still decay."""
-    total_tokens = tokens_per_step * max_steps
-    decay = int(optim_cfg.decay_tokens) if optim_cfg.decay_tokens is not None else total_tokens
-    warmup = min(int(optim_cfg.warmup_tokens), max(total_tokens // 10, 1))
+def make_schedule(optim_cfg, model_name: str, run_tokens: int) -> Schedule:
+    """The schedule of a run of `run_tokens` tokens (with a batch ramp, BatchRamp.tokens_after(max_steps));
+    warmup is capped at 10% of the run so short runs still decay."""
+    decay = int(optim_cfg.decay_tokens) if optim_cfg.decay_tokens is not None else run_tokens
+    warmup = min(int(optim_cfg.warmup_tokens), max(run_tokens // 10, 1))
     if decay <= warmup:
         raise ValueError(
             f"optim.decay_tokens={decay} must exceed the warmup ({warmup} tokens); "
@@ -152,12 +152,46 @@ def make_optimizer(model: nn.Module, optim_cfg, peak_lr: float, clip: bool = Tru
     )
 
 
-def make_lr_scheduler(optimizer: torch.optim.Optimizer, schedule: Schedule, tokens_per_step: int):
-    """A LambdaLR stepping once per optimizer step.
+class TokenLR:
+    """The learning rate as a function of tokens trained on, for DeepSpeed's `lr_scheduler` slot.
 
-    Optimizer step s (0-based) uses η at the tokens seen once it is done, (s + 1)·tokens_per_step,
-    so the first step already has a non-zero rate.
+    τ counts the tokens of the updates applied so far. Before each optimizer step the loop calls
+    `next_step(b)` with the step's batch in tokens, and every parameter group gets η(τ + b), the rate
+    at the tokens trained on once the step is done; so the first step already has a non-zero rate, and
+    with a constant batch of b tokens step s (0-based) runs at η((s + 1)·b). DeepSpeed calls `step()`
+    after an applied update only (not after one it skipped, train/faults.py), which adds b to τ: a
+    skipped step leaves the schedule where it was. The rate follows the tokens trained on also when the
+    batch grows (train/batch_ramp.py) and after a resume (the checkpoint restores τ). Its state (τ) is
+    plain data. `set_tokens(τ)` sets τ itself, with the rate η(τ).
     """
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: schedule.lr_at((step + 1) * tokens_per_step) / schedule.peak_lr
-    )
+
+    def __init__(self, optimizer: torch.optim.Optimizer, schedule: Schedule, first_step_tokens: int):
+        self.optimizer, self.schedule = optimizer, schedule
+        self.set_tokens(0)
+        self.next_step(first_step_tokens)
+
+    def next_step(self, batch_tokens: int) -> None:
+        self._pending = int(batch_tokens)
+        self._apply(self.tokens + self._pending)
+
+    def set_tokens(self, tokens: int) -> None:
+        self.tokens, self._pending = int(tokens), 0
+        self._apply(self.tokens)
+
+    def _apply(self, tokens: int) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.schedule.lr_at(tokens)
+
+    def step(self) -> None:
+        """DeepSpeed's call after an applied update: its tokens now count as trained on."""
+        self.tokens += self._pending
+        self._pending = 0
+
+    def get_last_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def state_dict(self) -> dict:
+        return {"tokens": self.tokens}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.set_tokens(state["tokens"])

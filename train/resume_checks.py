@@ -33,7 +33,6 @@ SCHEDULE_KEYS = ("train.max_steps", "train.global_batch_size", "optim.lr", "opti
 class RunSchedule:
     schedule: Schedule  # the LR schedule this run follows
     state: dict  # what its checkpoints record: {"config": {key: value}, "resolved": Schedule's fields}
-    restart: bool  # reset_schedule changed it: the resumed LR scheduler must follow the new one
 
 
 def saved_run_state(cfg, run_dir: Path) -> dict | None:
@@ -71,25 +70,15 @@ def check_resumed_config(saved: dict, cfg) -> str | None:
             f"Set train.reset_schedule=true to follow the new values instead")
 
 
-def schedule_for_run(cfg, model_name: str, tokens_per_step: int, run_dir: Path) -> RunSchedule:
+def schedule_for_run(cfg, model_name: str, run_tokens: int, run_dir: Path) -> RunSchedule:
     """The checkpoint's schedule when resuming one that records it (unless train.reset_schedule), else the
-    configured one."""
-    configured = make_schedule(cfg.optim, model_name, tokens_per_step, cfg.train.max_steps)
+    configured one for a run of `run_tokens` tokens. The LR follows the tokens trained on
+    (train/optimizer.py: TokenLR), which the checkpoint restores: a reset schedule applies at once from
+    the tokens reached."""
+    configured = make_schedule(cfg.optim, model_name, run_tokens)
     state = {"config": {key: OmegaConf.select(cfg, key) for key in SCHEDULE_KEYS},
              "resolved": dataclasses.asdict(configured)}
     saved = saved_run_state(cfg, run_dir)
-    if saved is None or saved["schedule"] is None:
-        return RunSchedule(configured, state, restart=False)
-    if cfg.train.reset_schedule:
-        return RunSchedule(configured, state, restart=state != saved["schedule"])
-    return RunSchedule(Schedule(**saved["schedule"]["resolved"]), saved["schedule"], restart=False)
-
-
-def follow_new_schedule(lr_scheduler, peak_lr: float) -> None:
-    """Point a just-loaded LambdaLR at this run's schedule: the checkpoint restored the old peak as
-    base_lrs and the old rate in the optimizer; take the new ones at the step count it restored."""
-    lr_scheduler.base_lrs = [peak_lr] * len(lr_scheduler.base_lrs)
-    rates = [base * fn(lr_scheduler.last_epoch) for base, fn in zip(lr_scheduler.base_lrs, lr_scheduler.lr_lambdas)]
-    for group, rate in zip(lr_scheduler.optimizer.param_groups, rates):
-        group["lr"] = rate
-    lr_scheduler._last_lr = rates
+    if saved is None or saved["schedule"] is None or cfg.train.reset_schedule:
+        return RunSchedule(configured, state)
+    return RunSchedule(Schedule(**saved["schedule"]["resolved"]), saved["schedule"])

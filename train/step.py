@@ -8,6 +8,12 @@ into micro batches of `micro_batch_size` (inputs = window[:, :-1], targets = win
                              accumulates and updates at the last one
   PipelineEngine  (pp > 1)   train_batch over all micro batches (1F1B schedule, one update)
 
+The number of micro batches may change from step to step (a batch-size ramp, train/batch_ramp.py):
+the engine's gradient accumulation follows it (`set_train_batch_size`: DeepSpeed divides each micro
+batch's loss by its accumulation steps, and the pipeline runs that many micro batches), and the
+last micro batch is marked as the accumulation boundary, since DeepSpeed's own boundary counts
+micro batches since the start of the run.
+
 Both return the mean loss over the micro batches, on the device (no host sync), the pre-clip
 global gradient norm, the learning rate the update used and whether the update was skipped. Every
 loss goes through `faults.flag_non_finite` before backward, so a non-finite loss on any rank makes
@@ -47,20 +53,29 @@ class TrainStep:
         """One optimizer step on this rank's windows (n, T + 1) of the global batch."""
         engine = self.engine
         micro_batches = micro_batch_split(windows.to(self.device), self.micro_batch_size)
+        self._accumulate(len(micro_batches))
         engine.train()
-        lr = engine.get_lr()[0]  # the rate this step uses; DeepSpeed advances the schedule in step()
+        lr = engine.get_lr()[0]  # the rate this step uses (train/optimizer.py: TokenLR)
         skipped_before = engine.skipped_steps
         if self.pipelined:
             loss = engine.train_batch(data_iter=iter(micro_batches))  # 1F1B over all micro batches
         else:
             loss = 0.0
-            for inputs, targets in micro_batches:
+            for k, (inputs, targets) in enumerate(micro_batches):
+                engine.set_gradient_accumulation_boundary(k == len(micro_batches) - 1)
                 micro_loss = engine(inputs, targets)
                 engine.backward(flag_non_finite(micro_loss))
                 engine.step()
                 loss += micro_loss.detach().float() / len(micro_batches)
         grad_norm = engine.get_global_grad_norm()
         return StepResult(loss, None if grad_norm is None else float(grad_norm), lr, engine.skipped_steps > skipped_before)
+
+    def _accumulate(self, micro_batches: int) -> None:
+        """Make the engine accumulate `micro_batches` micro batches per update (the global batch is
+        micro_batches × micro_batch_size × dp sequences)."""
+        engine = self.engine
+        if engine.gradient_accumulation_steps() != micro_batches:
+            engine.set_train_batch_size(micro_batches * self.micro_batch_size * engine.dp_world_size)
 
     @torch.no_grad()
     def evaluate(self, val_batches: list[torch.Tensor]) -> list[float]:

@@ -6,6 +6,7 @@ value costs a second, names itself and says what would be valid.
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -39,8 +40,9 @@ def check(cfg, run_dir: Path) -> GPTConfig:
     _check_resume(cfg, run_dir)  # may set train.global_batch_size back to the checkpoint's
     dp = _check_parallel(cfg, model_cfg)
     _check_batches(cfg, dp)
-    _check_optim(cfg, model_cfg)
-    _check_data(cfg, dp)
+    streams = _check_data(cfg, dp)
+    ramp = check_batch_ramp(cfg, model_cfg, dp, streams)
+    _check_optim(cfg, model_cfg, ramp)
     return model_cfg
 
 
@@ -58,16 +60,48 @@ def _check_resume(cfg, run_dir: Path) -> None:
         print(f"gpt3d: note: {note}", flush=True)
 
 
-def _check_data(cfg, dp: int) -> None:
+def _check_data(cfg, dp: int) -> int:
     """The data config, the batch geometry over streams and ranks, and a cheap probe of the corpus (it must
-    hold training documents for every stream, and validation ones when validation is on)."""
+    hold training documents for every stream, and validation ones when validation is on); returns data.streams."""
     from train import data
 
     validation = cfg.train.eval_interval > 0 and cfg.train.eval_batches > 0
     try:
-        data.check_data(cfg.data, dp_size=dp, global_batch=cfg.train.global_batch_size, validation=validation)
+        spec = data.check_data(cfg.data, dp_size=dp, global_batch=cfg.train.global_batch_size, validation=validation)
+        return spec.streams
     except ValueError as err:
         raise ConfigError(str(err)) from None
+
+
+def check_batch_ramp(cfg, model_cfg: GPTConfig, dp: int, streams: int):
+    """train.batch_ramp: valid on its own (train/batch_ramp.py), and every batch it takes splits into
+    whole micro batches on every data-parallel rank and takes the same number of windows from every
+    stream, i.e. start and increment are multiples of lcm(data.streams, micro batch × dp). Returns the
+    BatchRamp."""
+    from train.batch_ramp import from_config
+
+    try:
+        ramp = from_config(cfg.train, model_cfg.seq_len)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    micro = cfg.train.micro_batch_size
+    unit = math.lcm(streams, micro * dp)
+    for key, n in (("start", ramp.start), ("increment", ramp.increment)):
+        if not ramp.enabled or n % unit == 0:
+            continue
+        per, name = (model_cfg.seq_len, "tokens") if cfg.train.batch_ramp.unit == "tokens" else (1, "sequences")
+        if key == "start":  # a start from which the increment (the start itself, if null) reaches the full batch
+            step = cfg.train.batch_ramp.increment is not None and ramp.increment
+            fits = [k for k in range(unit, ramp.full, unit) if (ramp.full - k) % (step or k) == 0]
+        else:
+            fits = [k for k in range(unit, ramp.full - ramp.start + 1, unit) if (ramp.full - ramp.start) % k == 0]
+        raise ConfigError(
+            f"train.batch_ramp.{key}={n * per} {name} ({n} sequences) is not a multiple of {unit} sequences, the least "
+            f"common multiple of data.streams={streams} and train.micro_batch_size={micro} × data-parallel size {dp}: "
+            f"each batch of the ramp takes the same number of windows from every stream and splits into whole micro "
+            f"batches on every rank; {key} values that fit: {[k * per for k in fits[:6]] or 'none'} {name}"
+        )
+    return ramp
 
 
 def check_generation(cfg) -> tuple[GPTConfig, Path]:
@@ -258,7 +292,7 @@ def _check_seed_and_device(cfg) -> None:
         raise ConfigError(str(err)) from None
 
 
-def _check_optim(cfg, model_cfg: GPTConfig) -> None:
+def _check_optim(cfg, model_cfg: GPTConfig, ramp) -> None:
     """AdamW's values in range, and a schedule that can be built for this run."""
     optim = cfg.optim
     checks = [
@@ -277,7 +311,7 @@ def _check_optim(cfg, model_cfg: GPTConfig) -> None:
     from train.optimizer import make_schedule
 
     try:
-        make_schedule(optim, model_cfg.name, cfg.train.global_batch_size * model_cfg.seq_len, cfg.train.max_steps)
+        make_schedule(optim, model_cfg.name, ramp.tokens_after(cfg.train.max_steps))
     except ValueError as err:
         raise ConfigError(str(err)) from None
 
