@@ -61,13 +61,13 @@ def train(
     return proc
 
 
-def start(run_dir: Path, corpus: Path | None, *overrides: str, log: Path) -> subprocess.Popen:
+def start_train(run_dir: Path, corpus: Path | None, *overrides: str, log: Path) -> subprocess.Popen:
     """One-process `python -m train` as `train` runs it, in the background, writing its output to `log`, in
     a session of its own: the session id is its pid, so a test can find and stop whatever it started."""
     data = [f"data.paths=[{corpus}/*.txt]"] if corpus is not None else []
     cmd = [*launcher("python", 1), f"hydra.run.dir={run_dir}", *TINY, *data, *overrides]
     with open(log, "w") as out:
-        return subprocess.Popen(cmd, cwd=REPO, env=_clean_env({}), stdout=out, stderr=subprocess.STDOUT,
+        return subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
 
 

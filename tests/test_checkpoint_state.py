@@ -65,9 +65,21 @@ def save_worker(corpus: str, run_dir: str) -> dict:
     progress = loop.Progress()
     for _ in range(2):
         trainer.step(windows)
-        progress.advance(trainer.tokens_per_step)
-    loop.save_checkpoint(trainer, progress)
+        progress.advance(trainer.ramp.size_at(progress.tokens) * trainer.model_cfg.seq_len)
+    save_checkpoint(trainer, progress)
     return whole_state(trainer)
+
+
+def save_checkpoint(trainer, progress) -> None:
+    """The loop's save, with the loop's safeguards around it (they refuse non-finite weights)."""
+    from train import loop
+    from train.safeguards import Safeguards
+
+    guard = Safeguards(trainer.cfg, trainer.run_dir, trainer.engine, trainer.topology.rank, print)
+    try:
+        loop.save_checkpoint(trainer, progress, guard)
+    finally:
+        guard.close()
 
 
 def resume_worker(corpus: str, run_dir: str, layout: list[str]) -> dict:

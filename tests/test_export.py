@@ -86,11 +86,11 @@ def test_transformers_greedy_generation_and_tokenizer_equal_gpt3d(trained):
 
 
 def import_worker(corpus: str, run_dir: str, hf_dir: str) -> None:
-    from test_checkpoint_state import compose
+    from test_checkpoint_state import compose, save_checkpoint
     from train import loop
 
     trainer = loop.build(compose(corpus, ["parallel.tp=2", f"train.init_from={hf_dir}"]), run_dir)
-    loop.save_checkpoint(trainer, loop.Progress())  # the imported weights, untrained
+    save_checkpoint(trainer, loop.Progress())  # the imported weights, untrained
 
 
 def test_import_then_export_is_bit_for_bit(trained, corpus, tmp_path):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from cli import metrics, start, train
+from cli import metrics, start_train, train
 from test_layouts import STEPS, assert_same_losses, corpus, one_process  # noqa: F401 (fixtures: the same runs)
 
 SEQ = 32  # TINY's model.seq_len
@@ -157,7 +157,7 @@ def test_killed_run_with_workers_a_mixture_and_the_ramp_resumes_bit_for_bit(tmp_
     common = [*STEPS, *mixture(corpus), *RAMP, "data.workers=2"]  # 2 sources × 2 streams: 2 lanes a worker
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     train(straight, None, *common, "train.max_steps=8")
-    proc = start(killed, None, *common, "train.max_steps=100000", "train.checkpoint_interval=2", log=tmp_path / "log")
+    proc = start_train(killed, None, *common, "train.max_steps=100000", "train.checkpoint_interval=2", log=tmp_path / "log")
     try:
         latest, deadline = killed / "checkpoints" / "latest", time.monotonic() + 300
         while not latest.is_file() and proc.poll() is None and time.monotonic() < deadline:
@@ -177,7 +177,7 @@ def test_killed_run_with_workers_a_mixture_and_the_ramp_resumes_bit_for_bit(tmp_
     resumed_from = int(latest.read_text().strip().removeprefix("step"))
     assert 2 <= resumed_from < 8
     out = train(killed, None, *common, "train.max_steps=8")
-    assert f"resumed from {killed / 'checkpoints'} at step {resumed_from}" in out.stdout
+    assert f"resumed from {killed / 'checkpoints' / f'step{resumed_from:08d}'} at step {resumed_from}" in out.stdout
     keys = ["step", "tokens", "train/loss", "train/grad_norm", "train/lr", "train/batch_size", "data/share/logging",
             "data/share/rest"]
     expected = [[r[k] for k in keys] for r in metrics(straight)]

@@ -104,7 +104,7 @@ def test_sigterm_to_one_rank_of_two_stops_both_after_the_step_and_resumes(tmp_pa
     # the same command again: resumes from that checkpoint and finishes, every step logged once
     proc = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"resumed from {run_dir / 'checkpoints'} at step {step}" in proc.stdout
+    assert f"resumed from {run_dir / 'checkpoints' / f'step{step:08d}'} at step {step}" in proc.stdout
     assert [r["step"] for r in metrics(run_dir)] == list(range(1, STEPS + 1))
     assert not (run_dir / "preempted.json").exists()
 

@@ -45,11 +45,13 @@ def main(cfg: DictConfig) -> None:
 
     from train.checkpoint import CheckpointError
     from train.data_sources import DataError
+    from train.engine import shutdown_distributed
     from train.faults import NonFiniteError
     from train.loop import run
 
     try:
         run(cfg, run_dir)
+        shutdown_distributed()
     # a bad record met mid-run with data.on_bad_record=error, a dead data worker; no usable checkpoint to resume
     except (DataError, CheckpointError) as err:
         print(f"gpt3d: error: {err}", file=sys.stderr)

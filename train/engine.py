@@ -59,6 +59,17 @@ def init_distributed(device: torch.device, timeout_s: float = 1800.0) -> None:
     deepspeed.init_distributed(verbose=False, timeout=timedelta(seconds=timeout_s))
 
 
+def shutdown_distributed() -> None:
+    """End a finished run's process group on every rank together: a barrier, then the group's
+    teardown, so no rank exits while a peer's communication threads still talk to it (left to the
+    interpreter's exit, gloo pipelines now and then aborted one rank after a run had finished)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def _default_group_timeout(timeout: timedelta) -> None:
     """The timeout of the groups made later (tp, pp, dp: DeepSpeed's and ours), which torch's
     new_group takes from these module defaults, not from the world group: set once, at start."""
