@@ -88,6 +88,17 @@ def test_a_changed_schedule_is_kept_from_the_checkpoint_and_said(two_steps, tmp_
         assert r["train/lr"] == pytest.approx(gpt3_lr(3e-3, 25, 2000, r["tokens"]), rel=1e-9)
 
 
+def test_a_batch_ramp_added_on_resume_is_kept_out_with_the_schedule(two_steps, tmp_path, corpus):
+    """The batch each step trains on is part of the kept schedule: a ramp set on resume does not apply."""
+    run_dir, proc = resumed(two_steps, tmp_path, corpus, "train.max_steps=4", "train.batch_ramp.start=2",
+                            "train.batch_ramp.tokens=256")
+    assert "train.batch_ramp.start None → 2, train.batch_ramp.tokens None → 256: keeping the checkpoint's schedule" \
+        in proc.stdout, proc.stdout
+    rows = metrics(run_dir)
+    assert [r["tokens"] for r in rows] == [128, 256, 384, 512]  # 4 sequences of 32 tokens, as before
+    assert [r["train/batch_size"] for r in rows[2:]] == [4, 4]
+
+
 def test_reset_schedule_follows_the_new_values(two_steps, tmp_path, corpus):
     run_dir, proc = resumed(two_steps, tmp_path, corpus, "train.max_steps=4", "optim.lr=1e-3",
                             "train.reset_schedule=true")

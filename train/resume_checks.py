@@ -6,8 +6,8 @@ configured SCHEDULE_KEYS and the LR schedule they resolved to (peak, warmup and 
 floor). On resume, before anything is built:
 
 - a schedule key that differs (a longer train.max_steps, another optim.lr, …) keeps the checkpoint's
-  schedule: its resolved LR schedule and its global batch size; train.max_steps still says where the
-  run stops. With train.reset_schedule=true the new values apply instead, evaluated at the step the
+  schedule: its resolved LR schedule and its batch (global batch size and batch ramp);
+  train.max_steps still says where the run stops. With train.reset_schedule=true the new values apply instead, evaluated at the step the
   run has reached, as if it had used them from the start. Either way one note says which.
 
 The schedule a run keeps is recorded again in its own checkpoints, so it stays the one the run
@@ -25,8 +25,11 @@ from omegaconf import OmegaConf
 from train import checkpoint
 from train.optimizer import Schedule, make_schedule
 
-SCHEDULE_KEYS = ("train.max_steps", "train.global_batch_size", "optim.lr", "optim.warmup_tokens",
-                 "optim.decay_tokens", "optim.min_lr_ratio")
+# What sets the batch each step trains on: a kept schedule keeps these as the checkpoint has them.
+BATCH_KEYS = ("train.global_batch_size", "train.batch_ramp.start", "train.batch_ramp.unit",
+              "train.batch_ramp.increment", "train.batch_ramp.tokens")
+SCHEDULE_KEYS = ("train.max_steps", *BATCH_KEYS, "optim.lr", "optim.warmup_tokens", "optim.decay_tokens",
+                 "optim.min_lr_ratio")
 
 
 @dataclass(frozen=True)
@@ -48,26 +51,37 @@ def saved_run_state(cfg, run_dir: Path) -> dict | None:
 
 def check_resumed_config(saved: dict, cfg) -> str | None:
     """Compare the configured schedule with the checkpoint's (see the module docstring; the model's
-    shape is checked by train.checkpoint.check_resume_model). Keeping the schedule sets
-    cfg.train.global_batch_size back to the checkpoint's. Returns the note to print, or None when
+    shape is checked by train.checkpoint.check_resume_model). Keeping the schedule sets the BATCH_KEYS
+    (the global batch and the batch ramp) back to the checkpoint's. Returns the note to print, or None when
     nothing changed.
     """
     if saved["schedule"] is None:
         return None
     before = saved["schedule"]["config"]
-    changed = {key: (before[key], OmegaConf.select(cfg, key)) for key in SCHEDULE_KEYS if before.get(key) != OmegaConf.select(cfg, key)}
+    # keys a checkpoint does not record (written before they existed) are not compared
+    changed = {key: (before[key], OmegaConf.select(cfg, key)) for key in SCHEDULE_KEYS
+               if key in before and before[key] != OmegaConf.select(cfg, key)}
     if not changed:
         return None
     listed = ", ".join(f"{key} {old!r} → {new!r}" for key, (old, new) in changed.items())
     if cfg.train.reset_schedule:
         return f"resume: {listed}: train.reset_schedule=true: the new schedule applies from the step reached"
-    if "train.global_batch_size" in changed:
-        cfg.train.global_batch_size = before["train.global_batch_size"]
+    for key in BATCH_KEYS:
+        if key in changed:
+            OmegaConf.update(cfg, key, before[key])
     kept = Schedule(**saved["schedule"]["resolved"])
     return (f"resume: {listed}: keeping the checkpoint's schedule (peak LR {kept.peak_lr:g}, warmup {kept.warmup_tokens:,} "
             f"tokens, cosine to {kept.min_lr_ratio:g}× by {kept.decay_tokens:,} tokens, global batch "
-            f"{before['train.global_batch_size']}); the run stops at train.max_steps={cfg.train.max_steps}. "
+            f"{before['train.global_batch_size']}{_ramp_text(before)}); the run stops at train.max_steps={cfg.train.max_steps}. "
             f"Set train.reset_schedule=true to follow the new values instead")
+
+
+def _ramp_text(config: dict) -> str:
+    start = config.get("train.batch_ramp.start")
+    if start is None:
+        return ""
+    return (f" reached by a ramp from {start} {config['train.batch_ramp.unit']} over "
+            f"{config['train.batch_ramp.tokens']:,} tokens")
 
 
 def schedule_for_run(cfg, model_name: str, run_tokens: int, run_dir: Path) -> RunSchedule:
