@@ -14,7 +14,6 @@ Rank 0 prints the text, and writes {prompt, tokens, text} as JSON to generate.ou
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from omegaconf import DictConfig
 
 from model import GPTConfig, generate
 from train.__main__ import CONFIG_DIR, _drop_launcher_arguments
+from train.metrics import write_atomically
 from train.tokenizer import EOT, gpt2
 
 @torch.no_grad()
@@ -74,15 +74,9 @@ def run(cfg, model_cfg: GPTConfig, folder: Path, weights: dict[str, torch.Tensor
     text, tokens = sample_text(part, model_cfg, topology, gen.prompt, gen.max_new_tokens, device, cfg.train.seed,
                                gen.temperature, gen.top_k)
     if topology.rank == 0 and gen.output is not None:
-        _write_json(Path(gen.output), {"checkpoint": str(folder), "prompt": gen.prompt, "tokens": tokens, "text": text})
+        record = {"checkpoint": str(folder), "prompt": gen.prompt, "tokens": tokens, "text": text}
+        write_atomically(Path(gen.output), json.dumps(record) + "\n")
     return text if topology.rank == 0 else ""
-
-
-def _write_json(path: Path, value: dict) -> None:
-    """Written to a temporary name, then renamed: never a half-written file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(value) + "\n")
-    os.replace(tmp, path)
 
 
 @hydra.main(version_base=None, config_path=CONFIG_DIR, config_name="generate")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import resource
 import time
 from dataclasses import dataclass
@@ -329,10 +328,7 @@ def _plan(cfg, run_dir: Path, rank: int):
 
     plan = plan_for_run(cfg)
     if rank == 0:
-        path = Path(run_dir) / "plan.json"
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(plan.to_json(), indent=2) + "\n")
-        os.replace(tmp, path)
+        metrics.write_atomically(Path(run_dir) / "plan.json", json.dumps(plan.to_json(), indent=2) + "\n")
     return plan
 
 

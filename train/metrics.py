@@ -111,8 +111,15 @@ class MetricsLogger:
 def _truncate_after(path: Path, step: int) -> None:
     """Keep the records of steps ≤ step (written to a temporary file, then renamed over the old one)."""
     kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
+    write_atomically(path, "".join(line + "\n" for line in kept))
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """`text` into a run-directory file: written to <path>.tmp, then renamed over `path`, so a reader
+    (or a run killed meanwhile) sees the old file or the new one, never half of one."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
     os.replace(tmp, path)
 
 

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from train.metrics import write_atomically
+
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 DUPLICATE_WINDOW_S = 1.0
 MARKER = "preempted.json"
@@ -122,10 +124,7 @@ def write_marker(run_dir: Path, step: int, verdict: Verdict, checkpoint: Path) -
     """<run dir>/preempted.json (rank 0; temporary name, then renamed)."""
     record = {"step": step, "signal": signal.Signals(verdict.signal).name, "rank": verdict.rank,
               "signal_step": verdict.step, "checkpoint": str(checkpoint)}
-    path = Path(run_dir) / MARKER
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(record) + "\n")
-    os.replace(tmp, path)
+    write_atomically(Path(run_dir) / MARKER, json.dumps(record) + "\n")
 
 
 def clear_marker(run_dir: Path) -> None:
