@@ -100,12 +100,14 @@ def saved_state(resume, run_dir: Path) -> tuple[Path, dict] | None:
     return None
 
 
-def check_resume_model(resume, run_dir: Path, model_cfg) -> None:
+def check_resume_model(resume, run_dir: Path, model_cfg) -> dict | None:
     """Before anything is built: the newest checkpoint a resume would consider holds this model
-    (CheckpointError otherwise)."""
+    (CheckpointError otherwise). Returns the state.json it checked, or None."""
     found = saved_state(resume, run_dir)
-    if found is not None:
-        check_model(found[1]["model"], model_cfg, found[0])
+    if found is None:
+        return None
+    check_model(found[1]["model"], model_cfg, found[0])
+    return found[1]
 
 
 def select(path: Path, verify=None, warn=None) -> Path:

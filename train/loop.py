@@ -61,10 +61,11 @@ class Trainer:
 def run(cfg, run_dir: Path) -> Progress:
     """Train per `cfg` into `run_dir`; returns the final step and token count."""
     trainer = build(cfg, run_dir)
-    progress, _ = resume(trainer)
+    progress, resumed_from = resume(trainer)
     # rows after the step this run starts from (0: none) are from a run killed before its next checkpoint
     logger, meter = open_logger(trainer, progress.step), Meter(trainer)
-    guard = Safeguards(cfg, run_dir, trainer.engine, trainer.topology.rank, lambda text: _say(trainer, text))
+    guard = Safeguards(cfg, run_dir, trainer.engine, trainer.topology.rank, lambda text: _say(trainer, text),
+                       resumed_from)
     try:
         stopped = loop(trainer, progress, logger, meter, guard)
     except BaseException:
@@ -174,19 +175,19 @@ def _batch_line(ramp: batch_ramp.BatchRamp) -> str:
             f"then {tokens} tokens/step")
 
 
-def resume(trainer: Trainer) -> tuple[Progress, bool]:
+def resume(trainer: Trainer) -> tuple[Progress, Path | None]:
     """Load the checkpoint train.resume names, if any, at this run's layout (whatever layout saved
-    it): weights, optimizer, schedule, RNG, data position; (progress, resumed)."""
+    it): weights, optimizer, schedule, RNG, data position; (progress, the step folder loaded or None)."""
     path = checkpoint.find_resume_path(trainer.cfg.train.resume, trainer.run_dir)
     if path is None:
-        return Progress(), False
+        return Progress(), None
     state = checkpoint.load(trainer.engine, trainer.topology, trainer.model_cfg, path)  # TokenLR: its tokens
     trainer.batches.load_state_dict(state["data"])
     trainer.batches.start()  # background workers (data.workers) begin packing from the restored position
     saved, now = state["layout"], checkpoint.layout_of(trainer.engine, trainer.topology)
     moved = "" if saved == now else f" (saved at {_layout_text(saved)}, now {_layout_text(now)})"
     _say(trainer, f"resumed from {state['path']} at step {state['step']}{moved}")
-    return Progress(state["step"], state["tokens"]), True
+    return Progress(state["step"], state["tokens"]), state["path"]
 
 
 def _layout_text(layout: dict) -> str:
@@ -227,6 +228,7 @@ def save_checkpoint(trainer: Trainer, progress: Progress, guard: Safeguards) -> 
     path = checkpoint.save(trainer.engine, trainer.topology, trainer.model_cfg, trainer.run_dir, progress.step,
                            progress.tokens, data_state, extra={"schedule": trainer.schedule.state},
                            keep=train.keep_checkpoints, keep_every=train.keep_every)
+    guard.saved(path)
     _say(trainer, f"checkpoint {path}")
     return path
 

@@ -38,26 +38,20 @@ class RunSchedule:
     state: dict  # what its checkpoints record: {"config": {key: value}, "resolved": Schedule's fields}
 
 
-def saved_run_state(cfg, run_dir: Path) -> dict | None:
-    """{"folder", "schedule"} of the checkpoint train.resume picks (its recorded schedule: the
-    `schedule` entry of its client state, None when it records none), or None when nothing resumes."""
-    found = checkpoint.saved_state(cfg.train.resume, run_dir)
-    if found is None:
-        return None
-    folder, state = found
-    extra = state.get("extra")
-    return {"folder": folder, "schedule": extra.get("schedule") if isinstance(extra, dict) else None}
+def recorded_schedule(state: dict | None) -> dict | None:
+    """The schedule a checkpoint's state.json records (the `schedule` entry of its client state), or
+    None (no checkpoint, or one that records none)."""
+    extra = state.get("extra") if state is not None else None
+    return extra.get("schedule") if isinstance(extra, dict) else None
 
 
 def check_resumed_config(saved: dict, cfg) -> str | None:
-    """Compare the configured schedule with the checkpoint's (see the module docstring; the model's
-    shape is checked by train.checkpoint.check_resume_model). Keeping the schedule sets the BATCH_KEYS
-    (the global batch and the batch ramp) back to the checkpoint's. Returns the note to print, or None when
-    nothing changed.
+    """Compare the configured schedule with `saved`, the one the checkpoint records (see the module
+    docstring; the model's shape is checked by train.checkpoint.check_resume_model). Keeping the
+    schedule sets the BATCH_KEYS (the global batch and the batch ramp) back to the checkpoint's.
+    Returns the note to print, or None when nothing changed.
     """
-    if saved["schedule"] is None:
-        return None
-    before = saved["schedule"]["config"]
+    before = saved["config"]
     # keys a checkpoint does not record (written before they existed) are not compared
     changed = {key: (before[key], OmegaConf.select(cfg, key)) for key in SCHEDULE_KEYS
                if key in before and before[key] != OmegaConf.select(cfg, key)}
@@ -69,7 +63,7 @@ def check_resumed_config(saved: dict, cfg) -> str | None:
     for key in BATCH_KEYS:
         if key in changed:
             OmegaConf.update(cfg, key, before[key])
-    kept = Schedule(**saved["schedule"]["resolved"])
+    kept = Schedule(**saved["resolved"])
     return (f"resume: {listed}: keeping the checkpoint's schedule (peak LR {kept.peak_lr:g}, warmup {kept.warmup_tokens:,} "
             f"tokens, cosine to {kept.min_lr_ratio:g}× by {kept.decay_tokens:,} tokens, global batch "
             f"{before['train.global_batch_size']}{_ramp_text(before)}); the run stops at train.max_steps={cfg.train.max_steps}. "
@@ -92,7 +86,8 @@ def schedule_for_run(cfg, model_name: str, run_tokens: int, run_dir: Path) -> Ru
     configured = make_schedule(cfg.optim, model_name, run_tokens)
     state = {"config": {key: OmegaConf.select(cfg, key) for key in SCHEDULE_KEYS},
              "resolved": dataclasses.asdict(configured)}
-    saved = saved_run_state(cfg, run_dir)
-    if saved is None or saved["schedule"] is None or cfg.train.reset_schedule:
+    found = checkpoint.saved_state(cfg.train.resume, run_dir)
+    saved = recorded_schedule(found[1] if found is not None else None)
+    if saved is None or cfg.train.reset_schedule:
         return RunSchedule(configured, state)
-    return RunSchedule(Schedule(**saved["schedule"]["resolved"]), saved["schedule"])
+    return RunSchedule(Schedule(**saved["resolved"]), saved)

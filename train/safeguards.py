@@ -11,14 +11,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from train import checkpoint, faults, preemption
+from train import faults, preemption
 from train.watchdog import FIRST_STEP_FACTOR, Watchdog
 
 
 class Safeguards:
-    def __init__(self, cfg, run_dir: Path, engine, rank: int, say):
+    def __init__(self, cfg, run_dir: Path, engine, rank: int, say, resumed_from: Path | None = None):
         train = cfg.train
         self.run_dir, self.engine, self.rank, self.say = Path(run_dir), engine, rank, say
+        self.last_checkpoint = resumed_from  # the newest checkpoint this run loaded or wrote (for messages)
         self.timeout = float(train.step_timeout_s)
         self.skips = faults.SkipCounter(int(train.max_consecutive_skips), total=engine.skipped_steps)
         self.signals = preemption.StopSignals(rank)
@@ -47,14 +48,14 @@ class Safeguards:
         """NonFiniteError after train.max_consecutive_skips skipped steps in a row (every rank alike)."""
         if self.skips.exhausted:
             bad = faults.count_over_ranks(len(faults.non_finite_parameters(self.engine.module)), device)
-            raise faults.too_many_skips(step, self.skips, weights_ok=bad == 0, last_checkpoint=self.last_checkpoint())
+            raise faults.too_many_skips(step, self.skips, weights_ok=bad == 0, last_checkpoint=self.last_checkpoint)
 
     def before_saving(self, step: int, device) -> None:
         """Raise NonFiniteError instead of writing a checkpoint whose weights are not finite (on any rank)."""
         bad = faults.non_finite_parameters(self.engine.module)
         ranks_with_bad = faults.count_over_ranks(int(bool(bad)), device)
         if ranks_with_bad:
-            raise faults.refuse_to_save(step, bad, ranks_with_bad, self.last_checkpoint())
+            raise faults.refuse_to_save(step, bad, ranks_with_bad, self.last_checkpoint)
 
     def agree(self, step: int, result) -> preemption.Verdict:
         return preemption.agree(step, result.loss, result.skipped, self.signals)
@@ -66,11 +67,8 @@ class Safeguards:
             preemption.write_marker(self.run_dir, step, verdict, saved)
         self.say(preemption.stop_message(step, verdict, saved, self.run_dir, finished))
 
-    def last_checkpoint(self) -> Path | None:
-        try:
-            return checkpoint.tag_folder(self.run_dir)
-        except ValueError:
-            return None
+    def saved(self, path: Path) -> None:
+        self.last_checkpoint = path
 
     def close(self) -> None:
         self.watchdog.close()

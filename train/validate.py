@@ -36,8 +36,8 @@ def check(cfg, run_dir: Path) -> GPTConfig:
     """Validate the whole run config (for a run in `run_dir`); returns the model config. Raises ConfigError."""
     model_cfg = _check_model(cfg)
     _check_train(cfg, run_dir)
-    _check_checkpoints(cfg, run_dir, model_cfg)
-    _check_resume(cfg, run_dir)  # may set train.global_batch_size back to the checkpoint's
+    saved_state = _check_checkpoints(cfg, run_dir, model_cfg)
+    _check_resume(cfg, saved_state)  # may set the global batch and the ramp back to the checkpoint's
     dp = _check_parallel(cfg, model_cfg)
     _check_batches(cfg, dp)
     streams = _check_data(cfg, dp)
@@ -46,13 +46,13 @@ def check(cfg, run_dir: Path) -> GPTConfig:
     return model_cfg
 
 
-def _check_resume(cfg, run_dir: Path) -> None:
-    """Against the checkpoint a resume would load: a changed schedule is kept or reset
-    (train/resume_checks.py), with a note."""
+def _check_resume(cfg, saved_state: dict | None) -> None:
+    """Against the checkpoint a resume would load (its state.json, or None): a changed schedule is kept
+    or reset (train/resume_checks.py), with a note."""
     from train.launch_info import is_rank_zero
-    from train.resume_checks import check_resumed_config, saved_run_state
+    from train.resume_checks import check_resumed_config, recorded_schedule
 
-    saved = saved_run_state(cfg, run_dir)
+    saved = recorded_schedule(saved_state)
     if saved is None:
         return
     note = check_resumed_config(saved, cfg)
@@ -258,14 +258,15 @@ def _check_train(cfg, run_dir: Path) -> None:
         raise ConfigError(f"logging.wandb.mode={cfg.logging.wandb.mode!r}: must be one of {list(WANDB_MODES)}")
 
 
-def _check_checkpoints(cfg, run_dir: Path, model_cfg: GPTConfig) -> None:
+def _check_checkpoints(cfg, run_dir: Path, model_cfg: GPTConfig) -> dict | None:
     """Retention (train.keep_checkpoints, train.keep_every); the checkpoint to resume holds this
-    model; train.init_from is a Hugging Face GPT-2 folder of this model's shape."""
+    model; train.init_from is a Hugging Face GPT-2 folder of this model's shape. Returns the
+    resumed checkpoint's state.json (None: no resume)."""
     from train.checkpoint import check_resume_model
 
     train = cfg.train
     try:
-        check_resume_model(train.resume, run_dir, model_cfg)
+        saved_state = check_resume_model(train.resume, run_dir, model_cfg)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     _positive_int("train.keep_checkpoints", train.keep_checkpoints)
@@ -278,6 +279,7 @@ def _check_checkpoints(cfg, run_dir: Path, model_cfg: GPTConfig) -> None:
             check_init_from(Path(str(train.init_from)), model_cfg)
         except ValueError as err:
             raise ConfigError(str(err)) from None
+    return saved_state
 
 
 def _check_seed_and_device(cfg) -> None:

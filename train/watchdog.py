@@ -26,7 +26,7 @@ FIRST_STEP_FACTOR = 3
 
 
 class Watchdog:
-    """`arm(seconds, what)` starts a deadline for `what` (e.g. "step 7"), `disarm()` ends it."""
+    """`arm(seconds, what)` starts a deadline for `what` (e.g. "step 7"), replacing the one before."""
 
     def __init__(self, run_dir: Path, rank: int):
         self.path = Path(run_dir) / "stacks" / f"rank{rank}.txt"
@@ -40,11 +40,6 @@ class Watchdog:
     def arm(self, seconds: float, what: str) -> None:
         with self._cond:
             self._deadline, self._seconds, self._what = time.monotonic() + seconds, seconds, what
-            self._cond.notify()
-
-    def disarm(self) -> None:
-        with self._cond:
-            self._deadline = None
             self._cond.notify()
 
     def close(self) -> None:
