@@ -229,12 +229,14 @@ class TrainBatches:
         if changed:
             raise DataError(f"data: the resume state is for another stream; changed (then, now): {changed}")
         pos = state["windows_served"]
+        # windows each source gave each of this rank's streams so far: (J,) per stream, counted once
+        served = {s: self.schedule.counts(s, 0, pos // self.spec.streams) for s in {s for _, s in self._lanes}}
         lanes = {}
         for j, s in self._lanes:
             saved = state["lanes"].get(f"{j}/{s}")
             if saved is None:
                 raise DataError(f"data: the resume state lacks lane {j}/{s} (it holds {sorted(state['lanes'])})")
-            expected = int(self.schedule.counts(s, 0, pos // self.spec.streams)[j])
+            expected = int(served[s][j])
             if saved["served"] != expected:
                 raise DataError(f"data: lane {j}/{s} served {saved['served']} windows, the schedule says {expected}")
             lanes[(j, s)] = LaneState(saved["served"], copy.deepcopy(saved["cursor"]), copy.deepcopy(saved["counts"]))

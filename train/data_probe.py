@@ -9,6 +9,8 @@ mid-run. With ``on_bad_record=error`` a bad record among those read stops the ru
 
 from __future__ import annotations
 
+import numpy as np
+
 from train.data_records import Bad, BadRecords, is_validation, prepared_split, records
 from train.data_sources import DataError, DataSpec, SourceSpec, resolve
 
@@ -93,11 +95,11 @@ def _probe_records(src: SourceSpec, spec: DataSpec, validation: bool) -> None:
 
 def _probe_prepared(src: SourceSpec, streams: int, validation: bool) -> None:
     train = prepared_split(src.path, "train")
-    covered = set((train.docs % streams).tolist())
     if len(train.docs) == 0:
         raise DataError(f"data: {src.label}: the prepared training split at {src.path} is empty")
-    if len(covered) < streams:
-        missing = sorted(set(range(streams)) - covered)[:8]
+    fed = np.bincount(train.docs % streams, minlength=streams) > 0  # (streams,) bool
+    if not fed.all():
+        missing = np.flatnonzero(~fed)[:8].tolist()
         raise DataError(f"data: {src.label}: with data.streams={streams}, stream(s) {missing} get no training document "
                         f"({len(train.docs)} documents in {src.path}); lower data.streams")
     if validation and len(prepared_split(src.path, "validation").docs) == 0:

@@ -185,8 +185,8 @@ def _json_array_records(src, fh, f, index, first, stream, streams):
     for k in range(first, len(items)):
         if (index + k - first) % streams == stream:
             item = items[k]
-            value = item.get(src.field) if isinstance(item, dict) else None
-            text = checked_text(value, src.field) if isinstance(item, dict) else Bad("not_json", "not a JSON object")
+            value = item.get(src.text_field) if isinstance(item, dict) else None
+            text = checked_text(value, src.text_field) if isinstance(item, dict) else Bad("not_json", "not a JSON object")
             yield Record({"file": f, "byte": 0, "line": k, "index": index + k - first}, index + k - first, path,
                          f"record {k + 1}", text)
     return index + len(items) - first
@@ -203,7 +203,7 @@ def _json_text(raw: bytes, src: SourceSpec) -> str | Bad:
         return Bad("not_json", f"not JSON ({e})")
     if not isinstance(obj, dict):
         return Bad("not_json", f"a JSON {type(obj).__name__}, not an object")
-    return checked_text(obj.get(src.field), src.field)
+    return checked_text(obj.get(src.text_field), src.text_field)
 
 
 def _parquet_records(src, stream, streams, pos):
@@ -217,7 +217,7 @@ def _parquet_records(src, stream, streams, pos):
         path = src.files[f]
         meta = pq.ParquetFile(path)
         start = pos["row"] if f == pos["file"] else 0
-        has_field = src.field in meta.schema_arrow.names
+        has_field = src.text_field in meta.schema_arrow.names
         row0 = 0
         for g in range(meta.num_row_groups):
             n = meta.metadata.row_group(g).num_rows
@@ -228,12 +228,12 @@ def _parquet_records(src, stream, streams, pos):
             first += (stream - (index + row0 + first)) % streams
             rows = range(first, n, streams)
             if len(rows):
-                values = (meta.read_row_group(g, columns=[src.field]).column(0).take(pa.array(rows)).to_pylist()
+                values = (meta.read_row_group(g, columns=[src.text_field]).column(0).take(pa.array(rows)).to_pylist()
                           if has_field else [None] * len(rows))
                 for r, value in zip(rows, values):
                     i = index + row0 + r
                     yield Record({"file": f, "row": row0 + r, "index": i}, i, path, f"row {row0 + r + 1}",
-                                 checked_text(value, src.field))
+                                 checked_text(value, src.text_field))
             row0 += n
         index += meta.metadata.num_rows
 
@@ -249,7 +249,7 @@ def _hub_records(src, stream, streams, pos):
     for record in stream_ds:
         if index % streams == stream:
             yield Record({"state": before, "index": index}, index, label, f"record {index + 1}",
-                         checked_text(record.get(src.field), src.field))
+                         checked_text(record.get(src.text_field), src.text_field))
         index += 1
         if index % streams == stream:
             before = stream_ds.state_dict()

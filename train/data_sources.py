@@ -58,14 +58,9 @@ class SourceSpec:
     config_name: str | None = None
     split: str = "train"
     path: str | None = None  # prepared: the folder
-    text_field: str = "text"
+    text_field: str = "text"  # the record field holding a document's text
     encoding: str = "utf-8"
     val_permille: int = 5
-
-    @property
-    def field(self) -> str:
-        """The record field holding a document's text."""
-        return self.text_field
 
     def fingerprint(self) -> dict:
         """What fixes this source's documents; a resume state must come from a source with the same one."""
@@ -191,13 +186,13 @@ def _source(cfg: dict, kind: str, label: str, where: str, record: dict) -> Sourc
         _check_text_field(files[0], reader, record["text_field"], where)
         return SourceSpec("files", label, reader, files=files, **record)
     if kind == "hub":
-        name = _set(cfg.get("name"))
+        name = cfg.get("name")
         if not name:
             raise DataError(f"{where}.source=hub needs {where}.name, a Hugging Face Hub dataset, e.g. HuggingFaceFW/fineweb")
         _check_hub_reachable(name)
         return SourceSpec("hub", label, "hub", name=name, config_name=cfg.get("config_name"),
                           split=cfg.get("split") or "train", **record)
-    path = _set(cfg.get("path"))
+    path = cfg.get("path")
     if not path:
         raise DataError(f"{where}.source=prepared needs {where}.path, a folder written by python -m train.prepare_data")
     meta = prepared_info(path, f"{where}.path")
@@ -216,10 +211,6 @@ def _as_dict(data_cfg) -> dict:
     return {k: v for k, v in data_cfg.items() if v != "???"}
 
 
-def _set(value):
-    return None if value == "???" else value
-
-
 def _refuse_unknown(cfg: dict, valid: tuple[str, ...], where: str) -> None:
     unknown = sorted(set(cfg) - set(valid))
     if unknown:
@@ -231,7 +222,7 @@ def _refuse_misplaced(cfg: dict, kind: str, where: str) -> None:
     own = set(KIND_KEYS.get(kind, ("sources",)))
     for other, keys in {**KIND_KEYS, "mixture": ("sources",)}.items():
         for key in set(keys) - own:
-            if cfg.get(key) not in (None, [], "", "???"):
+            if cfg.get(key) not in (None, [], ""):  # ("???" placeholders are dropped before)
                 raise DataError(f"{where}.{key} is for source={other}, not source={kind}; remove it")
 
 

@@ -68,9 +68,10 @@ def _source(overrides: list[str]):
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    configs = str(Path(__file__).resolve().parent.parent / "configs")
+    from train.config_keys import CONFIG_DIR
+
     try:
-        with initialize_config_dir(config_dir=configs, version_base=None):
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
             cfg = compose(config_name="config", overrides=overrides)
     except (HydraException, OmegaConfBaseException) as err:
         raise DataError(str(err)) from None
