@@ -25,7 +25,8 @@ alternate, one step of each per round, so clocks and machine load affect them al
 Columns: step ms = median over the timed rounds (min–max); tokens/s = micro batch × T / step;
 MFU = tokens/s × (6N + 12·L·d·T) / peak, the PaLM FLOPs count of train/metrics.py with N the
 parameters without the position table (the same N for every row: one shape); peak = --peak-tflops,
-by default 989 TFLOP/s (H100 SXM and H200, dense bf16) on a GPU and none on the CPU; speed× =
+by default the GPU's dense bf16 peak from train/metrics.py (989 TFLOP/s for H100 SXM and H200) and
+none on the CPU; speed× =
 tokens/s ÷ the baseline's. Model configs are configs/model/NAME.yaml, read as plain YAML (no Hydra).
 """
 
@@ -41,10 +42,10 @@ import torch
 
 from model import GPT, GPTConfig, build, count_parameters
 from model.layers import lm_loss
+from train import metrics
 from train.metrics import flops_per_token
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "model"
-H100_PEAK_TFLOPS = 989.0  # dense bf16, H100 SXM and H200
 
 
 def load_model_config(name: str) -> dict:
@@ -179,12 +180,13 @@ def print_table(rows, tokens, flops_tok, peak_tflops):
             continue
         step = statistics.median(row.step_s)
         tok_s = tokens / step
-        mfu = f"{tok_s * flops_tok / (peak_tflops * 1e12):>6.1%}" if peak_tflops else f"{'n/a':>6}"
+        utilisation = metrics.mfu(tok_s, flops_tok, peak_tflops, 1)
+        mfu_text = f"{utilisation:>6.1%}" if utilisation is not None else f"{'n/a':>6}"
         spread = f"({1e3 * min(row.step_s):.1f}-{1e3 * max(row.step_s):.1f})"
         losses = f"{row.losses[0]:.3f}→{row.losses[-1]:.3f}"
         speed = tok_s / (tokens / statistics.median(base.step_s))
         peak = f"{row.peak_gib:>8.1f}" if row.device.type == "cuda" else f"{'n/a':>8}"
-        print(f"{row.name + mark:<30} {1e3 * step:>9.1f} {spread:>15} {tok_s:>10.0f} {mfu} {peak} "
+        print(f"{row.name + mark:<30} {1e3 * step:>9.1f} {spread:>15} {tok_s:>10.0f} {mfu_text} {peak} "
               f"{losses:>16} {speed:>7.2f}")
     sys.stdout.flush()
 
@@ -199,7 +201,7 @@ def main():
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else None,
                         help="cuda (default when available) or cpu, for a smoke run")
     parser.add_argument("--peak-tflops", type=float,
-                        help=f"per-device peak for MFU (default on a GPU: {H100_PEAK_TFLOPS:g}, H100 SXM/H200 bf16)")
+                        help="per-device peak for MFU (default on a GPU: its dense bf16 peak, as the training loop logs it)")
     args = parser.parse_args()
     names = []
     for item in args.overrides:
@@ -213,7 +215,7 @@ def main():
         parser.error(f"--steps {args.steps} must be ≥ 1 and --warmup {args.warmup} ≥ 0")
     configs = {name: load_model_config(name) for name in names}  # every name checked before any work
     device = torch.device(args.device)
-    peak = args.peak_tflops if args.peak_tflops is not None else (H100_PEAK_TFLOPS if device.type == "cuda" else None)
+    peak = metrics.peak_tflops(device, args.peak_tflops)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (float32, no autocast)"
     print(f"training step speed on {where}; bf16 autocast on GPUs, fused AdamW, clip 1.0; a plain torch step: "
           f"DeepSpeed's engine is not in the loop")

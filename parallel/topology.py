@@ -19,7 +19,7 @@ import math
 import torch.distributed as dist
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
@@ -39,7 +39,7 @@ def _world_problem(tp: int, pp: int, world_size: int, dp: int | None = None) -> 
     if world_size % (tp * pp):
         return (
             f"world size {world_size} is not a multiple of tp·pp = {tp * pp} (parallel.tp={tp}, parallel.pp={pp}); "
-            f"with {processes} tp·pp must be one of: {_fmt(_divisors(world_size))}"
+            f"with {processes} tp·pp must be one of: {_fmt(divisors(world_size))}"
         )
     if dp is not None and tp * pp * dp != world_size:
         return (
@@ -59,7 +59,7 @@ def check_layout(n_head: int, d_ff: int, tp: int, pp: int, n_layer: int, world_s
     _check_positive(tp=tp, pp=pp, dp=dp)
     problem = _world_problem(tp, pp, world_size, dp)
     problems = [problem] if problem else []
-    fitting_tp = _divisors(math.gcd(n_head, d_ff))
+    fitting_tp = divisors(math.gcd(n_head, d_ff))
     if n_head % tp:
         problems.append(f"parallel.tp={tp} does not divide model.n_head={n_head}; valid tp: {_fmt(fitting_tp)}")
     if d_ff % tp:

@@ -13,15 +13,11 @@ from __future__ import annotations
 import itertools
 
 from model import GPTConfig
-from parallel.topology import check_layout
+from parallel.topology import check_layout, divisors
 from train.plan_hardware import Hardware
 from train.plan_model import Implementation, Layout, Plan, build_plan
 
 MAX_MICRO_BATCH = 16
-
-
-def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
 
 
 def layout_problem(cfg: GPTConfig, layout: Layout) -> str | None:
@@ -51,14 +47,14 @@ def layout_problem(cfg: GPTConfig, layout: Layout) -> str | None:
 def candidate_layouts(cfg: GPTConfig, gpus: int, global_batch: int, gpus_per_node: int) -> list[Layout]:
     """Every valid layout the search considers (module docstring)."""
     out = []
-    for tp in _divisors(gpus):
+    for tp in divisors(gpus):
         if tp > gpus_per_node or cfg.n_head % tp or cfg.d_ff % tp:
             continue
-        for pp in _divisors(gpus // tp):
+        for pp in divisors(gpus // tp):
             dp = gpus // (tp * pp)
             if pp > cfg.n_layer or global_batch % dp:
                 continue
-            micro = [b for b in _divisors(global_batch // dp) if b <= MAX_MICRO_BATCH]
+            micro = [b for b in divisors(global_batch // dp) if b <= MAX_MICRO_BATCH]
             zero = (0, 1) if pp > 1 else (0, 1, 2, 3)
             sequence = (False, True) if tp > 1 and pp == 1 and cfg.seq_len % tp == 0 else (False,)
             for z, b, ckpt, sp in itertools.product(zero, micro, (0, 1), sequence):
