@@ -50,6 +50,7 @@ def check_skipped_run(run_dir, proc, limit: int) -> int:
     assert message in proc.stderr and proc.stderr.count(message) == 1  # said once, by rank 0
     assert f"the weights are those after step {first - 1}" in proc.stderr
     assert "learning rate too high" in proc.stderr
+    assert f"resume from the last checkpoint, {step_folder(run_dir, last - 1)} " in proc.stderr  # the run's newest
     assert "train/loop.py" not in proc.stderr  # no worker traceback (torchrun prints its own on a failed worker)
     # checkpoints up to the last complete step before the stop; all alike from the last applied step on
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step{last - 1:08d}"
