@@ -29,8 +29,8 @@ import os
 import time
 
 from train.data import TrainBatches
-from train.data_sources import resolve
-from train.tokenizer import gpt2
+from train.data.sources import resolve
+from train.data.tokenizer import gpt2
 
 H100_BF16_TFLOPS = 989.0  # dense bf16 peak of an H100 SXM
 ASSUMED_MFU = 0.45
@@ -40,8 +40,7 @@ def demand_tokens_per_s() -> tuple[float, float]:
     """(tokens/s one H100 trains gpt3-125m at ASSUMED_MFU, FLOPs per token)."""
     import torch
 
-    from model import GPT, GPTConfig, count_parameters
-    from train.metrics import flops_per_token
+    from model import GPT, GPTConfig, count_parameters, flops_per_token
 
     cfg = GPTConfig.from_dict({"name": "gpt3-125m", "n_layer": 12, "n_head": 12, "d_model": 768, "seq_len": 2048})
     with torch.device("meta"):

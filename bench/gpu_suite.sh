@@ -73,7 +73,7 @@ EOF
 } > "$RESULT"
 
 section "CUDA tests (autotuning pinned to each kernel's first config)" 170 \
-  env GPT3D_TRITON_AUTOTUNE=0 "$PY" -m pytest -q -p no:cacheprovider -rfEs --durations=5 tests/test_attention_cuda.py
+  env GPT3D_TRITON_AUTOTUNE=0 "$PY" -m pytest -q -p no:cacheprovider -rfEs --durations=5 tests/model/test_attention_cuda.py
 section "Attention kernel vs SDPA backends" 210 "$PY" -m bench.attention
 section "Training step: gpt3d (Triton kernel, SDPA) vs Hugging Face GPT-2" 170 \
   "$PY" -m bench.train_speed model=gpt3-125m model=gpt3-350m

@@ -114,8 +114,8 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench.plan_check measures training steps on a GPU; no CUDA device is visible")
-    from train.plan_hardware import for_cuda_device, preset
-    from train.plan_model import Layout, build_plan
+    from train.plan.hardware import for_cuda_device, preset
+    from train.plan.estimate import Layout, build_plan
 
     hardware = preset(args.hardware) if args.hardware else for_cuda_device()
     measured = ceilings()

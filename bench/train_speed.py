@@ -40,10 +40,9 @@ from pathlib import Path
 
 import torch
 
-from model import GPT, GPTConfig, build, count_parameters
+from model import GPT, GPTConfig, build, count_parameters, flops_per_token
 from model.layers import lm_loss
 from train import metrics
-from train.metrics import flops_per_token
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "model"
 

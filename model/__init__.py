@@ -3,10 +3,10 @@
 from model.attention import attention
 from model.config import GPTConfig
 from model.generate import Decoder, generate
-from model.gpt import GPT, build, count_parameters, layer_list, make_layer
+from model.gpt import GPT, build, count_parameters, flops_per_token, layer_list, make_layer
 from model.kv_cache import KVCache
 
 __all__ = [
-    "GPT", "GPTConfig", "Decoder", "KVCache", "attention", "build", "count_parameters", "generate", "layer_list",
-    "make_layer",
+    "GPT", "GPTConfig", "Decoder", "KVCache", "attention", "build", "count_parameters", "flops_per_token", "generate",
+    "layer_list", "make_layer",
 ]

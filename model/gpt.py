@@ -143,3 +143,11 @@ def count_parameters(model: nn.Module, exclude_positions: bool = False) -> int:
     if exclude_positions:
         total -= sum(p.numel() for n, p in model.named_parameters() if n.endswith("wpe.weight"))
     return total
+
+
+def flops_per_token(matmul_params: int, n_layer: int, d_model: int, seq_len: int) -> int:
+    """Training FLOPs per token, forward + backward, as PaLM counts them (Chowdhery et al. 2022, App. B):
+    6·N + 12·L·d·T, N the parameters without the position table (the tied embedding counted once, for
+    the unembedding's matrix multiply; LayerNorm and bias parameters, a rounding error, included),
+    L layers, d = d_model, T = seq_len (the attention score and value products)."""
+    return 6 * matmul_params + 12 * n_layer * d_model * seq_len

@@ -62,7 +62,7 @@ def from_config(train_cfg, seq_len: int) -> BatchRamp:
     """The run's ramp from train.global_batch_size and train.batch_ramp; ValueError naming a bad value.
 
     This checks the ramp on its own; whether its batches split over streams, ranks and micro batches
-    is train/validate.py's check (it knows the layout)."""
+    is train/config/checks.py's check (it knows the layout)."""
     full = train_cfg.global_batch_size
     ramp = train_cfg.get("batch_ramp")
     if ramp is None or ramp.get("start") is None:

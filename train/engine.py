@@ -5,6 +5,7 @@ A one-process CPU run and a 1,000-GPU run share this code: `resolve_device` read
 `deepspeed_config` turns train.* / parallel.* / optim.* / deepspeed.* into DeepSpeed's JSON, and
 `create_engine` wraps this rank's model (parallel.build) with optimizer and LR schedule: a
 DeepSpeedEngine (ZeRO 0–3, optional optimizer offload) or, for a pipeline, a PipelineEngine.
+`counters` / `restore_counters` are the engine's checkpoint part: DeepSpeed's step counters, by name.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import torch
 from omegaconf import OmegaConf
 
 DEVICES = ("auto", "cpu", "cuda")
+# DeepSpeed's step counters a checkpoint keeps (the engine's attributes of these names, all ints)
+ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
 
 
 def resolve_device(requested: str) -> torch.device:
@@ -153,3 +156,15 @@ def _quiet_deepspeed() -> None:
     from deepspeed.utils import logger
 
     logger.setLevel(logging.WARNING)
+
+
+def counters(engine) -> dict:
+    """The engine's checkpoint entries: {"engine": {counter: value}} for each of ENGINE_COUNTERS it has."""
+    return {"engine": {key: int(getattr(engine, key)) for key in ENGINE_COUNTERS if hasattr(engine, key)}}
+
+
+def restore_counters(engine, state: dict) -> None:
+    """Set the saved counters back (only ENGINE_COUNTERS: the checkpoint's verification refuses others)."""
+    for key in ENGINE_COUNTERS:
+        if key in state["engine"]:
+            setattr(engine, key, int(state["engine"][key]))

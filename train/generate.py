@@ -1,4 +1,4 @@
-"""Text from a trained run, at any layout: `python -m train.generate`, and the end-of-training sample.
+"""`python -m train.generate`: text from a trained run, at any layout.
 
     python -m train.generate generate.checkpoint=runs/toy/2026-01-01_12-00-00 generate.prompt='import os'
     python -m train.generate generate.checkpoint=... generate.temperature=0 generate.max_new_tokens=32
@@ -7,7 +7,7 @@
 The config is the training one (model.* must be the run's; parallel.* is the layout to generate
 at, whatever the run trained at; train.device, train.seed) plus the `generate` group
 (configs/generate/default.yaml). The checkpoint's weights are put back together whole
-(train.checkpoint.read_model_weights) and each rank takes its slice (parallel.naming).
+(train/checkpoint/manager.py: read_model_weights) and each rank takes its slice (parallel.naming).
 Rank 0 prints the text, and writes {prompt, tokens, text} as JSON to generate.output if set.
 """
 
@@ -21,35 +21,17 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from model import GPTConfig, generate
-from train.__main__ import CONFIG_DIR, _drop_launcher_arguments
+from model import GPTConfig
+from train.config.entry import CONFIG_DIR, EXIT_BAD_INPUT, drop_launcher_arguments, register_resolvers
 from train.metrics import write_atomically
-from train.tokenizer import EOT, gpt2
-
-@torch.no_grad()
-def sample_text(part, config: GPTConfig, topology, prompt: str, max_new_tokens: int, device, seed: int,
-                temperature: float = 0.8, top_k: int | None = 50) -> tuple[str, list[int]]:
-    """Continue `prompt` with this rank's part of the model (parallel.build); every rank of the
-    layout calls it and gets the same (text, token ids). Equal seeds give equal samples."""
-    from parallel.generate import LayoutDecoder
-
-    encoder = gpt2()
-    idx = torch.tensor([encoder.encode_ordinary(prompt) or [EOT]], device=device)  # (1, T0); "" starts a document
-    generator = torch.Generator(device=device).manual_seed(seed)
-    was_training = part.training
-    part.eval()
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-        out = generate(LayoutDecoder(part, config, topology), idx, max_new_tokens, temperature, top_k, generator)
-    part.train(was_training)
-    tokens = out[0].tolist()
-    return encoder.decode(tokens), tokens
+from train.sample import sample_text
 
 
 def checkpoint_weights(folder: Path, model_cfg: GPTConfig) -> dict[str, torch.Tensor]:
     """The whole model's weights from a checkpoint folder, refused (ConfigError) when the checkpoint
     is of another model than model.* describes."""
     from train import checkpoint
-    from train.validate import ConfigError
+    from train.config.checks import ConfigError
 
     try:
         checkpoint.check_model(checkpoint.saved_model_config(folder) or {}, model_cfg, folder)
@@ -79,11 +61,11 @@ def run(cfg, model_cfg: GPTConfig, folder: Path, weights: dict[str, torch.Tensor
     return text if topology.rank == 0 else ""
 
 
-@hydra.main(version_base=None, config_path=CONFIG_DIR, config_name="generate")
+@hydra.main(version_base=None, config_path=str(CONFIG_DIR), config_name="generate")
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    from train.validate import ConfigError, check_generation, check_keys
+    from train.config.checks import ConfigError, check_generation, check_keys
 
     try:
         check_keys(cfg, "generate", list(HydraConfig.get().overrides.task))
@@ -91,12 +73,13 @@ def main(cfg: DictConfig) -> None:
         weights = checkpoint_weights(folder, model_cfg)
     except ConfigError as err:
         print(f"gpt3d: error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise SystemExit(EXIT_BAD_INPUT) from None
     text = run(cfg, model_cfg, folder, weights)
     if text:
         print(text, flush=True)
 
 
 if __name__ == "__main__":
-    sys.argv = _drop_launcher_arguments(sys.argv)
+    sys.argv = drop_launcher_arguments(sys.argv)
+    register_resolvers()
     main()

@@ -9,21 +9,23 @@ learning rate follows the tokens seen (train/optimizer.py: TokenLR).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import resource
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
 
-from model import GPT, GPTConfig, count_parameters
-from train import batch_ramp, checkpoint, data, engine as engines, metrics, resume_checks
+from model import GPTConfig, count_parameters
+from train import batch_ramp, checkpoint, data, engine as engines, metrics
+from train.checkpoint.parts import CheckpointParts
+from train.checkpoint.resume_checks import RunSchedule
+from train.checkpoint.rng import rng_state, set_rng_state
+from train.config.spec import RunSpec
+from train.guard.safeguards import Safeguards
+from train.metrics import Meter, full_shapes_model, mean_over_ranks
 from train.optimizer import TokenLR, make_optimizer
-from train.safeguards import Safeguards
 from train.step import TrainStep
 
 
@@ -38,33 +40,64 @@ class Progress:
         self.step += 1
         self.tokens += tokens
 
+    def state_dict(self) -> dict:
+        return {"step": self.step, "tokens": self.tokens}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.tokens = state["step"], state["tokens"]
+
 
 @dataclass
 class Trainer:
-    """Everything a built run holds: where it runs, this rank's engine and step, its data."""
+    """Everything a built run holds: its specification, where it runs, this rank's engine and step,
+    its data, and the parts its checkpoints save and load (train/checkpoint/parts.py)."""
 
-    cfg: object
-    run_dir: Path
+    spec: RunSpec
     device: torch.device
     topology: object
-    model_cfg: GPTConfig
     engine: object
     step: TrainStep
     batches: data.TrainBatches
     val_batches: list[torch.Tensor]
-    ramp: batch_ramp.BatchRamp  # global batch size (sequences) by tokens seen
     lr: TokenLR  # the learning rate by tokens seen
-    plan: object | None  # the planner's prediction for this run (train/plan.py), on CUDA
-    schedule: resume_checks.RunSchedule  # the LR schedule, and what checkpoints record of it
+    progress: Progress
+    parts: CheckpointParts
+
+    @property
+    def cfg(self):
+        return self.spec.cfg
+
+    @property
+    def run_dir(self) -> Path:
+        return self.spec.run_dir
+
+    @property
+    def model_cfg(self) -> GPTConfig:
+        return self.spec.model
+
+    @property
+    def ramp(self) -> batch_ramp.BatchRamp:  # global batch size (sequences) by tokens seen
+        return self.spec.ramp
+
+    @property
+    def plan(self):  # the planner's prediction for this run (train/plan/), on CUDA
+        return self.spec.plan
+
+    @property
+    def schedule(self) -> RunSchedule:  # the LR schedule, and what checkpoints record of it
+        return self.spec.schedule
 
 
-def run(cfg, run_dir: Path) -> Progress:
-    """Train per `cfg` into `run_dir`; returns the final step and token count."""
-    trainer = build(cfg, run_dir)
-    progress, resumed_from = resume(trainer)
+def run(spec: RunSpec) -> Progress:
+    """Train per `spec` (train/config/spec.py: resolve); returns the final step and token count."""
+    trainer = build(spec)
+    resumed_from = resume(trainer)
+    progress = trainer.progress
     # rows after the step this run starts from (0: none) are from a run killed before its next checkpoint
-    logger, meter = open_logger(trainer, progress.step), Meter(trainer)
-    guard = Safeguards(cfg, run_dir, trainer.engine, trainer.topology.rank, lambda text: _say(trainer, text),
+    logger = open_logger(trainer, progress.step)
+    meter = Meter(trainer.device, trainer.topology.world_size, spec.model, metrics.peak_tflops(trainer.device, spec.cfg.logging.peak_tflops),
+                  trainer.batches, spec.plan, spec.run_tokens)
+    guard = Safeguards(spec.cfg, spec.run_dir, trainer.engine, trainer.topology.rank, lambda text: _say(trainer, text),
                        resumed_from)
     try:
         stopped = loop(trainer, progress, logger, meter, guard)
@@ -81,7 +114,7 @@ def run(cfg, run_dir: Path) -> Progress:
 def loop(trainer: Trainer, progress: Progress, logger: metrics.MetricsLogger, meter: Meter, guard: Safeguards) -> bool:
     """Step, log (+ evaluate), checkpoint until train.max_steps; True when a signal stopped it early.
 
-    Faults (train/safeguards.py): a step skipped for a non-finite loss or gradient is counted, and too
+    Faults (train/guard/safeguards.py): a step skipped for a non-finite loss or gradient is counted, and too
     many in a row raise NonFiniteError; SIGTERM / SIGINT / SIGUSR1 on any rank end the loop on every
     rank after the step with a checkpoint; a step that hangs ends the process from the watchdog's thread."""
     cfg, last = trainer.cfg, trainer.cfg.train.max_steps
@@ -104,40 +137,38 @@ def loop(trainer: Trainer, progress: Progress, logger: metrics.MetricsLogger, me
         saved = None
         if _due(progress.step, cfg.train.checkpoint_interval, last):
             with meter.paused():  # saving time is not training throughput
-                saved = save_checkpoint(trainer, progress, guard)
+                saved = save_checkpoint(trainer, guard)
         verdict = guard.agree(progress.step, result)  # the step's one collective: a stop signal on any rank?
         if verdict.signal:
-            saved = saved or save_checkpoint(trainer, progress, guard)
+            saved = saved or save_checkpoint(trainer, guard)
             guard.stopped(progress.step, verdict, saved, finished=progress.step == last)
             return progress.step < last
     return False
 
 
-def build(cfg, run_dir: Path) -> Trainer:
-    """Device, process group, layout, this rank's model in a DeepSpeed engine, and its data."""
+def build(spec: RunSpec) -> Trainer:
+    """Device, process group, layout, this rank's model in a DeepSpeed engine, its data, and the parts
+    its checkpoints hold."""
     from parallel.build import BuildOptions, build_model
     from parallel.topology import Topology
 
+    cfg, model_cfg, ramp = spec.cfg, spec.model, spec.ramp
     device = engines.resolve_device(cfg.train.device)
     engines.init_distributed(device, cfg.train.collective_timeout_s)
     topology = Topology.create(cfg.parallel.tp, cfg.parallel.pp)
-    model_cfg = GPTConfig.from_dict(OmegaConf.to_container(cfg.model))
-    ramp = batch_ramp.from_config(cfg.train, model_cfg.seq_len)
 
     torch.manual_seed(cfg.train.seed)
     options = BuildOptions(cfg.parallel.sequence_parallel, cfg.parallel.activation_checkpointing)
     model = build_model(model_cfg, topology, cfg.train.seed, device, options)
-    if cfg.train.init_from is not None:  # a Hugging Face GPT-2 folder (train/export.py): its weights, sliced
+    if cfg.train.init_from is not None:  # a Hugging Face GPT-2 folder (train/checkpoint/hugging_face.py): its weights, sliced
         from parallel.naming import load_full_
-        from train.export import read_init_weights
+        from train.checkpoint.hugging_face import read_init_weights
 
         load_full_(model, read_init_weights(Path(cfg.train.init_from), model_cfg), model_cfg, topology)
     pipelined = topology.pp_size > 1
     # A PipelineModule brings its own grid (same topology) and DeepSpeed then wants no mpu of ours.
     mpu = model.mpu() if pipelined else topology.mpu
-    # the schedule of a run of ramp.tokens_after(max_steps) tokens; a resume keeps its checkpoint's
-    run_schedule = resume_checks.schedule_for_run(cfg, model_cfg.name, ramp.tokens_after(cfg.train.max_steps), run_dir)
-    schedule = run_schedule.schedule
+    schedule = spec.schedule.schedule  # a resume keeps its checkpoint's (train/checkpoint/resume_checks.py)
     optimizer = make_optimizer(model, cfg.optim, schedule.peak_lr, clip=cfg.parallel.zero_stage == 0, mpu=mpu)
     lr = TokenLR(optimizer, schedule, ramp.size_at(0) * model_cfg.seq_len)
     engine = engines.create_engine(
@@ -155,16 +186,31 @@ def build(cfg, run_dir: Path) -> Trainer:
     if train.eval_interval > 0 and train.eval_batches > 0:
         val_batches = data.validation_batches(cfg.data, model_cfg.seq_len, train.global_batch_size, train.eval_batches, *dp)
     step = TrainStep(engine, train.micro_batch_size, device)
-    plan = _plan(cfg, run_dir, topology.rank) if device.type == "cuda" else None
-    trainer = Trainer(cfg, run_dir, device, topology, model_cfg, engine, step, batches, val_batches, ramp, lr, plan,
-                      run_schedule)
+    progress = Progress()
+    trainer = Trainer(spec, device, topology, engine, step, batches, val_batches, lr, progress,
+                      checkpoint_parts(progress, batches, lr, engine, spec.schedule))
+    if spec.plan is not None and topology.rank == 0:
+        metrics.write_atomically(spec.run_dir / "plan.json", json.dumps(spec.plan.to_json(), indent=2) + "\n")
     _say(
         trainer,
-        f"model {model_cfg.name}: {count_parameters(_full_shapes(model_cfg)) / 1e6:.2f}M parameters | "
+        f"model {model_cfg.name}: {count_parameters(full_shapes_model(model_cfg)) / 1e6:.2f}M parameters | "
         f"{topology.world_size} process(es) on {device} (tp={topology.tp_size} pp={topology.pp_size} "
-        f"dp={topology.dp_size} zero={cfg.parallel.zero_stage}) | {_batch_line(ramp)} | run dir {run_dir}",
+        f"dp={topology.dp_size} zero={cfg.parallel.zero_stage}) | {_batch_line(ramp)} | run dir {spec.run_dir}",
     )
     return trainer
+
+
+def checkpoint_parts(progress: Progress, batches: data.TrainBatches, lr: TokenLR, engine, schedule: RunSchedule
+                     ) -> CheckpointParts:
+    """What a checkpoint of this run holds besides the tensors, each part registered once."""
+    parts = CheckpointParts()
+    parts.add("progress", progress.state_dict, progress.load_state_dict)
+    parts.add("data", lambda: {"data": batches.state_dict()}, lambda state: batches.load_state_dict(state["data"]))
+    parts.add("lr schedule", lambda: {"lr_scheduler": lr.state_dict()}, lambda state: lr.load_state_dict(state["lr_scheduler"]))
+    parts.add("engine counters", lambda: engines.counters(engine), lambda state: engines.restore_counters(engine, state))
+    parts.add("schedule record", lambda: {"extra": {"schedule": schedule.state}}, None)  # read back by the config checks
+    parts.add("rng", rng_state, set_rng_state, per_rank=True)
+    return parts
 
 
 def _batch_line(ramp: batch_ramp.BatchRamp) -> str:
@@ -175,19 +221,19 @@ def _batch_line(ramp: batch_ramp.BatchRamp) -> str:
             f"then {tokens} tokens/step")
 
 
-def resume(trainer: Trainer) -> tuple[Progress, Path | None]:
-    """Load the checkpoint train.resume names, if any, at this run's layout (whatever layout saved
-    it): weights, optimizer, schedule, RNG, data position; (progress, the step folder loaded or None)."""
-    path = checkpoint.find_resume_path(trainer.cfg.train.resume, trainer.run_dir)
-    if path is None:
-        return Progress(), None
-    state = checkpoint.load(trainer.engine, trainer.topology, trainer.model_cfg, path)  # TokenLR: its tokens
-    trainer.batches.load_state_dict(state["data"])
+def resume(trainer: Trainer) -> Path | None:
+    """Load the checkpoint the run specification names, if any, at this run's layout (whatever layout
+    saved it): weights, optimizer, and every registered part; returns the step folder loaded or None."""
+    point = trainer.spec.resume
+    if point is None:
+        return None
+    folder, state = checkpoint.load(trainer.engine, trainer.topology, trainer.model_cfg, point.path, trainer.parts,
+                                    known=(point.folder, point.state) if point.state is not None else None)
     trainer.batches.start()  # background workers (data.workers) begin packing from the restored position
     saved, now = state["layout"], checkpoint.layout_of(trainer.engine, trainer.topology)
     moved = "" if saved == now else f" (saved at {_layout_text(saved)}, now {_layout_text(now)})"
-    _say(trainer, f"resumed from {state['path']} at step {state['step']}{moved}")
-    return Progress(state["step"], state["tokens"]), state["path"]
+    _say(trainer, f"resumed from {folder} at step {trainer.progress.step}{moved}")
+    return folder
 
 
 def _layout_text(layout: dict) -> str:
@@ -215,18 +261,16 @@ def open_logger(trainer: Trainer, resumed_step: int | None) -> metrics.MetricsLo
 
 def evaluate(trainer: Trainer) -> float:
     """Mean next-token loss over the held-out windows, averaged over all ranks."""
-    return _mean_over_ranks(_mean(trainer.step.evaluate(trainer.val_batches)))
+    return mean_over_ranks(_mean(trainer.step.evaluate(trainer.val_batches)))
 
 
-def save_checkpoint(trainer: Trainer, progress: Progress, guard: Safeguards) -> Path:
-    """A checkpoint of the run after this step (train/checkpoint.py), then retention; never one of
-    non-finite weights (NonFiniteError instead)."""
-    train = trainer.cfg.train
-    guard.phase(f"checkpoint at step {progress.step}")
-    guard.before_saving(progress.step, trainer.device)
-    data_state = trainer.batches.state_dict()  # a collective when ranks read different streams
-    path = checkpoint.save(trainer.engine, trainer.topology, trainer.model_cfg, trainer.run_dir, progress.step,
-                           progress.tokens, data_state, extra={"schedule": trainer.schedule.state},
+def save_checkpoint(trainer: Trainer, guard: Safeguards) -> Path:
+    """A checkpoint of the run as it stands (train/checkpoint/), then retention; never one of non-finite
+    weights (NonFiniteError instead)."""
+    train, step = trainer.cfg.train, trainer.progress.step
+    guard.phase(f"checkpoint at step {step}")
+    guard.before_saving(step, trainer.device)
+    path = checkpoint.save(trainer.engine, trainer.topology, trainer.model_cfg, trainer.run_dir, trainer.parts,
                            keep=train.keep_checkpoints, keep_every=train.keep_every)
     guard.saved(path)
     _say(trainer, f"checkpoint {path}")
@@ -246,7 +290,7 @@ def finish(trainer: Trainer, logger: metrics.MetricsLogger, sample: bool = True)
         _say(trainer, f"data: {total} bad record(s) skipped (data.on_bad_record=skip):\n" + "\n".join(lines))
         logger.summary({"data/bad_records": total})
     if sample and train.sample_tokens > 0:
-        from train.generate import sample_text
+        from train.sample import sample_text
 
         text, _ = sample_text(trainer.engine.module, trainer.model_cfg, trainer.topology, train.sample_prompt,
                               train.sample_tokens, trainer.device, train.seed)
@@ -255,114 +299,12 @@ def finish(trainer: Trainer, logger: metrics.MetricsLogger, sample: bool = True)
     logger.close()
 
 
-class Meter:
-    """Training loss and throughput between two log records. The loss stays on the device: no
-    all-reduce or host sync in every step, one when a record is taken."""
-
-    def __init__(self, trainer: Trainer):
-        self.device, self.world = trainer.device, trainer.topology.world_size
-        cfg = trainer.model_cfg
-        self.seq_len = cfg.seq_len
-        self.flops_per_token = metrics.flops_per_token(
-            count_parameters(_full_shapes(cfg), exclude_positions=True), cfg.n_layer, cfg.d_model, cfg.seq_len
-        )
-        self.peak = metrics.peak_tflops(trainer.device, trainer.cfg.logging.peak_tflops)
-        self.batches, self.plan = trainer.batches, trainer.plan
-        self.run_tokens = trainer.ramp.tokens_after(trainer.cfg.train.max_steps)
-        self.eta_s = math.nan  # seconds until max_steps at the last record's speed
-        self.restart()
-
-    def restart(self) -> None:
-        self.loss_sum, self.steps, self.applied = torch.zeros((), dtype=torch.float64, device=self.device), 0, 0
-        self.tokens, self.batch_size = 0, None
-        self.clock = time.perf_counter()
-
-    def add(self, loss: torch.Tensor, batch_size: int, skipped: bool = False) -> None:
-        """One step and its global batch (sequences); a skipped step's (non-finite) loss stays out of
-        the mean, its time and tokens stay in."""
-        if not skipped:
-            self.loss_sum += loss
-            self.applied += 1
-        self.steps += 1
-        self.tokens += batch_size * self.seq_len
-        self.batch_size = batch_size
-
-    def _shares(self) -> dict:
-        """The realised share of each source of a mixture (data=mixture), as data/share/<label>."""
-        shares = self.batches.mixture_shares()
-        return {f"data/share/{label}": share for label, share in shares.items()} if len(shares) > 1 else {}
-
-    @contextlib.contextmanager
-    def paused(self):
-        started = time.perf_counter()
-        yield
-        self.clock += time.perf_counter() - started
-
-    def take(self, progress: Progress, result, skipped_steps: int) -> dict:
-        """The metrics record of the steps since the last one (mean loss over the applied steps and the
-        ranks; None when every step since was skipped) and the run's skipped steps so far."""
-        elapsed = time.perf_counter() - self.clock
-        tokens_per_s = self.tokens / elapsed
-        self.eta_s = (self.run_tokens - progress.tokens) / tokens_per_s
-        loss_sum = _mean_over_ranks(self.loss_sum)  # a collective: every rank takes part, skips or not
-        finite = result.grad_norm is not None and math.isfinite(result.grad_norm)
-        return {
-            "step": progress.step,
-            "tokens": progress.tokens,
-            "train/loss": loss_sum / self.applied if self.applied else None,
-            "train/lr": result.lr,
-            "train/grad_norm": result.grad_norm if finite else None,
-            "train/skipped_steps": skipped_steps,
-            "train/batch_size": self.batch_size,  # sequences in the last step's global batch
-            "perf/tokens_per_s": tokens_per_s,
-            "perf/tflops": tokens_per_s * self.flops_per_token / self.world / 1e12,
-            "perf/mfu": metrics.mfu(tokens_per_s, self.flops_per_token, self.peak, self.world),
-            "perf/max_mem_gib": _max_memory_gib(self.device),
-            "perf/data_wait_s": self.batches.pop_wait_seconds(),
-            **self._shares(),
-            **({"perf/mfu_predicted": self.plan.predicted_mfu} if self.plan is not None else {}),
-        }
-
-
-def _plan(cfg, run_dir: Path, rank: int):
-    """The planner's prediction for this run on this GPU, written to <run dir>/plan.json by rank 0."""
-    from train.plan import plan_for_run
-
-    plan = plan_for_run(cfg)
-    if rank == 0:
-        metrics.write_atomically(Path(run_dir) / "plan.json", json.dumps(plan.to_json(), indent=2) + "\n")
-    return plan
-
-
-def _full_shapes(model_cfg: GPTConfig) -> GPT:
-    with torch.device("meta"):
-        return GPT(model_cfg)  # the unsharded model's shapes, for counting
-
-
 def _due(step: int, interval: int, last: int) -> bool:
     return step == last or (interval > 0 and step % interval == 0)
 
 
 def _mean(values: list[float]) -> float:
     return sum(values) / max(len(values), 1)
-
-
-def _mean_over_ranks(value) -> float:
-    """Mean of a per-rank number over all ranks (on the accelerator: nccl reduces no CPU tensors)."""
-    import torch.distributed as dist
-
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    tensor = torch.as_tensor(value, dtype=torch.float64, device=device).reshape(1)
-    if dist.get_world_size() > 1:
-        dist.all_reduce(tensor)
-        tensor /= dist.get_world_size()
-    return float(tensor)
-
-
-def _max_memory_gib(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # kB → GiB
 
 
 def _progress_line(record: dict, max_steps: int, eta: float) -> str:

@@ -1,18 +1,24 @@
-"""Run metrics: Weights & Biases (offline by default) plus a local mirror, <run dir>/metrics.jsonl.
+"""Run metrics: Weights & Biases (offline by default) plus a local mirror, <run dir>/metrics.jsonl, and
+the `Meter` that turns the steps between two records into one (loss, throughput, MFU, memory).
 
-Throughput and utilisation use the PaLM (Chowdhery et al. 2022, App. B) count of training
-FLOPs per token:  6·N + 12·L·d·T,
-N the model's parameters without the position table (the tied embedding counted once, for the
-unembedding's matrix multiply; LayerNorm and bias parameters, a rounding error, included), L layers, d = d_model, T = seq_len (the attention score and value
-products). MFU = achieved FLOP/s ÷ (peak FLOP/s per device × devices), the peak either
+Throughput and utilisation use the PaLM count of training FLOPs per token (model/gpt.py:
+flops_per_token). MFU = achieved FLOP/s ÷ (peak FLOP/s per device × devices), the peak either
 configured (logging.peak_tflops) or looked up by GPU name in GPU_PEAK_TFLOPS.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
+import resource
+import time
 from pathlib import Path
+
+import torch
+
+from model import GPT, count_parameters, flops_per_token
 
 WANDB_MODES = ("offline", "online", "disabled")
 
@@ -31,11 +37,6 @@ GPU_PEAK_TFLOPS = {
     "L4": 121.0,
     "V100": 125.0,
 }
-
-
-def flops_per_token(matmul_params: int, n_layer: int, d_model: int, seq_len: int) -> int:
-    """PaLM's training FLOPs per token (forward + backward): 6N + 12·L·d·T."""
-    return 6 * matmul_params + 12 * n_layer * d_model * seq_len
 
 
 def mfu(tokens_per_s: float, flops_per_tok: int, peak_tflops_per_device: float | None, devices: int):
@@ -74,7 +75,7 @@ class MetricsLogger:
         if resumed_step is not None and self.path.exists():
             _truncate_after(self.path, resumed_step)
         resumed = resumed_step is not None
-        mode = logging_cfg.wandb.mode  # one of WANDB_MODES (train/validate.py)
+        mode = logging_cfg.wandb.mode  # one of WANDB_MODES (train/config/checks.py)
         if mode != "disabled":
             import wandb
 
@@ -128,3 +129,97 @@ def _stable_run_id(run_dir: Path) -> str:
     import hashlib
 
     return hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
+
+
+class Meter:
+    """Training loss and throughput between two log records. The loss stays on the device: no
+    all-reduce or host sync in every step, one when a record is taken."""
+
+    def __init__(self, device, world: int, cfg, peak: float | None, batches, plan, run_tokens: int):
+        """`world` devices train `cfg`'s model, each of `peak` TFLOP/s (None: unknown, no MFU); `batches`
+        (TrainBatches) reports the data wait and mixture shares; `plan` (or None) the predicted MFU;
+        `run_tokens` the tokens by train.max_steps, for the time left."""
+        self.device, self.world = device, world
+        self.seq_len = cfg.seq_len
+        self.flops_per_token = flops_per_token(
+            count_parameters(full_shapes_model(cfg), exclude_positions=True), cfg.n_layer, cfg.d_model, cfg.seq_len
+        )
+        self.peak = peak
+        self.batches, self.plan = batches, plan
+        self.run_tokens = run_tokens
+        self.eta_s = math.nan  # seconds until max_steps at the last record's speed
+        self.restart()
+
+    def restart(self) -> None:
+        self.loss_sum, self.steps, self.applied = torch.zeros((), dtype=torch.float64, device=self.device), 0, 0
+        self.tokens, self.batch_size = 0, None
+        self.clock = time.perf_counter()
+
+    def add(self, loss: torch.Tensor, batch_size: int, skipped: bool = False) -> None:
+        """One step and its global batch (sequences); a skipped step's (non-finite) loss stays out of
+        the mean, its time and tokens stay in."""
+        if not skipped:
+            self.loss_sum += loss
+            self.applied += 1
+        self.steps += 1
+        self.tokens += batch_size * self.seq_len
+        self.batch_size = batch_size
+
+    def _shares(self) -> dict:
+        """The realised share of each source of a mixture (data=mixture), as data/share/<label>."""
+        shares = self.batches.mixture_shares()
+        return {f"data/share/{label}": share for label, share in shares.items()} if len(shares) > 1 else {}
+
+    @contextlib.contextmanager
+    def paused(self):
+        started = time.perf_counter()
+        yield
+        self.clock += time.perf_counter() - started
+
+    def take(self, progress, result, skipped_steps: int) -> dict:
+        """The metrics record of the steps since the last one (mean loss over the applied steps and the
+        ranks; None when every step since was skipped) and the run's skipped steps so far."""
+        elapsed = time.perf_counter() - self.clock
+        tokens_per_s = self.tokens / elapsed
+        self.eta_s = (self.run_tokens - progress.tokens) / tokens_per_s
+        loss_sum = mean_over_ranks(self.loss_sum)  # a collective: every rank takes part, skips or not
+        finite = result.grad_norm is not None and math.isfinite(result.grad_norm)
+        return {
+            "step": progress.step,
+            "tokens": progress.tokens,
+            "train/loss": loss_sum / self.applied if self.applied else None,
+            "train/lr": result.lr,
+            "train/grad_norm": result.grad_norm if finite else None,
+            "train/skipped_steps": skipped_steps,
+            "train/batch_size": self.batch_size,  # sequences in the last step's global batch
+            "perf/tokens_per_s": tokens_per_s,
+            "perf/tflops": tokens_per_s * self.flops_per_token / self.world / 1e12,
+            "perf/mfu": mfu(tokens_per_s, self.flops_per_token, self.peak, self.world),
+            "perf/max_mem_gib": max_memory_gib(self.device),
+            "perf/data_wait_s": self.batches.pop_wait_seconds(),
+            **self._shares(),
+            **({"perf/mfu_predicted": self.plan.predicted_mfu} if self.plan is not None else {}),
+        }
+
+
+def full_shapes_model(model_cfg) -> GPT:
+    with torch.device("meta"):
+        return GPT(model_cfg)  # the unsharded model's shapes, for counting
+
+
+def mean_over_ranks(value) -> float:
+    """Mean of a per-rank number over all ranks (on the accelerator: nccl reduces no CPU tensors)."""
+    import torch.distributed as dist
+
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    tensor = torch.as_tensor(value, dtype=torch.float64, device=device).reshape(1)
+    if dist.get_world_size() > 1:
+        dist.all_reduce(tensor)
+        tensor /= dist.get_world_size()
+    return float(tensor)
+
+
+def max_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # kB → GiB

@@ -159,7 +159,7 @@ class TokenLR:
     `next_step(b)` with the step's batch in tokens, and every parameter group gets η(τ + b), the rate
     at the tokens trained on once the step is done; so the first step already has a non-zero rate, and
     with a constant batch of b tokens step s (0-based) runs at η((s + 1)·b). DeepSpeed calls `step()`
-    after an applied update only (not after one it skipped, train/faults.py), which adds b to τ: a
+    after an applied update only (not after one it skipped, train/guard/nonfinite.py), which adds b to τ: a
     skipped step leaves the schedule where it was. The rate follows the tokens trained on also when the
     batch grows (train/batch_ramp.py) and after a resume (the checkpoint restores τ). Its state (τ) is
     plain data. `set_tokens(τ)` sets τ itself, with the rate η(τ).

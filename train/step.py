@@ -17,7 +17,7 @@ micro batches since the start of the run.
 Both return the mean loss over the micro batches, on the device (no host sync), the pre-clip
 global gradient norm, the learning rate the update used and whether the update was skipped. Every
 loss goes through `faults.flag_non_finite` before backward, so a non-finite loss on any rank makes
-every rank's optimizer skip the update (train/faults.py); DeepSpeed counts the skip in
+every rank's optimizer skip the update (train/guard/nonfinite.py); DeepSpeed counts the skip in
 `engine.skipped_steps`.
 """
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from train.faults import flag_non_finite, flagging
+from train.guard.nonfinite import flag_non_finite, flagging
 
 
 @dataclass

@@ -1,0 +1,168 @@
+"""Ahead-of-time compilation of the attention kernels for NVIDIA GPUs, on a machine without one.
+
+`triton.compile` with a `GPUTarget` runs Triton's whole pipeline (Triton IR → PTX → ptxas → cubin)
+for a chosen architecture with no GPU present. Each kernel is compiled the way the runtime would
+compile it for contiguous or packed-QKV inputs (pointers and strides specialised as multiples of
+16; T, lo, hi never specialised, as the kernels declare), for every autotune config at the head
+dims it serves (and the pinned config at all of them), in both half-precision dtypes, for sm_80
+and sm_90 (Hopper, whose tensor cores need `wgmma`). From each binary it reads the per-thread
+register count and stack frame (cuobjdump's resource usage: a non-zero STACK is where ptxas put
+spilled registers, since these kernels call nothing and keep no local arrays) and counts the
+`wgmma` instructions in the PTX.
+
+  python tests/helpers/attention_compile.py          # the table, with TRITON_INTERPRET unset
+  python tests/helpers/attention_compile.py --json   # one JSON record per compiled kernel
+
+Compiles run in parallel, one process per CPU, and land in Triton's on-disk cache
+(~/.triton/cache), so a second run takes seconds. tests/model/test_attention_compile.py runs this in a
+subprocess: the interpreter tests set TRITON_INTERPRET=1 for the whole pytest process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import multiprocessing
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, when run as a script
+
+HEAD_DIMS = (64, 80, 96, 128)
+DTYPES = ("bf16", "fp16")
+ARCHS = (80, 90)
+# Pointer arguments and their element types ("in" = the input dtype); every other non-constexpr
+# argument is an int32 except these float32 scalars. Strides are the int arguments named s…
+POINTERS = {"Q": "in", "K": "in", "V": "in", "Out": "in", "DO": "in", "DK": "in", "DV": "in",
+            "LSE": "fp32", "DELTA": "fp32", "DQ": "fp32"}
+FLOATS = ("qk_scale", "sm_scale")
+
+
+def kernels():
+    """{name: (JITFunction, {head dim: [config kwargs + num_warps/num_stages]})} for every kernel: the
+    configs the autotuner tries at that head dim plus the pinned one (used at every head dim)."""
+    from model import attention_triton as at
+
+    if at.INTERPRET:
+        raise RuntimeError("TRITON_INTERPRET=1 is set: the kernels are interpreted and cannot be compiled")
+
+    def per_head_dim(tuning, mask_name):
+        entries = {d: list(dict.fromkeys([*at.candidates(tuning, d), at.pinned(tuning)])) for d in HEAD_DIMS}
+        return {d: [_config_dict(c) for c in at.triton_configs(e, mask_name)] for d, e in entries.items()}
+
+    preprocess = [{"BLOCK_M": at.PREPROCESS_BLOCK, "num_warps": 4, "num_stages": 3}]
+    return {"forward": (at._fwd_kernel.fn, per_head_dim(at.FWD_TUNING, "MASK_N")),
+            "backward": (at._bwd_kernel.fn, per_head_dim(at.BWD_TUNING, "MASK_M")),
+            "preprocess": (at._bwd_preprocess, {d: preprocess for d in HEAD_DIMS})}
+
+
+def _config_dict(config):
+    return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
+
+
+def compile_case(kernel_name: str, config: dict, head_dim: int, dtype: str, arch: int) -> dict:
+    """Compile one kernel for sm_<arch>; return its config, registers, stack bytes, shared memory and
+    wgmma count."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn, _ = kernels()[kernel_name]
+    meta = {k: v for k, v in config.items() if k not in ("num_warps", "num_stages")}
+    params = {p.name for p in fn.params if p.is_constexpr}
+    constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": max(16, triton.next_power_of_2(head_dim)), **meta}
+    if "DOT_PRECISION" in params:
+        constexprs["DOT_PRECISION"] = "tf32"  # what the kernels get for bf16/fp16 (ignored for them)
+    signature, attrs = {}, {}
+    for index, param in enumerate(fn.params):
+        name = param.name
+        if param.is_constexpr:
+            signature[name] = "constexpr"
+            continue
+        if name in POINTERS:
+            signature[name] = "*" + (dtype if POINTERS[name] == "in" else POINTERS[name])
+        elif name in FLOATS:
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+        if name in POINTERS or re.fullmatch(r"s[a-z]+", name):  # pointers and strides: multiples of 16
+            attrs[(index,)] = [["tt.divisibility", 16]]
+    missing = set(constexprs) - params
+    if missing:
+        raise ValueError(f"{kernel_name}: constexprs {sorted(missing)} are not parameters of {fn.__name__}")
+    source = ASTSource(fn, signature, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()},
+                       attrs=attrs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                              options={"num_warps": config["num_warps"], "num_stages": config["num_stages"]})
+    usage = _resource_usage(compiled.asm["cubin"])
+    return {"kernel": kernel_name, "config": config, "head_dim": head_dim, "dtype": dtype, "arch": arch,
+            "registers": usage["REG"], "stack": usage["STACK"], "local": usage["LOCAL"],
+            "shared": compiled.metadata.shared, "wgmma": compiled.asm["ptx"].count("wgmma.mma_async")}
+
+
+def _resource_usage(cubin: bytes) -> dict[str, int]:
+    """REG, STACK, SHARED, LOCAL, ... of the one function in a cubin, from `cuobjdump --dump-resource-usage`."""
+    from triton import knobs
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([knobs.nvidia.cuobjdump.path, "--dump-resource-usage", f.name],
+                             check=True, capture_output=True, text=True).stdout
+    line = next(line for line in out.splitlines() if "REG:" in line)
+    return {key: int(value) for key, value in re.findall(r"([A-Z]+(?:\[\d+\])?):(\d+)", line)}
+
+
+# A config that does spill (192 B at head dim 128 on sm_90, triton 3.6 and 3.9): compiled with
+# --control, so the test can show that the stack check sees spills at all.
+SPILLING_CONTROL = ("forward", {"BLOCK_M": 128, "BLOCK_N": 64, "MASK_N": 32, "num_warps": 4, "num_stages": 3},
+                    128, "bf16", 90)
+
+
+def all_cases():
+    """Every (kernel, config, head dim, dtype, arch) the test must compile."""
+    return [(name, config, d, dtype, arch)
+            for name, (_, configs) in kernels().items() for d in HEAD_DIMS for config in configs[d]
+            for dtype in DTYPES for arch in ARCHS]
+
+
+def compile_all(workers: int | None = None, control: bool = False) -> list[dict]:
+    cases = all_cases() + ([SPILLING_CONTROL] if control else [])
+    workers = workers or min(os.cpu_count() or 1, len(cases))
+    # fork: the workers inherit the imported kernels instead of importing torch and triton again
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        return list(pool.map(compile_case, *zip(*cases)))
+
+
+def print_table(records):
+    print(f"{'kernel':<11} {'config (M, N, mask, warps, stages)':<36} {'arch':>5} {'dtype':>5} {'d':>4} "
+          f"{'regs':>5} {'stack B':>7} {'smem KiB':>8} {'wgmma':>6}")
+    for r in records:
+        c = r["config"]
+        blocks = tuple(v for k, v in c.items() if k not in ("num_warps", "num_stages"))
+        name = f"{blocks + (c['num_warps'], c['num_stages'])}"
+        print(f"{r['kernel']:<11} {name:<36} {'sm_' + str(r['arch']):>5} {r['dtype']:>5} {r['head_dim']:>4} "
+              f"{r['registers']:>5} {r['stack']:>7} {r['shared'] / 1024:>8.1f} {r['wgmma']:>6}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", action="store_true", help="one JSON record per line instead of the table")
+    parser.add_argument("--workers", type=int, help="parallel compiles (default: one per CPU)")
+    parser.add_argument("--control", action="store_true", help="also compile SPILLING_CONTROL, last")
+    args = parser.parse_args()
+    records = compile_all(args.workers, args.control)
+    if args.json:
+        for r in records:
+            print(json.dumps(r))
+    else:
+        print_table(records)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""Running `python -m train` the way users do (plain, torchrun, deepspeed launcher), for tests."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+
+# A tiny GPT-3-shaped model on a corpus of real text; every layout test uses these settings.
+TINY = [
+    "model.n_layer=3", "model.n_head=2", "model.d_model=32", "model.seq_len=32",
+    "train.global_batch_size=4", "train.micro_batch_size=1", "train.eval_batches=1",
+    "logging.log_interval=1", "train.sample_tokens=0", "data=files", "data.val_permille=250",
+    "optim.warmup_tokens=32", "optim.decay_tokens=2000", "optim.lr=3e-3",
+]
+
+
+def write_corpus(folder: Path) -> Path:
+    """A few dozen real documents: the source of standard-library functions, one .txt file each."""
+    import argparse, csv, json as js, logging, pathlib, string, textwrap  # noqa: E401
+
+    for module in (argparse, csv, js, logging, pathlib, string, textwrap):
+        for name, obj in inspect.getmembers(module, inspect.isfunction):
+            if obj.__module__ == module.__name__:
+                (folder / f"{module.__name__}.{name}.txt").write_text(inspect.getsource(obj))
+    return folder
+
+
+def launcher(kind: str, nproc: int, module: str = "train") -> list[str]:
+    """The command prefix that starts `nproc` ranks of `-m <module>`."""
+    if kind == "python":
+        return [sys.executable, "-m", module]
+    if kind == "torchrun":
+        return [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(_free_port()), "-m", module]
+    if kind == "deepspeed":
+        return [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(_free_port()), "--module", module]
+    raise ValueError(kind)
+
+
+def arguments(run_dir: Path, corpus: Path | None, *overrides: str) -> list[str]:
+    """The overrides of a TINY run in run_dir on the corpus (None: the overrides choose the data)."""
+    data = [f"data.paths=[{corpus}/*.txt]"] if corpus is not None else []
+    return [f"hydra.run.dir={run_dir}", *TINY, *data, *overrides]
+
+
+def train(
+    run_dir: Path, corpus: Path | None, *overrides: str, kind: str = "python", nproc: int = 1, check: bool = True,
+    env: dict | None = None,
+) -> subprocess.CompletedProcess:
+    clean = clean_env(env or {})
+    cmd = [*launcher(kind, nproc), *arguments(run_dir, corpus, *overrides)]
+    proc = subprocess.run(cmd, cwd=REPO, env=clean, capture_output=True, text=True, timeout=600)
+    if check:
+        assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc
+
+
+def start_train(run_dir: Path, corpus: Path | None, *overrides: str, log: Path) -> subprocess.Popen:
+    """One-process `python -m train` as `train` runs it, in the background, writing its output to `log`, in
+    a session of its own: the session id is its pid, so a test can find and stop whatever it started."""
+    data = [f"data.paths=[{corpus}/*.txt]"] if corpus is not None else []
+    cmd = [*launcher("python", 1), f"hydra.run.dir={run_dir}", *TINY, *data, *overrides]
+    with open(log, "w") as out:
+        return subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def generate(
+    checkpoint: Path, *overrides: str, kind: str = "python", nproc: int = 1, check: bool = True
+) -> subprocess.CompletedProcess:
+    """`python -m train.generate` on a run's checkpoint, with the TINY model."""
+    model = [o for o in TINY if o.startswith("model.")]
+    cmd = [*launcher(kind, nproc, "train.generate"), *model, f"generate.checkpoint={checkpoint}", *overrides]
+    proc = subprocess.run(cmd, cwd=REPO, env=clean_env({}), capture_output=True, text=True, timeout=600)
+    if check:
+        assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc
+
+
+def start(log: Path, cmd: list[str], env: dict | None = None, **popen) -> subprocess.Popen:
+    """Start `cmd` in the repository without waiting; its stdout and stderr go to <log>.out and <log>.err
+    (files, not pipes: nothing blocks however much it prints). `read_log(log)` gives them back."""
+    with open(f"{log}.out", "w") as out, open(f"{log}.err", "w") as err:
+        return subprocess.Popen(cmd, cwd=REPO, env=clean_env(env), stdout=out, stderr=err, text=True, **popen)
+
+
+def read_log(log: Path) -> tuple[str, str]:
+    return Path(f"{log}.out").read_text(), Path(f"{log}.err").read_text()
+
+
+def clean_env(extra: dict | None = None) -> dict:
+    """This environment without any launcher variables, quiet W&B, unbuffered output, one thread."""
+    clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    clean.update({"WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}, **(extra or {}))
+    return clean
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

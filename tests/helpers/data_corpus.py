@@ -1,0 +1,59 @@
+"""Small corpora for the data tests, and the token streams they should give, computed independently of
+train.data*: tokenize each document here with tiktoken's GPT-2 encoding, append <|endoftext|>, concatenate.
+
+The documents mix tiny ones (many per window) with huge ones (longer than a whole shuffle chunk), so
+windows, chunks and resume points fall both between and inside documents.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import torch
+
+from train.data.tokenizer import gpt2
+
+EOT = 50256
+
+
+def doc(i: int) -> str:
+    """Document i: a unique marker, then 0 to ~1200 tokens of varied text."""
+    body = ["", "x", "naïve café 🙂\n", "def f(x):\n    return x * 2\n\n", "lorem ipsum dolor sit amet " * 40]
+    return f"<<doc{i}>> " + body[i % len(body)] * (1 + i % 3)
+
+
+def write_texts(root, texts: list[str], prefix: str = "doc") -> None:
+    """One .txt file per text, named so that file order is list order."""
+    for i, text in enumerate(texts):
+        (root / f"{prefix}{i:03d}.txt").write_text(text, encoding="utf-8")
+
+
+def text_corpus(root, n: int) -> tuple:
+    """n .txt files of `doc(i)` in `root`: (root, their texts in file order)."""
+    texts = [doc(i) for i in range(n)]
+    write_texts(root, texts)
+    return root, texts
+
+
+def files_cfg(root, **keys) -> dict:
+    """A data config reading every .txt file of `root`, plus `keys`."""
+    return {"source": "files", "paths": [str(root / "*.txt")], **keys}
+
+
+def in_split(text: str, val_permille: int, validation: bool) -> bool:
+    return bool(text) and (zlib.crc32(text.encode()) % 1000 < val_permille) == validation
+
+
+def token_stream(texts, val_permille: int, validation: bool = False) -> np.ndarray:
+    """The token stream of one split of `texts` (empty documents are skipped)."""
+    enc, out = gpt2(), []
+    for text in texts:
+        if in_split(text, val_permille, validation):
+            out += enc.encode_ordinary(text) + [EOT]
+    return np.array(out, dtype=np.int64)
+
+
+def take(it, n: int) -> list[torch.Tensor]:
+    """The next n batches of a TrainBatches."""
+    return [next(it) for _ in range(n)]

@@ -1,0 +1,90 @@
+"""The attention kernels compiled ahead of time for sm_80 (A100) and sm_90 (H100), on the CPU:
+head dims 64/80/96/128, each with every autotune config it tunes over and the pinned config, bf16
+and fp16, with no register spills, shared
+memory within the architecture's per-block limit, and Hopper's `wgmma` tensor-core instructions
+in the sm_90 code. tests/helpers/attention_compile.py does the compiling, in a subprocess without
+TRITON_INTERPRET=1 (which the interpreter tests set for this whole pytest process).
+
+About two minutes on 2 cores when Triton's cache is cold, seconds when it is warm.
+"""
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HELPERS = Path(__file__).resolve().parents[1] / "helpers"
+HEAD_DIMS = (64, 80, 96, 128)
+HALF_DTYPES = ("bf16", "fp16")
+ARCHS = (80, 90)
+# Largest dynamic shared memory one block may use: 163 KiB on A100 (sm_80), 227 KiB on H100 (sm_90).
+SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """(records of every case, the record of the spilling control case)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(HELPERS / "attention_compile.py"), "--json", "--control"],
+                          env=env, capture_output=True, text=True, timeout=3600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return records[:-1], records[-1]
+
+
+def _name(r):
+    blocks = tuple(r["config"].values())
+    return f"{r['kernel']} {blocks} sm_{r['arch']} {r['dtype']} d={r['head_dim']}"
+
+
+def _expected_cases():
+    """(kernel, config items, head dim, dtype, arch) for the autotune lists as model/attention_triton.py
+    declares them: each head dim's candidates and the pinned config."""
+    from model import attention_triton as at
+
+    def items(entry, mask):
+        return tuple(zip(("BLOCK_M", "BLOCK_N", mask, "num_warps", "num_stages"), entry))
+
+    cases = set()
+    for d, dtype, arch in itertools.product(HEAD_DIMS, HALF_DTYPES, ARCHS):
+        for kernel, tuning, mask in (("forward", at.FWD_TUNING, "MASK_N"), ("backward", at.BWD_TUNING, "MASK_M")):
+            cases |= {(kernel, items(e, mask), d, dtype, arch) for e in [*at.candidates(tuning, d), at.pinned(tuning)]}
+        preprocess = (("BLOCK_M", at.PREPROCESS_BLOCK), ("num_warps", 4), ("num_stages", 3))
+        cases.add(("preprocess", preprocess, d, dtype, arch))
+    return cases
+
+
+def test_every_config_head_dim_dtype_and_arch_is_compiled(compiled):
+    records, _ = compiled
+    got = [(r["kernel"], tuple(r["config"].items()), r["head_dim"], r["dtype"], r["arch"]) for r in records]
+    assert len(got) == len(set(got)) and set(got) == _expected_cases()
+
+
+def test_no_register_spills(compiled):
+    records, _ = compiled
+    spilling = [f"{_name(r)}: {r['stack']} B stack, {r['local']} B local" for r in records if r["stack"] or r["local"]]
+    assert not spilling, "configs that spill registers:\n" + "\n".join(spilling)
+
+
+def test_the_spill_check_sees_spills(compiled):
+    _, control = compiled
+    assert control["stack"] > 0, f"{_name(control)} should spill at 4 warps; got {control}"
+
+
+def test_shared_memory_fits_each_architecture(compiled):
+    records, _ = compiled
+    too_big = [f"{_name(r)}: {r['shared']} B" for r in records if r["shared"] > SHARED_LIMIT[r["arch"]]]
+    assert not too_big, "configs over the shared-memory limit:\n" + "\n".join(too_big)
+
+
+def test_hopper_code_uses_wgmma_and_ampere_code_cannot(compiled):
+    records, _ = compiled
+    matmul_kernels = [r for r in records if r["kernel"] != "preprocess"]
+    assert matmul_kernels
+    assert all(r["wgmma"] > 0 for r in matmul_kernels if r["arch"] == 90), \
+        [_name(r) for r in matmul_kernels if r["arch"] == 90 and not r["wgmma"]]
+    assert all(r["wgmma"] == 0 for r in records if r["arch"] == 80)

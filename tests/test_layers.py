@@ -1,0 +1,109 @@
+"""The package structure: model ← parallel ← train, commands on top, and no import circles.
+
+Every import statement of the source tree (also those inside functions, which run later but still
+tie the modules together) is read with `ast`, without importing anything. An import of `a.b` that
+names a submodule (`from a.b import c`, c a module) is an edge to `a.b.c`; otherwise to `a.b`.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("model", "parallel", "train", "launch")
+# The commands (`python -m ...`): nothing imports them, and none imports another.
+COMMANDS = {"train.__main__", "train.generate", "train.export", "train.prepare_data", "train.plan.__main__"}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def source_modules() -> dict[str, Path]:
+    return {module_name(p): p for package in PACKAGES for p in sorted((REPO / package).rglob("*.py"))}
+
+
+def imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    """The project modules `path` imports (anywhere in the file)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module
+                     for alias in node.names]
+        else:
+            continue
+        found |= {name for name in names if name in modules}
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    modules = source_modules()
+    return {name: imports(path, modules) - {name} for name, path in modules.items()}
+
+
+def cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One import circle (its modules in order, the first repeated at the end), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(edges[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(edges):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_cycle_finder_finds_a_circle_and_accepts_a_tree():
+    assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_import_reader_sees_imports_inside_functions(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("import os\n\ndef f():\n    from train import loop\n    from train.data import tokenizer\n")
+    modules = {"train": path, "train.loop": path, "train.data": path, "train.data.tokenizer": path}
+    assert imports(path, modules) == {"train.loop", "train.data.tokenizer"}
+
+
+def test_no_import_circle():
+    assert cycle(graph()) is None
+
+
+def test_lower_layers_never_import_higher_ones():
+    """model/ imports neither parallel nor train; parallel/ never imports train."""
+    higher = {"model": ("parallel", "train"), "parallel": ("train",)}
+    for name, targets in graph().items():
+        for layer, forbidden in higher.items():
+            if name == layer or name.startswith(f"{layer}."):
+                bad = sorted(t for t in targets if t.split(".")[0] in forbidden)
+                assert not bad, f"{name} imports {bad}"
+
+
+def test_no_module_imports_a_command():
+    """The commands sit on top: no module, another command included, imports one."""
+    for name, targets in graph().items():
+        bad = sorted(targets & COMMANDS)
+        assert not bad, f"{name} imports the command module(s) {bad}"
+
+
+def test_planner_lives_in_train_plan():
+    """parallel/ is runtime only: every planner module is under train/plan/."""
+    modules = source_modules()
+    assert not [m for m in modules if m.startswith("parallel.plan")]
+    assert {"train.plan.counts", "train.plan.activations", "train.plan.comm", "train.plan.dry_run",
+            "train.plan.estimate", "train.plan.search", "train.plan.hardware", "train.plan.report"} <= set(modules)

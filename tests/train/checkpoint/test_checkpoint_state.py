@@ -1,0 +1,133 @@
+"""A checkpoint's training state moves between layouts exactly.
+
+Gloo ranks build the real run (train.loop.build from the composed config), train two steps on
+fixed windows at one layout and save; fresh ranks at other layouts (another tp, pp, ZeRO stage,
+offload) resume from it. Each side puts the whole model's fp32 master weights and Adam moments
+back together from what every rank holds — DeepSpeed's own gather (safe_get_full_*) or the torch
+AdamW's state, placed by parallel.naming's slices — and the resumed state must equal the saved one
+bit for bit, as must AdamW's step count and the learning rate.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cli import TINY
+from model import GPTConfig
+from parallel.naming import full_shapes
+from train.config.spec import resolve
+from distributed import run_distributed
+
+MODEL = [o for o in TINY if not o.startswith("data")] + ["model.n_head=4", "train.eval_interval=0",
+                                                          "logging.wandb.mode=disabled", "train.sample_tokens=0"]
+SAVED_AT = ["parallel.tp=2", "parallel.zero_stage=1"]  # 4 ranks: tp 2 × dp 2
+
+
+def compose(corpus: str, overrides: list[str]):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from train.config.entry import CONFIG_DIR, register_resolvers
+
+    register_resolvers()
+
+    with initialize_config_dir(version_base=None, config_dir=str(CONFIG_DIR), job_name="test"):
+        return hydra_compose("config", overrides=[*MODEL, "data=files", f"data.paths=[{corpus}/*.txt]", *overrides])
+
+
+def whole_state(trainer) -> dict:
+    """{kind/full name: this rank's region} for the parts this rank speaks for (tp rank 0 for
+    replicated ones, never a tied copy), plus the step count and learning rates. The module's
+    weights must equal the fp32 master (fp32 training)."""
+    from deepspeed.runtime.zero import GatheredParameters
+
+    from parallel.naming import parameter_map
+    from train.checkpoint.optimizer_state import ParameterState
+
+    params, part, topology = ParameterState(trainer.engine), trainer.engine.module, trainer.topology
+    regions = {}
+    for local, shard in parameter_map(part, trainer.model_cfg, topology).items():
+        if shard.tied or (shard.replicated and topology.tp_rank != 0):
+            continue
+        param = part.get_parameter(local)
+        values = params.get(param)  # a collective over dp under ZeRO
+        with GatheredParameters([param], enabled=params.zero_stage == 3):  # the weights the forward pass uses
+            assert torch.equal(param.detach().reshape(values["model"].shape), values["model"]), local
+        for kind, value in values.items():
+            bounds = tuple((s.start, s.stop) for s in shard.index)
+            regions[(kind, shard.name, bounds)] = (shard.full_shape, value[shard.local_index].detach().cpu().clone())
+    return {"regions": regions, "steps": params.step_count(), "lr": trainer.engine.get_lr()}
+
+
+def save_worker(corpus: str, run_dir: str) -> dict:
+    from train import loop
+
+    trainer = loop.build(resolve(compose(corpus, SAVED_AT), run_dir))
+    windows = torch.randint(0, 50257, (4 // trainer.topology.dp_size, 33), generator=torch.Generator().manual_seed(3))
+    progress = trainer.progress
+    for _ in range(2):
+        trainer.step(windows)
+        progress.advance(trainer.ramp.size_at(progress.tokens) * trainer.model_cfg.seq_len)
+    save_checkpoint(trainer)
+    return whole_state(trainer)
+
+
+def save_checkpoint(trainer) -> None:
+    """The loop's save, with the loop's safeguards around it (they refuse non-finite weights)."""
+    from train import loop
+    from train.guard.safeguards import Safeguards
+
+    guard = Safeguards(trainer.cfg, trainer.run_dir, trainer.engine, trainer.topology.rank, print)
+    try:
+        loop.save_checkpoint(trainer, guard)
+    finally:
+        guard.close()
+
+
+def resume_worker(corpus: str, run_dir: str, layout: list[str]) -> dict:
+    from train import loop
+
+    trainer = loop.build(resolve(compose(corpus, [*layout, f"train.resume={run_dir}"]), run_dir + "-resumed"))
+    resumed = loop.resume(trainer)
+    assert resumed and trainer.progress.step == 2
+    return whole_state(trainer)
+
+
+def assemble(ranks: list[dict]) -> dict[str, torch.Tensor]:
+    """Full tensors from every rank's regions; each element must be written exactly once."""
+    full, count = {}, {}
+    for rank in ranks:
+        for (kind, name, index), (shape, value) in rank["regions"].items():
+            key = f"{kind}/{name}"
+            index = tuple(slice(*bounds) for bounds in index)
+            full.setdefault(key, torch.full(shape, float("nan")))[index] = value
+            count.setdefault(key, torch.zeros(shape, dtype=torch.int))[index] += 1
+    for key, n in count.items():
+        assert (n >= 1).all(), f"{key} not covered"
+    return full
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, corpus):
+    run_dir = tmp_path_factory.mktemp("saved") / "run"
+    ranks = run_distributed(save_worker, 4, str(corpus), str(run_dir), timeout=600)
+    return corpus, run_dir, ranks
+
+
+@pytest.mark.parametrize("world, layout", [
+    (4, ["parallel.pp=2", "parallel.zero_stage=1", "parallel.offload_optimizer=true"]),
+    (2, ["parallel.zero_stage=3"]),
+], ids=["pp2-dp2-zero1-offload", "dp2-zero3"])
+def test_fp32_weights_and_adam_moments_move_exactly(saved, world, layout):
+    corpus, run_dir, saved_ranks = saved
+    resumed_ranks = run_distributed(resume_worker, world, str(corpus), str(run_dir), layout, timeout=600)
+    before, after = assemble(saved_ranks), assemble(resumed_ranks)
+    names = full_shapes(GPTConfig(n_layer=3, n_head=4, d_model=32, seq_len=32))  # the TINY model's parameters
+    kinds = ("model", "exp_avg", "exp_avg_sq")
+    assert before.keys() == after.keys() == {f"{kind}/{name}" for name in names for kind in kinds}
+    for key, expected in before.items():
+        assert torch.equal(after[key], expected), key
+    assert before["exp_avg_sq/layers.1.attn.qkv.weight"].abs().sum() > 0  # moments of two real steps
+    assert {r["steps"] for r in saved_ranks} == {r["steps"] for r in resumed_ranks} == {2}
+    assert {tuple(r["lr"]) for r in resumed_ranks} == {tuple(saved_ranks[0]["lr"])}

@@ -1,0 +1,452 @@
+"""Checkpoints that resume at any layout, are verified before use and never run code.
+
+What a checkpoint holds (train/checkpoint/files.py shows the folder):
+
+  tensors     for every full-model parameter (parallel/naming.py's names): its fp32 master
+              weights ("model/<name>") and AdamW moments ("exp_avg/<name>", "exp_avg_sq/<name>"),
+              each rank saving its tensor-parallel slice as a chunk of the full tensor, through
+              torch.distributed.checkpoint into safetensors files (train/checkpoint/tensors.py)
+  state.json  AdamW's step count, the model config, the layout, the gpt3d version, and the entries
+              of the run's registered parts (train/checkpoint/parts.py): step and tokens, the data
+              position, the LR schedule, DeepSpeed's step counters, the schedule record ("extra")
+  rng.json    every rank's per-rank parts: its torch / Python (/ CUDA) RNG state
+
+Saving gathers one parameter at a time (DeepSpeed's safe_get_full_* under ZeRO ≥ 1) and keeps
+it only on the data-parallel rank chosen to write it, so each rank holds about its ZeRO share of
+the state on the CPU. Loading asks DCP for exactly the regions this rank's layout needs, in
+batches of about LOAD_BATCH_BYTES, and writes them back through DeepSpeed's safe_set_full_* (or
+into the torch AdamW at ZeRO-0). So (tp, pp, dp, ZeRO stage, offload) may all differ between the
+run that saved and the one that resumes.
+
+The entry points of the training loop: `find_resume_path`, `load`, `save`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+from train.checkpoint import files
+from train.checkpoint import tensors
+from train.checkpoint.optimizer_state import KINDS, ParameterState
+from train.checkpoint.parts import CheckpointParts
+from train.engine import ENGINE_COUNTERS
+
+FORMAT, FORMAT_VERSION = "gpt3d-checkpoint", 1
+LOAD_BATCH_BYTES = 1 << 30  # fp32 state read per DCP load call on one rank
+# Model config keys that do not change what the weights mean: a checkpoint need not match them.
+RUN_ONLY_KEYS = ("name", "attention_impl", "dropout", "init_std")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the message says which one and why."""
+
+
+def checkpoint_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+step_tag = files.step_tag
+
+
+# ---------------------------------------------------------------------------------------------
+# finding a checkpoint
+
+
+def find_resume_path(resume, run_dir: Path) -> Path | None:
+    """train.resume: 'auto' → the run dir's checkpoints/ folder when it holds any checkpoint (or a
+    `latest`), else None (a fresh start); 'none'/null → None; else a path: a run directory, its
+    checkpoints/ folder, or one step folder. Cheap: nothing is verified yet (`load` does that)."""
+    if resume in (None, "none", "null", False):
+        return None
+    if resume == "auto":
+        root = checkpoint_dir(run_dir)
+        return root if _holds_checkpoints(root) else None
+    path = Path(str(resume))
+    for candidate in (path, checkpoint_dir(path)):
+        if _is_step_folder(candidate) or _holds_checkpoints(candidate):
+            return candidate
+    raise ValueError(
+        f"train.resume={resume!r}: no gpt3d checkpoint there (expected a run directory, its checkpoints/ folder, "
+        f"or one step folder holding {files.MANIFEST}); use auto, none, or such a path"
+    )
+
+
+def _holds_checkpoints(root: Path) -> bool:
+    return bool(files.step_folders(root)) or (root / files.LATEST).exists()
+
+
+def _is_step_folder(path: Path) -> bool:
+    return path.is_dir() and ((path / files.MANIFEST).exists() or files.step_of(path) is not None)
+
+
+def saved_state(path: Path) -> tuple[Path, dict] | None:
+    """(folder, its state.json) of the newest checkpoint under `path` (find_resume_path's answer) whose
+    state is readable, or None. Unverified and cheap (`load` verifies): for the checks made before any
+    build (train/checkpoint/resume_checks.py)."""
+    folders = [path] if _is_step_folder(path) else files.step_folders(path)
+    for folder in folders:
+        try:
+            state = files.read_json(folder / files.STATE)
+        except (OSError, ValueError):
+            continue  # damaged: `load` reports it and takes an older one
+        if isinstance(state, dict) and isinstance(state.get("model"), dict):
+            return folder, state
+    return None
+
+
+def select(path: Path, verify=None, warn=None) -> Path:
+    """The checkpoint folder to use: `path` itself if it is a step folder, else the newest intact
+    step folder under it; each damaged or incomplete one on the way is reported in one line (`warn`),
+    and none intact is a CheckpointError. `verify(folder) → problems` defaults to a one-process check."""
+    verify = verify or _verify_here
+    warn = warn or _warn
+    path = Path(path)
+    if _is_step_folder(path) and not _holds_checkpoints(path):
+        problems = verify(path)
+        if problems:
+            raise CheckpointError(f"checkpoint {path} is damaged or incomplete: {'; '.join(problems)}")
+        return path
+    latest, latest_problem = files.read_latest(path)
+    candidates = files.step_folders(path)
+    if latest_problem and candidates:
+        warn(f"{path / files.LATEST} {latest_problem}; looking for the newest intact checkpoint in {path}")
+    elif latest and not (path / latest).is_dir() and candidates:
+        warn(f"{path / files.LATEST} names {latest}, which is missing; looking for the newest intact checkpoint")
+    rejected = []
+    for folder in candidates:
+        problems = verify(folder)
+        if not problems:
+            return folder
+        rejected.append(f"{folder.name}: {'; '.join(problems)}")
+        warn(f"checkpoint {folder} is damaged or incomplete ({'; '.join(problems)}); trying the previous one")
+    named = f"; {files.LATEST} names {latest}, which is missing" if latest and not (path / latest).is_dir() else ""
+    raise CheckpointError(
+        f"no intact checkpoint in {path} ({'; '.join(rejected) or 'no step folders'}{named}); move the damaged "
+        f"ones away, resume from another path (train.resume=<path>), or start a new run (train.resume=none or "
+        f"another run directory)"
+    )
+
+
+def _verify_here(folder: Path) -> list[str]:
+    manifest, problems = files.structure_problems(folder)
+    if problems:
+        return problems
+    return files.digest_problems(folder, manifest, sorted(manifest["files"])) or _state_problems(folder)
+
+
+def _state_problems(folder: Path, state: dict | None = None) -> list[str]:
+    """What is wrong with an (intact) folder's state.json and rng.json, as this gpt3d reads them;
+    `state`: state.json as already parsed (its bytes were just checked against the manifest)."""
+    try:
+        state = files.read_json(folder / files.STATE) if state is None else state
+        rng = files.read_json(folder / files.RNG)
+    except (OSError, ValueError):
+        return ["state.json or rng.json is not valid JSON"]
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        return [f"state.json is not a {FORMAT} state"]
+    if state.get("format_version") != FORMAT_VERSION:
+        return [f"format version {state.get('format_version')!r} (written by gpt3d {state.get('gpt3d')}); this gpt3d "
+                f"reads version {FORMAT_VERSION}"]
+    expected = {"step": int, "tokens": int, "layout": dict, "model": dict, "optimizer": dict, "engine": dict}
+    wrong = [key for key, kind in expected.items() if not isinstance(state.get(key), kind)]
+    if wrong or not isinstance(state["optimizer"].get("adam_step"), int):
+        return [f"state.json lacks {wrong or ['optimizer.adam_step']}"]
+    odd = [key for key, value in state["engine"].items()
+           if key not in ENGINE_COUNTERS or not isinstance(value, int) or isinstance(value, bool) or value < 0]
+    if odd:
+        return [f"state.json's engine holds {odd}; only non-negative integer {list(ENGINE_COUNTERS)}"]
+    if not isinstance(rng, dict) or not isinstance(rng.get("ranks"), list) or not rng["ranks"]:
+        return ["rng.json holds no RNG states"]
+    return []
+
+
+def _verify_together(folder: Path, state: dict | None = None) -> list[str]:
+    """`_verify_here` with the hashing shared by all ranks (each hashes every world-th file); every
+    rank returns the same problems. `state`: as for `_state_problems`."""
+    import torch.distributed as dist
+
+    manifest, problems = files.structure_problems(folder)
+    if not problems:
+        names = sorted(manifest["files"])[dist.get_rank()::dist.get_world_size()]
+        problems = files.digest_problems(folder, manifest, names)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, problems)
+    problems = sorted({p for ps in gathered for p in ps})
+    return problems or _state_problems(folder, state)
+
+
+def _warn(text: str) -> None:
+    print(f"gpt3d: warning: {text}", file=sys.stderr, flush=True)
+
+
+def tag_folder(path: Path) -> Path:
+    """The intact checkpoint folder `path` names (one process): a run directory or its checkpoints/
+    folder (the newest intact one), or one step folder. ValueError if there is none."""
+    path = Path(path)
+    for root in (checkpoint_dir(path), path):
+        if _holds_checkpoints(root) or _is_step_folder(root):
+            return select(root)
+    raise ValueError(
+        f"{str(path)!r} holds no checkpoint: give a run directory, its checkpoints/ folder or one step folder "
+        f"(with {files.MANIFEST})"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# saving
+
+
+def save(engine, topology, model_cfg, run_dir: Path, parts: CheckpointParts, *, keep: int = 3,
+         keep_every: int = 0) -> Path:
+    """Save the run into <run_dir>/checkpoints/step<step>/ (every rank calls it): the tensors, and the
+    registered `parts` (which must save "step" and "tokens"). Then `latest` names it, and step folders
+    beyond the newest `keep` are deleted, except steps that are multiples of `keep_every` (> 0).
+    Returns the folder."""
+    import torch.distributed as dist
+
+    shared, own = parts.saved(), parts.saved(per_rank=True)  # every rank: a part's save may be a collective
+    _check_plain(parts=shared)
+    step = shared["step"]
+    root, tag = checkpoint_dir(run_dir), step_tag(step)
+    tmp = root / f"{files.TMP_PREFIX}{tag}"
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        files.remove_leftovers(root)
+        tmp.mkdir()
+    dist.barrier()
+    params = ParameterState(engine)
+    params.ensure_state()
+    slices = _collect(engine.module, model_cfg, topology, params)
+    adam_steps = _agreed(params.step_count(), "AdamW step count")
+    per_rank = [None] * world
+    dist.all_gather_object(per_rank, own)
+    tensors.write(slices, tmp)
+    del slices
+    shard_files = sorted(p.name for p in tmp.glob(f"*{files.SHARD_SUFFIX}"))
+    mine = {name: files.describe(tmp / name) for name in shard_files[rank::world]}
+    described = [None] * world
+    dist.all_gather_object(described, mine)
+    if rank == 0:
+        layout = layout_of(engine, topology)
+        state = {
+            "format": FORMAT, "format_version": FORMAT_VERSION, "gpt3d": gpt3d_version(), "layout": layout,
+            "model": dataclasses.asdict(model_cfg), "optimizer": {"adam_step": adam_steps}, **shared,
+        }
+        _write_state(tmp, state, {"ranks": per_rank}, {k: v for d in described for k, v in d.items()})
+        files.publish(tmp, root / tag)
+        files.set_latest(root, tag)
+        files.prune(root, keep, keep_every)
+    dist.barrier()
+    return root / tag
+
+
+def _check_plain(**values) -> None:
+    """JSON-able or a TypeError, on every rank before any collective (rank 0 alone writes them)."""
+    try:
+        json.dumps(values, allow_nan=False)
+    except (TypeError, ValueError) as err:
+        raise TypeError(f"checkpoint: {', '.join(values)} must hold only dicts, lists, strings, finite numbers, "
+                        f"booleans and None ({err})") from None
+
+
+def _write_state(tmp: Path, state: dict, rng: dict, described: dict) -> None:
+    for name, value in ((files.STATE, state), (files.RNG, rng)):
+        files.write_json(tmp / name, value)
+        described[name] = files.describe(tmp / name)
+    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "step": state["step"],
+                "layout": state["layout"], "files": dict(sorted(described.items()))}
+    files.write_json(tmp / files.MANIFEST, manifest)
+
+
+def _collect(part, model_cfg, topology, params: ParameterState) -> dict[str, tensors.FullSlice]:
+    """This rank's share of the tensors to save: for every parameter it speaks for (not a tied copy;
+    tp rank 0 for replicated ones) whose data-parallel writer it is, the fp32 weights and moments of
+    its region of the full tensor (vocabulary padding left out)."""
+    from parallel.naming import parameter_map
+
+    spoken = [(local, shard) for local, shard in parameter_map(part, model_cfg, topology).items()
+              if not shard.tied and (not shard.replicated or topology.tp_rank == 0)]
+    writers = _writers([shard for _, shard in spoken], topology.dp_size)
+    out = {}
+    for (local, shard), writer in zip(spoken, writers):
+        values = params.get(part.get_parameter(local))  # every dp rank takes part (ZeRO gathers)
+        if writer != topology.dp_rank or tensors.is_empty(shard.index):
+            continue
+        offsets, _ = tensors.region(shard.index)
+        for kind in KINDS:
+            region = values[kind][shard.local_index].cpu()
+            out[f"{kind}/{shard.name}"] = tensors.FullSlice(region, shard.full_shape, offsets)
+    return out
+
+
+def _writers(shards: list, dp: int) -> list[int]:
+    """The data-parallel rank that writes each shard: the least loaded so far, so each rank writes
+    about 1/dp of the bytes (the same answer on every rank)."""
+    load, writers = [0] * dp, []
+    for shard in shards:
+        _, sizes = tensors.region(shard.index)
+        writer = min(range(dp), key=lambda r: load[r])
+        load[writer] += max(1, int(torch.Size(sizes).numel()))
+        writers.append(writer)
+    return writers
+
+
+def _agreed(value, what: str):
+    """`value`, checked equal on every rank."""
+    import torch.distributed as dist
+
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    if len(set(values)) != 1:
+        raise RuntimeError(f"ranks disagree on the {what}: {values}")
+    return value
+
+
+def layout_of(engine, topology) -> dict:
+    return {"tp": topology.tp_size, "pp": topology.pp_size, "dp": topology.dp_size,
+            "zero_stage": int(engine.zero_optimization_stage()), "offload_optimizer": bool(engine.zero_cpu_offload())}
+
+
+def gpt3d_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("gpt3d")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+# ---------------------------------------------------------------------------------------------
+# loading
+
+
+def load(engine, topology, model_cfg, path: Path, parts: CheckpointParts, known: tuple[Path, dict] | None = None
+         ) -> tuple[Path, dict]:
+    """Resume from `path` (find_resume_path's answer) at this run's layout, whatever layout saved it
+    (every rank calls it): model, fp32 master weights, Adam moments and step count, then every
+    registered part (this rank's per-rank ones last). The checkpoint is verified first; a damaged one
+    is reported and the previous intact one used. `known`: a (folder, state.json) already parsed
+    (train/checkpoint/resume_checks.py), used as is when that folder is the one loaded. Returns (the
+    folder used, its state.json)."""
+    import torch.distributed as dist
+
+    known_folder, known_state = known or (None, None)
+
+    def verify(folder: Path) -> list[str]:
+        return _verify_together(folder, known_state if folder == known_folder else None)
+
+    folder = select(path, verify=verify, warn=_warn if dist.get_rank() == 0 else lambda text: None)
+    state = known_state if folder == known_folder else files.read_json(folder / files.STATE)
+    check_model(state.get("model", {}), model_cfg, folder)
+    reader = tensors.ShardReader(folder)
+    problems = tensors.mismatched(reader, saved_shapes(model_cfg))
+    if problems:
+        raise CheckpointError(f"checkpoint {folder} does not hold this model's tensors: {'; '.join(problems[:5])}")
+    params = ParameterState(engine)
+    params.ensure_state()
+    _restore(engine.module, model_cfg, topology, params, reader)
+    params.set_step_count(state["optimizer"]["adam_step"])
+    parts.load(state)
+    ranks = files.read_json(folder / files.RNG)["ranks"]
+    parts.load(ranks[dist.get_rank() % len(ranks)], per_rank=True)  # the same rank's at the same layout
+    return folder, state
+
+
+def check_model(saved: dict, model_cfg, folder: Path) -> None:
+    """One error naming every model setting that differs from the checkpoint's."""
+    differing = model_differences(saved, model_cfg)
+    if differing:
+        raise CheckpointError(
+            f"checkpoint {folder} holds another model: it was saved with "
+            + ", ".join(f"model.{k}={saved.get(k)!r} (now {getattr(model_cfg, k, None)!r})" for k in differing)
+            + "; resume with the same model settings, or start a new run"
+        )
+
+
+def model_differences(saved: dict, model_cfg) -> list[str]:
+    """Model config keys whose saved value differs from `model_cfg`'s (run-only keys aside)."""
+    current = dataclasses.asdict(model_cfg)
+    keys = (set(saved) | set(current)) - set(RUN_ONLY_KEYS)
+    return sorted(k for k in keys if saved.get(k) != current.get(k))
+
+
+def saved_shapes(model_cfg) -> dict[str, tuple[int, ...]]:
+    """{saved tensor name: full shape} of a checkpoint of this model."""
+    from parallel.naming import full_shapes
+
+    return {f"{kind}/{name}": shape for name, shape in full_shapes(model_cfg).items() for kind in KINDS}
+
+
+def _restore(part, model_cfg, topology, params: ParameterState, reader: tensors.ShardReader) -> None:
+    """Every local parameter (each Parameter once) from its region of the saved full tensors, in
+    batches; every rank makes the same number of DCP calls (a collective), some with nothing to read."""
+    import torch.distributed as dist
+
+    from parallel.naming import parameter_map
+
+    seen, todo = set(), []
+    for local, shard in parameter_map(part, model_cfg, topology).items():
+        param = part.get_parameter(local)
+        if id(param) not in seen:
+            seen.add(id(param))
+            todo.append((param, shard))
+    batches, size = [[]], 0
+    for param, shard in todo:
+        nbytes = 4 * len(KINDS) * torch.Size(shard.local_shape).numel()
+        if batches[-1] and size + nbytes > LOAD_BATCH_BYTES:
+            batches.append([])
+            size = 0
+        batches[-1].append((param, shard))
+        size += nbytes
+    counts = [None] * dist.get_world_size()
+    dist.all_gather_object(counts, len(batches))  # an object collective: also on NCCL, with no device tensor
+    for i in range(max(counts)):
+        batch = batches[i] if i < len(batches) else []
+        requests = {}
+        for _, shard in batch:
+            if not tensors.is_empty(shard.index):
+                offsets, sizes = tensors.region(shard.index)
+                for kind in KINDS:
+                    requests[f"{kind}/{shard.name}"] = tensors.FullSlice(torch.empty(sizes), shard.full_shape, offsets)
+        tensors.read(requests, reader)
+        for param, shard in batch:
+            values = {}
+            for kind in KINDS:
+                local = torch.zeros(shard.local_shape)  # vocabulary padding rows stay zero
+                if not tensors.is_empty(shard.index):
+                    local[shard.local_index] = requests[f"{kind}/{shard.name}"].tensor
+                values[kind] = local
+            params.set_(param, values)
+
+
+# ---------------------------------------------------------------------------------------------
+# reading in one process (generation, export)
+
+
+def saved_model_config(folder: Path) -> dict | None:
+    """The model config a checkpoint folder was saved with."""
+    return files.read_json(Path(folder) / files.STATE).get("model")
+
+
+def read_model_weights(folder: Path, config) -> dict[str, torch.Tensor]:
+    """{full parameter name: fp32 tensor} of the whole model from an intact checkpoint folder
+    written at any layout, in this process (no process group needed)."""
+    from parallel.naming import full_shapes
+
+    reader = tensors.ShardReader(folder)
+    problems = tensors.mismatched(reader, {f"model/{n}": s for n, s in full_shapes(config).items()})
+    if problems:
+        raise ValueError(f"checkpoint {folder} does not fit the configured model: {'; '.join(problems[:5])}; "
+                         "use the model.* settings of the run that saved it")
+    requests = {f"model/{name}": torch.empty(shape) for name, shape in full_shapes(config).items()}
+    with warnings.catch_warnings():  # DCP's note that it reads in one process: that is the point here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        tensors.read(requests, reader, distributed=False)
+    return {name.removeprefix("model/"): tensor for name, tensor in requests.items()}

@@ -1,0 +1,44 @@
+"""What every command's entry point needs before Hydra composes a config.
+
+- CONFIG_DIR: the Hydra config folder (configs/ at the repository root), the one definition.
+- register_resolvers(): the `${launch_stamp:}` and `${rank_zero_only:}` resolvers configs/config.yaml
+  uses, so that all ranks of one launch agree on the run directory and only rank 0 writes Hydra's
+  record of the config (.hydra/). Call it before composing (hydra.main or hydra.compose).
+- drop_launcher_arguments(): the deepspeed launcher appends --local_rank=N; Hydra takes only overrides.
+- Exit codes: EXIT_BAD_INPUT (2) for anything refused before the run starts, EXIT_FAILED (1) for a run
+  that started and could not go on (a bad record under data.on_bad_record=error, no usable checkpoint,
+  too many non-finite steps).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from train.config.launch import is_rank_zero, launch_timestamp
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+EXIT_BAD_INPUT = 2
+EXIT_FAILED = 1
+
+
+def register_resolvers() -> None:
+    """Register the resolvers configs/config.yaml uses (idempotent)."""
+    OmegaConf.register_new_resolver("launch_stamp", launch_timestamp, replace=True)
+    OmegaConf.register_new_resolver("rank_zero_only", lambda value: value if is_rank_zero() else None, replace=True)
+
+
+def drop_launcher_arguments(argv: list[str]) -> list[str]:
+    """argv without --local_rank=N / --local-rank N (the deepspeed launcher's; also in LOCAL_RANK)."""
+    kept, skip_next = [], False
+    for arg in argv:
+        if skip_next:
+            skip_next = False
+        elif arg.startswith("--local_rank=") or arg.startswith("--local-rank="):
+            continue
+        elif arg in ("--local_rank", "--local-rank"):
+            skip_next = True
+        else:
+            kept.append(arg)
+    return kept

@@ -1,0 +1,107 @@
+"""Early data checks, before any model is built: the batch geometry and a cheap look at the corpus.
+
+`check_data` resolves the config, checks that global batches split over streams and ranks, then reads
+each source only until every stream has a training document (and, if validation is asked for, until one
+validation document shows up). An empty corpus, one that is all bad records, one whose training split is
+empty, or one with fewer training documents than streams is one clear error here, instead of a failure
+mid-run. With ``on_bad_record=error`` a bad record among those read stops the run here too.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from train.data.records import Bad, BadRecords, is_validation, prepared_split, records
+from train.data.sources import DataError, DataSpec, SourceSpec, resolve
+
+
+def check_layout(spec: DataSpec, seq_len: int, batch: int, dp_rank: int, dp_size: int) -> None:
+    """Reject window and batch shapes that cannot be served evenly to every stream and data-parallel rank."""
+    streams = spec.streams
+    if seq_len < 1 or batch < 1:
+        raise DataError(f"data: seq_len={seq_len} and batch={batch} must be >= 1")
+    if not 0 <= dp_rank < dp_size:
+        raise DataError(f"data: dp_rank={dp_rank} is not in [0, dp_size={dp_size})")
+    if streams % dp_size and dp_size % streams:
+        fits = [d for d in range(dp_size, 8 * dp_size + 1, dp_size) if batch % d == 0][:3] or [dp_size]
+        raise DataError(
+            f"data.streams={streams} and data-parallel size {dp_size}: one must divide the other (a rank reads "
+            f"whole streams); use data.streams in {fits} (changing data.streams changes the data order)"
+        )
+    if batch % dp_size:
+        raise DataError(f"data: a global batch of {batch} windows does not split evenly over {dp_size} data-parallel ranks")
+    if batch % streams:
+        raise DataError(
+            f"data: a global batch of {batch} windows is not a multiple of data.streams={streams} (every global batch "
+            f"takes the same number of windows from each stream); use a multiple of {streams} or fewer streams"
+        )
+
+
+def check_data(data_cfg, dp_size: int = 1, global_batch: int | None = None, validation: bool = False) -> DataSpec:
+    """Resolve `data_cfg`, check the batch geometry (when `global_batch` is given) and probe every source:
+    it must hold a training document for every stream, and a validation document if `validation`."""
+    spec = resolve(data_cfg)
+    if global_batch is not None:
+        check_layout(spec, 1, global_batch, 0, dp_size)
+    for src in spec.sources:
+        if src.reader == "prepared":
+            _probe_prepared(src, spec.streams, validation)
+        else:
+            _probe_records(src, spec, validation)
+    return spec
+
+
+def _probe_records(src: SourceSpec, spec: DataSpec, validation: bool) -> None:
+    """Read records in order until every stream has a training document and validation one (if asked)."""
+    streams, bad = spec.streams, BadRecords(spec.on_bad_record, warn=False)
+    missing, found_validation = set(range(streams)), not validation
+    n_records = n_empty = n_train = n_val = 0
+    for record in records(src, 0, 1):
+        n_records += 1
+        if isinstance(record.text, Bad):
+            bad.skip(record)  # raises with on_bad_record=error
+        elif not record.text:
+            n_empty += 1
+        elif is_validation(record.text, src.val_permille):
+            n_val, found_validation = n_val + 1, True
+        else:
+            n_train += 1
+            missing.discard(record.index % streams)
+        if not missing and found_validation:
+            return
+    where = f"data: {src.label}"
+    if n_train + n_val == 0:
+        skipped = "; ".join(f"{f}: {', '.join(f'{r} ×{n}' for r, n in c.items())}" for f, c in bad.counts.items())
+        raise DataError(
+            f"{where}: the corpus holds no text to train on: {n_records} record(s) read, {n_empty} empty"
+            + (f", {n_records - n_empty} skipped as bad ({skipped})" if skipped else "")
+        )
+    if n_train == 0:
+        raise DataError(
+            f"{where}: the training split is empty: all {n_val} document(s) are held out for validation by "
+            f"val_permille={src.val_permille}; lower data.val_permille or add documents"
+        )
+    if missing:
+        raise DataError(
+            f"{where}: with data.streams={streams}, stream(s) {sorted(missing)[:8]} get no training document (record i "
+            f"goes to stream i mod data.streams; the corpus has {n_train} training documents in {n_records} records); "
+            f"lower data.streams"
+        )
+    raise DataError(
+        f"{where}: the validation split is empty (val_permille={src.val_permille}, {n_train} training documents) but "
+        "validation is asked for; raise data.val_permille, or set train.eval_interval=0"
+    )
+
+
+def _probe_prepared(src: SourceSpec, streams: int, validation: bool) -> None:
+    train = prepared_split(src.path, "train")
+    if len(train.docs) == 0:
+        raise DataError(f"data: {src.label}: the prepared training split at {src.path} is empty")
+    fed = np.bincount(train.docs % streams, minlength=streams) > 0  # (streams,) bool
+    if not fed.all():
+        missing = np.flatnonzero(~fed)[:8].tolist()
+        raise DataError(f"data: {src.label}: with data.streams={streams}, stream(s) {missing} get no training document "
+                        f"({len(train.docs)} documents in {src.path}); lower data.streams")
+    if validation and len(prepared_split(src.path, "validation").docs) == 0:
+        raise DataError(f"data: {src.label}: the prepared validation split at {src.path} is empty but validation is "
+                        "asked for; set train.eval_interval=0, or prepare with a larger data.val_permille")

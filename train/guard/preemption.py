@@ -1,0 +1,139 @@
+"""Stopping on request: SIGTERM, SIGINT and SIGUSR1 finish the current step, save a checkpoint, exit 0.
+
+A signal may reach only some ranks (a scheduler signalling one node, a `kill` by hand), and a rank
+that stopped alone would leave the others blocked in their next collective. So a signal only sets a
+flag. At the end of every step (after its logging, evaluation and checkpoint) the ranks all-reduce
+(max) one small vector of integers, `agree`, holding each rank's flag together with the step's
+non-finite checks, and all stop when any rank was signalled. The step that was running when the
+signal arrived is finished and the checkpoint is at that step. (Python runs a signal handler only
+once the C++ call under way returns: a signal that comes during the closing collective itself is
+seen after it, and counts for the next step.)
+
+SIGINT twice exits at once, without a checkpoint: the second one must come at least
+`DUPLICATE_WINDOW_S` after the first, since a launcher that passes the terminal's Ctrl-C on to its
+workers (torchrun does) delivers a second copy within milliseconds.
+
+`<run dir>/preempted.json` marks a run that stopped on a signal before its last step (step, signal,
+checkpoint): a job script requeues the job when it is there (launch/slurm.sbatch). The run removes it
+when it starts again and when it finishes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from train.metrics import write_atomically
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+DUPLICATE_WINDOW_S = 1.0
+MARKER = "preempted.json"
+
+
+class StopSignals:
+    """Turns SIGTERM / SIGINT / SIGUSR1 into a stop request (`received`: the first signal's number)."""
+
+    def __init__(self, rank: int):
+        self.rank, self.received = rank, 0
+        self.step = 0  # the step running now (set by the loop); `received_step`: the one a signal came in
+        self.received_step = 0
+        self._first_interrupt: float | None = None
+        self._previous: dict = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():  # Python lets only the main thread set handlers
+            self._previous = {sig: signal.signal(sig, self._on_signal) for sig in SIGNALS}
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def _on_signal(self, signum: int, frame) -> None:
+        now = time.monotonic()
+        if signum == signal.SIGINT:
+            if self._first_interrupt is not None:
+                if now - self._first_interrupt >= DUPLICATE_WINDOW_S:
+                    _write(f"gpt3d: rank {self.rank}: second interrupt: exiting now, without a checkpoint\n")
+                    os._exit(128 + signal.SIGINT)
+                return
+            self._first_interrupt = now
+        if self.received:
+            return
+        self.received, self.received_step = signum, self.step
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # one line per node, not one per rank
+            _write(f"gpt3d: rank {self.rank}: {signal.Signals(signum).name} during step {self.step}: finishing it, "
+                   f"then saving a checkpoint and stopping (Ctrl-C again to exit at once, without one)\n")
+
+
+    def take(self, step: int) -> tuple[int, int]:
+        """(signal, the step it came in; 0, 0 for none) for the agreement that ends `step`; a signal handled
+        from now on belongs to step + 1. No handler can run between the read and the advance: CPython runs
+        Python signal handlers only at calls and backward jumps, and there are none in between. (A signal
+        that arrives while the agreement's collective is under way is handled when it returns: the next step's.)"""
+        taken, self.step = (self.received, self.received_step), step + 1
+        return taken
+
+
+def _write(text: str) -> None:
+    """To stderr from a signal handler: one unbuffered write (print could re-enter a buffered stream)."""
+    os.write(2, text.encode())
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the ranks agreed at the end of a step."""
+
+    signal: int  # the largest signal number any rank received since it started (0: none)
+    rank: int | None  # the largest rank that received one
+    step: int  # the step that rank was running when it came
+
+
+def agree(step: int, loss: torch.Tensor, skipped: bool, signals: StopSignals) -> Verdict:
+    """The one collective of a step: max over ranks of
+    [loss not finite, skipped, applied, signal, rank + 1, step the signal came in].
+
+    It also checks that the step was skipped on every rank or on none, and never applied on a rank
+    whose loss was not finite (train/guard/nonfinite.py explains why neither can happen; this proves it, each step).
+    """
+    import torch.distributed as dist
+
+    received, received_step = signals.take(step)
+    rank = dist.get_rank()
+    flags = torch.tensor([0, int(skipped), int(not skipped), received, rank + 1 if received else 0, received_step],
+                         dtype=torch.int64, device=loss.device)
+    flags[0] = (~torch.isfinite(loss)).to(torch.int64)
+    if dist.get_world_size() > 1:
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    non_finite, any_skipped, any_applied, signum, who, step = flags.tolist()
+    if any_skipped and any_applied:
+        raise RuntimeError("the ranks disagree on whether this step's update was skipped; their weights now differ")
+    if non_finite and any_applied:
+        raise RuntimeError("a rank's loss was not finite, yet the optimizer applied the update")
+    return Verdict(signum, who - 1 if who else None, step)
+
+
+def write_marker(run_dir: Path, step: int, verdict: Verdict, checkpoint: Path) -> None:
+    """<run dir>/preempted.json (rank 0; temporary name, then renamed)."""
+    record = {"step": step, "signal": signal.Signals(verdict.signal).name, "rank": verdict.rank,
+              "signal_step": verdict.step, "checkpoint": str(checkpoint)}
+    write_atomically(Path(run_dir) / MARKER, json.dumps(record) + "\n")
+
+
+def clear_marker(run_dir: Path) -> None:
+    (Path(run_dir) / MARKER).unlink(missing_ok=True)
+
+
+def stop_message(step: int, verdict: Verdict, checkpoint: Path, run_dir: Path, finished: bool) -> str:
+    name = signal.Signals(verdict.signal).name
+    what = ("the run had reached its last step" if finished else
+            f"to resume, re-run the same command with hydra.run.dir={run_dir} (train.resume=auto)")
+    return (f"{name} reached rank {verdict.rank} during step {verdict.step}: stopped after step {step}, checkpoint "
+            f"{checkpoint}; {what}")

@@ -1,0 +1,155 @@
+"""Activation memory of one micro batch on one rank: the tensors autograd keeps for backward,
+counted from what gpt3d's layers actually save.
+
+Notation: n = b·T tokens of one micro batch, d = d_model, f = d_ff, h = n_head, p = tp, σ = p with
+sequence parallelism (else 1); a = bytes of a matmul input (2 under bf16 autocast on a GPU, 4 in
+fp32 on a CPU), and 4 for the fp32 residual stream, LayerNorm statistics and softmax outputs.
+Per token of each transformer block (model/layers.py through parallel/tensor.py):
+
+  ln_1, ln_2      input (4d/σ each) and mean, rstd (2·4/σ each)
+  qkv, fc         input as the matmul reads it: a·d each (gathered to the full sequence under σ)
+  attention       q, k, v (3a·d/p, one storage), output o (a·d/p), log-sum-exp (4h/p), the
+                  head-merged copy the output projection reads (a·d/p)
+  MLP             GELU input and output (2a·f/p; ReLU keeps one)
+  ─────────────   (4·2/σ + a·2 + 5a/p)·d + 2a·f/p + 16/σ + 4h/p bytes
+
+The embedding keeps its token ids (8 bytes a token; tp > 1 also a byte of mask); the head keeps the
+final LayerNorm's input and statistics, the unembedding's input (a·d) and the loss's softmax
+(4·V, or 4·Vp/p for the vocab-parallel loss, plus its targets). Dropout with p = 0 saves nothing.
+Under DeepSpeed's pipeline every stage but the last also keeps its output until backward (4d, or
+with tp > 1 the 1/p piece it sent).
+
+Activation checkpointing keeps only each checkpointed segment's input (4d/σ a token) and recomputes
+the rest during backward, when one segment's full activations exist again (`recompute`). On a GPU,
+autocast casts every fp32 weight matrix to bf16 once per micro batch and the matmuls keep those
+casts for backward (`weight_copies`: 2 bytes per matrix element of the layers not checkpointed);
+in fp32 the saved weights are the parameters themselves and cost nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from model import GPTConfig
+from train.plan.counts import rank_parameters, stage_blocks, stage_layers
+from parallel.tensor import padded_vocab_size
+
+FP32, INT64 = 4, 8
+
+
+@dataclass(frozen=True)
+class StageShape:
+    """What a pipeline stage runs, in order: the embedding, some blocks, the head (final norm,
+    unembedding and loss); pipelined: under DeepSpeed's pipeline engine (pp > 1)."""
+
+    embedding: bool
+    blocks: int
+    head: bool
+    pipelined: bool
+
+    @classmethod
+    def of(cls, config: GPTConfig, pp: int, stage: int) -> "StageShape":
+        layers = stage_layers(config.n_layer, pp, stage)
+        return cls(0 in layers, len(stage_blocks(config.n_layer, pp, stage)), config.n_layer + 1 in layers, pp > 1)
+
+
+@dataclass(frozen=True)
+class ActivationBytes:
+    """Bytes of one micro batch on one stage (see module docstring).
+
+    saved: kept from its forward until its backward (what pp − stage micro batches in flight each
+    hold under 1F1B); weight_copies: autocast's bf16 weight casts among them (0 in fp32);
+    recompute: extra bytes while one checkpointed segment is recomputed and run backward;
+    per_block: one block's saved bytes without checkpointing; cast_transient: all of the stage's
+    weight casts, alive during a forward (autocast caches them until it exits).
+    """
+
+    saved: int
+    weight_copies: int
+    recompute: int
+    per_block: int
+    cast_transient: int
+
+    @property
+    def activations(self) -> int:
+        return self.saved - self.weight_copies
+
+
+def block_bytes_per_token(config: GPTConfig, tp: int, sequence_parallel: bool, a: int) -> float:
+    """Saved bytes a token costs in one transformer block (module docstring's sum)."""
+    d, f, h = config.d_model, config.d_ff, config.n_head
+    sigma = tp if sequence_parallel else 1
+    layer_norms = 2 * (FP32 * d + 2 * FP32) / sigma
+    matmul_inputs = 2 * a * d
+    attention = 5 * a * d / tp + FP32 * h / tp
+    mlp = (2 if config.activation == "gelu" else 1) * a * f / tp
+    return layer_norms + matmul_inputs + attention + mlp
+
+
+def _embedding_bytes_per_token(tp: int) -> float:
+    return INT64 + (1 if tp > 1 else 0)
+
+
+def _head_bytes_per_token(config: GPTConfig, tp: int, sequence_parallel: bool, a: int) -> float:
+    sigma = tp if sequence_parallel else 1
+    d = config.d_model
+    if tp > 1:
+        loss = FP32 * padded_vocab_size(config.vocab_size, tp) / tp + INT64 + 2  # softmax, target, masks
+    else:
+        loss = FP32 * config.vocab_size + INT64  # log-softmax output and the flattened targets
+    return (FP32 * d + 2 * FP32) / sigma + a * d + loss
+
+
+def checkpointed_blocks(shape: StageShape, k: int) -> int:
+    """Blocks of the stage inside checkpointed segments. pp = 1: every run of k blocks (GPT.forward).
+    pp > 1: DeepSpeed cuts the stage's own layer list into runs of k and checkpoints a run only if all
+    its layers are blocks (the embedding and head are never checkpointed)."""
+    if k <= 0 or shape.blocks == 0:
+        return 0
+    if not shape.pipelined:
+        return shape.blocks
+    kinds = ["embedding"] * shape.embedding + ["block"] * shape.blocks + ["norm", "unembedding"] * shape.head
+    runs = [kinds[i : i + k] for i in range(0, len(kinds), k)]
+    return sum(len(run) for run in runs if all(kind == "block" for kind in run))
+
+
+def checkpointed_segments(shape: StageShape, k: int) -> int:
+    return -(-checkpointed_blocks(shape, k) // k) if k > 0 else 0
+
+
+def micro_batch_activations(
+    config: GPTConfig, tp: int, pp: int, stage: int, micro_batch: int, *, sequence_parallel: bool = False,
+    checkpoint_every: int = 0, autocast: bool = True,
+) -> ActivationBytes:  # fmt: skip
+    """Activation bytes of one micro batch of `micro_batch` sequences on `stage` (module docstring)."""
+    a = 2 if autocast else FP32
+    n = micro_batch * config.seq_len
+    shape = StageShape.of(config, pp, stage)
+    per_block = block_bytes_per_token(config, tp, sequence_parallel, a) * n
+    ckpt_blocks = checkpointed_blocks(shape, checkpoint_every)
+    segments = checkpointed_segments(shape, checkpoint_every)
+    sigma = tp if sequence_parallel else 1
+    saved = per_block * (shape.blocks - ckpt_blocks) + segments * FP32 * config.d_model * n / sigma
+    if shape.embedding:
+        saved += _embedding_bytes_per_token(tp) * n + INT64 * config.seq_len  # ids, position ids
+    if shape.head:
+        saved += _head_bytes_per_token(config, tp, sequence_parallel, a) * n
+    if shape.pipelined and not shape.head:
+        saved += FP32 * config.d_model * n / tp  # the stage output DeepSpeed keeps (tp > 1: its 1/tp part)
+    copies = transient = block_casts = 0
+    if autocast:
+        copies, transient, block_casts = _weight_casts(config, tp, pp, stage, shape, ckpt_blocks)
+    recompute = (per_block + block_casts) * min(checkpoint_every, ckpt_blocks)
+    return ActivationBytes(round(saved) + copies, copies, round(recompute), round(per_block), transient)
+
+
+def _weight_casts(config, tp, pp, stage, shape: StageShape, ckpt_blocks: int) -> tuple[int, int, int]:
+    """Bytes of bf16 weight casts: (saved for backward, all made during one forward, one block's)."""
+    params = rank_parameters(config, tp, pp, stage)
+    in_blocks = [p for p in params if ".attn." in p.name or ".mlp." in p.name]
+    block_matrices = sum(p.numel for p in in_blocks if p.decay) // max(shape.blocks, 1)
+    block_vectors = sum(p.numel for p in in_blocks if not p.decay)
+    unembedding = sum(p.numel for p in params if p.name.endswith("wte.weight")) if shape.head else 0
+    saved = 2 * (block_matrices * (shape.blocks - ckpt_blocks) + unembedding)
+    transient = 2 * (block_matrices * shape.blocks + block_vectors + unembedding)
+    return saved, transient, 2 * block_matrices

@@ -1,0 +1,165 @@
+"""Communication of one training step, per rank and process group, counted from what gpt3d's
+layers and DeepSpeed send.
+
+Each collective is a `Transfer`: the size of the full tensor involved (`nbytes`, the quantity
+parallel/comm.py records: the all-reduced tensor, the gathered output, the reduce-scattered input)
+and how often one step runs it. What a rank puts on the wire follows from the algorithm: a ring
+all-reduce over g ranks sends 2(g−1)/g·nbytes, an all-gather or reduce-scatter (g−1)/g·nbytes, a
+point-to-point send nbytes.
+
+Tensor parallel (per micro batch, n = b·T tokens; see parallel/tensor.py):
+  without sequence parallelism, each block all-reduces n·d twice forward (after attn.proj and
+  mlp.proj) and twice backward (input gradients of attn.qkv and mlp.fc); outside the blocks the
+  embedding (forward) and the unembedding's input gradient (backward) all-reduce n·d and the loss
+  three vectors of n floats. With sequence parallelism each all-reduce of a block becomes an
+  all-gather before and a reduce-scatter after the column/row pair, in both passes; LayerNorm
+  weights and row-parallel biases all-reduce their d-sized gradients; the embedding output is
+  scattered (its backward all-gathers). Element sizes: a row-parallel output is the matmul's dtype
+  (bf16 under autocast), everything else fp32.
+Pipeline (per micro batch): the stage output (n·d fp32) to the next stage forward, its gradient
+  to the previous stage backward (with tp > 1 partitioned over the tp ranks, see `pipeline`); per
+  step the tied embedding's gradient is all-reduced between the first and last stage.
+Data parallel (DeepSpeed 0.19, as its communication logger records it): ZeRO 0 all-reduces every
+  gradient once per step; ZeRO 1 too, then all-gathers the updated parameter partitions; ZeRO 2
+  all-reduces after every micro batch; ZeRO 3 all-gathers partitioned parameters for each micro
+  batch, reduce-scatters gradients after each, and refreshes the persistent parameters once per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from model import GPTConfig
+from train.plan.activations import StageShape
+from train.plan.counts import FP32, PERSISTENCE_THRESHOLD, ParamShape
+
+MAX_REUSE_DISTANCE = 1_000_000_000  # DeepSpeed's default stage3_max_reuse_distance (elements)
+RING_FACTOR = {"all_reduce": lambda g: 2 * (g - 1) / g, "all_gather": lambda g: (g - 1) / g,
+               "reduce_scatter": lambda g: (g - 1) / g, "send": lambda g: 1.0}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """`count` collectives `op` of `nbytes` each per step, over a group of `group_size` ranks."""
+
+    group: str  # "tp" | "pp" | "dp"
+    op: str
+    phase: str  # "forward" | "backward" | "step"
+    nbytes: int
+    count: int
+    group_size: int
+    what: str
+
+    @property
+    def total(self) -> int:
+        """Bytes of the collectives' tensors per step (parallel/comm.py's measure)."""
+        return self.nbytes * self.count
+
+    @property
+    def sent(self) -> float:
+        """Bytes this rank puts on the wire per step (ring algorithms)."""
+        return self.total * RING_FACTOR[self.op](self.group_size)
+
+
+def tensor_parallel(
+    config: GPTConfig, shape: StageShape, tp: int, micro_batch: int, micro_batches: int, *,
+    sequence_parallel: bool = False, autocast: bool = True,
+) -> list[Transfer]:  # fmt: skip
+    """Tensor-parallel collectives of one step on a stage (module docstring)."""
+    if tp == 1:
+        return []
+    n = micro_batch * config.seq_len
+    act32, act_mm = n * config.d_model * FP32, n * config.d_model * (2 if autocast else FP32)
+    blocks, m = shape.blocks, micro_batches
+
+    def t(op, phase, nbytes, per_mb, what):
+        return Transfer("tp", op, phase, nbytes, per_mb * m, tp, what)
+
+    out = []
+    if sequence_parallel:
+        out += [
+            t("all_gather", "forward", act32, 2 * blocks, "LayerNorm output to the column layers"),
+            t("reduce_scatter", "forward", act_mm, 2 * blocks, "row-parallel outputs"),
+            t("reduce_scatter", "backward", act32, 2 * blocks, "gradients of the LayerNorm outputs"),
+            t("all_gather", "backward", act_mm, 2 * blocks, "gradients of the row-parallel outputs"),
+            t("all_reduce", "backward", config.d_model * FP32, 6 * blocks, "LayerNorm and row-bias gradients"),
+        ]
+    else:
+        out += [
+            t("all_reduce", "forward", act_mm, 2 * blocks, "attn.proj and mlp.proj outputs"),
+            t("all_reduce", "backward", act32, 2 * blocks, "input gradients of attn.qkv and mlp.fc"),
+        ]
+    if shape.embedding:
+        out.append(t("all_reduce", "forward", act32, 1, "vocab-parallel embedding"))
+        if sequence_parallel:
+            out.append(t("all_gather", "backward", act32, 1, "gradient of the scattered embedding output"))
+    if shape.head:
+        if sequence_parallel:
+            out += [
+                t("all_gather", "forward", act32, 1, "final LayerNorm output"),
+                t("reduce_scatter", "backward", act32, 1, "gradient of the final LayerNorm output"),
+                t("all_reduce", "backward", config.d_model * FP32, 2, "final LayerNorm gradients"),
+            ]
+        else:
+            out.append(t("all_reduce", "backward", act32, 1, "input gradient of the unembedding"))
+        out.append(t("all_reduce", "forward", n * FP32, 3, "vocab-parallel loss (max, target logit, sum)"))
+    return [x for x in out if x.count]
+
+
+def pipeline(config: GPTConfig, shape: StageShape, tp: int, pp: int, micro_batch: int, micro_batches: int,
+             tied_gradient_elements: int) -> list[Transfer]:  # fmt: skip
+    """Pipeline traffic of one step by a stage: point-to-point sends, the tied-embedding all-reduce,
+    and with tp > 1 DeepSpeed's partitioned sends (each tp rank sends 1/tp of the tensor and the
+    receiver all-gathers it over its tp group; a stage also re-gathers its own kept output before
+    running backward from it)."""
+    if pp == 1:
+        return []
+    act = micro_batch * config.seq_len * config.d_model * FP32
+    m, out = micro_batches, []
+    if not shape.head:
+        out.append(Transfer("pp", "send", "forward", act // tp, m, 2, "stage output to the next stage"))
+    if not shape.embedding:
+        out.append(Transfer("pp", "send", "backward", act // tp, m, 2, "input gradient to the previous stage"))
+    if tp > 1:
+        gathers = m * ((not shape.embedding) + 2 * (not shape.head))
+        out.append(Transfer("tp", "all_gather", "pipeline", act, gathers, tp, "partitioned pipeline tensors"))
+    if shape.embedding or shape.head:
+        out.append(Transfer("pp", "all_reduce", "step", tied_gradient_elements * FP32, 1, 2,
+                            "tied embedding gradient, first and last stage"))  # fmt: skip
+    return [x for x in out if x.count]
+
+
+def data_parallel(
+    params: list[ParamShape], dp: int, zero_stage: int, micro_batches: int, *, flat_elements: int = 0,
+    grad_bytes=lambda p: FP32, weight_bytes: int = FP32,
+) -> list[Transfer]:  # fmt: skip
+    """Data-parallel collectives of one step by a rank holding `params`, as DeepSpeed 0.19 runs them.
+
+    flat_elements: ZeRO 1/2's padded flat parameter count (plan_counts.StateBytes.details["flat"]);
+    grad_bytes(p): element size p's gradient is reduced in (fp32; under autocast ZeRO
+    reduces plain nn.Linear gradients in bf16); weight_bytes: element size of the parameters ZeRO
+    gathers (gpt3d: fp32; a trainer with bf16 parameters: 2).
+    """
+    if dp == 1:
+        return []
+    weights = sum(p.numel for p in params) * FP32
+    if zero_stage == 0:
+        return [Transfer("dp", "all_reduce", "step", weights, 1, dp, "gradients")]
+    grads = sum(p.numel * grad_bytes(p) for p in params)
+    if zero_stage in (1, 2):
+        reduces = 1 if zero_stage == 1 else micro_batches  # ZeRO-2 reduces after every micro batch
+        return [
+            Transfer("dp", "all_reduce", "step" if zero_stage == 1 else "backward", grads, reduces, dp, "gradients"),
+            Transfer("dp", "all_gather", "step", flat_elements * weight_bytes, 1, dp, "updated parameters"),
+        ]
+    padded = [(p, -(-p.numel // dp) * dp) for p in params]
+    gathered = sum(n for p, n in padded if p.numel > PERSISTENCE_THRESHOLD) * weight_bytes
+    persistent = sum(n for p, n in padded if p.numel <= PERSISTENCE_THRESHOLD) * weight_bytes
+    # DeepSpeed keeps a gathered parameter until its next use when that comes within
+    # stage3_max_reuse_distance (1e9 elements): then one gather serves forward and backward.
+    per_micro_batch = 1 if gathered // weight_bytes <= MAX_REUSE_DISTANCE else 2
+    return [x for x in [
+        Transfer("dp", "all_gather", "forward", gathered, per_micro_batch * micro_batches, dp, "partitioned parameters"),
+        Transfer("dp", "all_gather", "step", persistent, 1, dp, "updated persistent parameters"),
+        Transfer("dp", "reduce_scatter", "backward", sum(n * grad_bytes(p) for p, n in padded), micro_batches, dp, "gradients"),
+    ] if x.total]  # fmt: skip

@@ -1,0 +1,374 @@
+"""The planner's model of one training step: memory per rank, FLOPs, communication and time.
+
+Counted quantities (parameters, state bytes, activations, communication) come from parallel/plan_*;
+this module adds the time model and assembles a `Plan`.
+
+Step time, per rank of pipeline stage s with m micro batches (README, "How the step time is modelled"):
+
+  t_mb(s)  = GEMMs + attention + memory-bound traffic + tensor-parallel collectives + pipeline sends
+             (one micro batch, forward and backward; nothing overlaps on a rank's critical path)
+  GEMM     each matmul at max(FLOPs / (peak·gemm_efficiency), bytes / achieved HBM bandwidth)
+  attention the fused kernel's FLOPs (visible keys only) at peak·attention_efficiency
+  traffic  LayerNorm, residual adds, GELU, casts, the loss, gradient accumulation, at HBM bandwidth
+  step     = (m + pp − 1)·max_s t_mb(s)   (1F1B: the slowest stage paces, bubble (pp−1)/(m+pp−1))
+             + the data-parallel collectives, tied-embedding all-reduce and optimizer (not overlapped)
+
+Collectives run at the achieved link bandwidth (NVLink inside a node, the network between nodes)
+plus a fixed latency each, and none of them overlaps compute: not the tensor-parallel ones (the
+next matmul needs their result), not the pipeline's (DeepSpeed's sends block), not the data-parallel
+ones (DeepSpeed reduces after the last micro batch) and not ZeRO-3's parameter gathers (its
+prefetching hides little: Narayanan et al.'s ZeRO-3 runs match the model only without overlap).
+A micro batch also takes at least the host time that launching its kernels costs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from model import GPTConfig, flops_per_token
+from parallel.tensor import padded_vocab_size
+from train.plan import comm as plan_comm
+from train.plan.activations import ActivationBytes, StageShape, checkpointed_blocks, micro_batch_activations
+from train.plan.counts import (
+    FP32,
+    REDUCE_BUCKET_SIZE,
+    StateBytes,
+    count_full_parameters,
+    rank_parameters,
+    stage_blocks,
+    state_bytes,
+)
+from train.plan.hardware import Hardware
+
+GIB = 2**30
+COLLECTIVE_LATENCY_S = 15e-6  # per collective call (NCCL launch and ring start-up)
+OPTIMIZER_BYTES = 64  # memory traffic per updated element: AdamW (p, g, m, v read, p, m, v written,
+#                       foreach temporaries) plus the gradient-norm and clipping passes
+LOSS_BYTES = 32  # memory traffic per logit: float copy, log-softmax, its backward, cast back
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A parallel layout and batch geometry (sequences)."""
+
+    tp: int
+    pp: int
+    dp: int
+    global_batch: int
+    micro_batch: int = 1
+    zero_stage: int = 0
+    offload_optimizer: bool = False
+    sequence_parallel: bool = False
+    checkpoint_every: int = 0
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro batches per step on each data-parallel replica."""
+        return self.global_batch // (self.micro_batch * self.dp)
+
+    def describe(self) -> str:
+        parts = [f"tp={self.tp}", f"pp={self.pp}", f"dp={self.dp}", f"zero={self.zero_stage}", f"micro={self.micro_batch}"]
+        parts.append(f"ckpt={self.checkpoint_every}" if self.checkpoint_every else "ckpt=off")
+        if self.sequence_parallel:
+            parts.append("sp")
+        if self.offload_optimizer:
+            parts.append("offload")
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """How the trainer runs the math. gpt3d: fp32 parameters with bf16 autocast (each micro batch
+    casts the weights), its fused attention. Published Megatron-style runs: bf16 parameters."""
+
+    fp32_weights: bool = True
+    autocast: bool = True
+    # measured on this project's H100 (README, "How the step time is modelled"):
+    attention_efficiency: float = 0.21  # the fused attention's forward+backward, 212 of 989 TFLOP/s
+    unaligned_gemm_efficiency: float = 0.1  # a GEMM with a dimension not a multiple of 8 (vocab 50257)
+    kernels_per_block: int = 100  # kernels one block launches per micro batch, forward and backward
+    host_seconds_per_kernel: float = 30e-6  # Python and launch time per kernel: the GPU cannot run ahead
+    grad_reduce_bytes: int | None = None  # None: gpt3d's (DeepSpeed reduces nn.Linear gradients in bf16
+    #                                       under autocast, the rest in fp32); else this size for all
+
+
+@dataclass
+class RankPlan:
+    """One rank of a pipeline stage (every tp and dp rank of a stage predicts the same)."""
+
+    stage: int
+    parameters: int
+    state: StateBytes
+    activations: ActivationBytes
+    in_flight: int
+    memory: dict  # kind → bytes at this rank's peak
+    peak_bytes: int
+    hardware_flops: float  # per step, this rank
+    transfers: list
+    time: dict  # per micro batch: compute_s, tp_s, pp_s; per step: dp_s, optimizer_s
+
+    def to_json(self) -> dict:
+        comm = {}
+        for t in self.transfers:
+            comm.setdefault(t.group, {}).setdefault(t.op, 0)
+            comm[t.group][t.op] += t.total
+        return {
+            "stage": self.stage,
+            "parameters": self.parameters,
+            "bytes": {k: int(v) for k, v in self.memory.items()},
+            "peak_memory_gib": self.peak_bytes / GIB,
+            "activations_per_micro_batch": self.activations.saved,
+            "micro_batches_in_flight": self.in_flight,
+            "hardware_flops_per_step": self.hardware_flops,
+            "communication_bytes_per_step": comm,
+            "time_s": self.time,
+        }
+
+
+@dataclass
+class Plan:
+    """The prediction for one layout (Plan.to_json() is what `plan.format=json` prints)."""
+
+    model: GPTConfig
+    layout: Layout
+    hardware: Hardware
+    implementation: Implementation
+    ranks: list[RankPlan]
+    step_time_s: float
+    model_flops_per_step: float
+    hardware_flops_per_step: float
+    reserved_gib: float = 0.0
+    tokens: float = 300e9
+    gpus_per_node: int = 8
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def parameters(self) -> int:
+        """The full model's parameters."""
+        return count_full_parameters(self.model)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.layout.global_batch * self.model.seq_len
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_time_s
+
+    @property
+    def peak_memory_gib(self) -> float:
+        return max(r.peak_bytes for r in self.ranks) / GIB
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_memory_gib + self.reserved_gib <= self.hardware.memory_gib
+
+    @property
+    def model_tflops_per_gpu(self) -> float:
+        return self.model_flops_per_step / self.step_time_s / self.layout.gpus / 1e12
+
+    @property
+    def hardware_tflops_per_gpu(self) -> float:
+        return self.hardware_flops_per_step / self.step_time_s / self.layout.gpus / 1e12
+
+    @property
+    def predicted_mfu(self) -> float:
+        return self.model_tflops_per_gpu / self.hardware.peak_tflops
+
+    @property
+    def days(self) -> float:
+        return self.tokens / self.tokens_per_s / 86400
+
+    @property
+    def bubble(self) -> float:
+        pp, m = self.layout.pp, self.layout.micro_batches
+        return (pp - 1) / (m + pp - 1)
+
+    def to_json(self) -> dict:
+        return {
+            "model": self.model.name, "parameters": self.parameters, "layout": dataclasses.asdict(self.layout),
+            "gpus": self.layout.gpus,
+            "hardware": self.hardware.as_dict(), "fits": self.fits, "peak_memory_gib": self.peak_memory_gib,
+            "reserved_gib": self.reserved_gib, "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
+            "model_flops_per_step": self.model_flops_per_step, "hardware_flops_per_step": self.hardware_flops_per_step,
+            "model_tflops_per_gpu": self.model_tflops_per_gpu, "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu,
+            "mfu": self.predicted_mfu, "bubble": self.bubble, "tokens": self.tokens, "days": self.days,
+            "ranks": [r.to_json() for r in self.ranks], "notes": self.notes,
+        }  # fmt: skip
+
+
+def model_flops_per_token(model_cfg: GPTConfig) -> float:
+    """PaLM's 6N + 12·L·d·T (model/gpt.py), N without the position table."""
+    n = sum(p.full_numel for p in rank_parameters(model_cfg, 1, 1, 0) if not p.name.endswith("wpe.weight"))
+    return flops_per_token(n, model_cfg.n_layer, model_cfg.d_model, model_cfg.seq_len)
+
+
+def _visible_keys(model_cfg: GPTConfig, layer: int) -> float:
+    """Mean keys a query attends to (causal; GPT-3's banded layers see at most the window)."""
+    t, w = model_cfg.seq_len, model_cfg.window_of(layer)
+    if w is None or w >= t:
+        return (t + 1) / 2
+    return w - (w * (w - 1) / 2) / t
+
+
+def _gemm_time(hw: Hardware, impl: Implementation, n: int, k: int, m: int, elem: int) -> float:
+    """(n×k)·(k×m): the slower of its FLOPs and its bytes (inputs read once, output written once).
+    A dimension that is no multiple of 8 leaves cuBLAS only its slow unaligned kernels."""
+    rate = hw.flops if k % 8 == 0 and m % 8 == 0 else hw.peak_tflops * 1e12 * impl.unaligned_gemm_efficiency
+    return max(2 * n * k * m / rate, (n * k + k * m + n * m) * elem / hw.memory_bandwidth)
+
+
+def _stage_compute(model_cfg, layout: Layout, impl: Implementation, hw: Hardware, stage: int, shape: StageShape):
+    """(seconds, hardware FLOPs) of one micro batch's forward + backward (+ recompute) on a rank."""
+    tp, sigma = layout.tp, layout.tp if layout.sequence_parallel else 1
+    d, f, n = model_cfg.d_model, model_cfg.d_ff, layout.micro_batch * model_cfg.seq_len
+    a = 2 if impl.autocast else FP32
+    blocks = list(stage_blocks(model_cfg.n_layer, layout.pp, stage))
+    recomputed = checkpointed_blocks(shape, layout.checkpoint_every)
+    gemms = [(n, d, 3 * d // tp), (n, d // tp, d), (n, d, f // tp), (n, f // tp, d)]
+    fwd_gemm_t = sum(_gemm_time(hw, impl, *g, a) for g in gemms)
+    fwd_gemm_f = sum(2 * x * y * z for x, y, z in gemms)
+    attn_f = [4 * n * d / tp * _visible_keys(model_cfg, i) for i in blocks]  # QKᵀ and PV
+    attn_rate = hw.peak_tflops * 1e12 * impl.attention_efficiency
+    block_traffic = _block_traffic_per_token(d, f, tp, sigma, impl) * n
+    weights = sum(p.numel for p in rank_parameters(model_cfg, tp, layout.pp, stage))
+    per_weight = (20 if impl.fp32_weights else 10) if impl.autocast else 8  # casts and gradient accumulation
+    time = len(blocks) * (3 * fwd_gemm_t + 3 * block_traffic / hw.memory_bandwidth)
+    time += sum(3.5 * x for x in attn_f) / attn_rate
+    attn_recomputed = recomputed * sum(attn_f) / max(len(blocks), 1)
+    time += recomputed * (fwd_gemm_t + block_traffic / hw.memory_bandwidth) + attn_recomputed / attn_rate
+    time += weights * per_weight / hw.memory_bandwidth
+    flops = len(blocks) * 3 * fwd_gemm_f + sum(3.5 * x for x in attn_f) + recomputed * fwd_gemm_f + attn_recomputed
+    if shape.head:
+        vocab = padded_vocab_size(model_cfg.vocab_size, tp) // tp if tp > 1 else model_cfg.vocab_size
+        time += 3 * _gemm_time(hw, impl, n, d, vocab, a) + LOSS_BYTES * n * vocab / hw.memory_bandwidth
+        flops += 6 * n * d * vocab
+    if shape.embedding:
+        time += 4 * FP32 * n * d / hw.memory_bandwidth
+    host = impl.kernels_per_block * (len(blocks) + 0.35 * recomputed) * impl.host_seconds_per_kernel
+    return max(time, host), flops
+
+
+def _block_traffic_per_token(d: int, f: int, tp: int, sigma: int, impl: Implementation) -> float:
+    """Bytes one token moves through memory-bound kernels in a block's forward: two LayerNorms
+    (read and write the residual dtype r), two residual adds (read r and the matmul output, write r),
+    GELU (read, write) and the head-merge copy; with gpt3d's fp32 residual stream under autocast
+    also the bf16 casts of the two LayerNorm outputs the matmuls read. Backward moves about twice
+    as much."""
+    a = 2 if impl.autocast else FP32
+    r = FP32 if impl.fp32_weights or not impl.autocast else 2
+    layer_norms = 2 * 2 * r * d / sigma
+    residuals = 2 * (2 * r + a) * d / sigma
+    casts = 2 * (r + a) * d if impl.autocast and r != a else 0
+    return layer_norms + residuals + casts + 2 * a * (d + f) / tp
+
+
+def _comm_time(transfers, hw: Hardware, inter_node: dict) -> float:
+    return sum(t.sent / hw.link_bandwidth(inter_node[t.group]) + t.count * COLLECTIVE_LATENCY_S for t in transfers)
+
+
+def _memory(model_cfg, layout: Layout, impl: Implementation, params, state: StateBytes, acts: ActivationBytes,
+            shape: StageShape, in_flight: int) -> dict:  # fmt: skip
+    """Bytes by kind at the rank's peak: the larger of the backward phase (activations of the micro
+    batches in flight, gradients as they accumulate) and the optimizer step (gradients as ZeRO
+    hands them over, AdamW's foreach temporaries, DeepSpeed's flattened buffers)."""
+    tp, dp, zero = layout.tp, layout.dp, layout.zero_stage
+    n_local = sum(p.numel for p in params)
+    vocab = padded_vocab_size(model_cfg.vocab_size, tp) // tp if tp > 1 else model_cfg.vocab_size
+    logits = layout.micro_batch * model_cfg.seq_len * vocab
+    loss_transient = ((2 if impl.autocast else FP32) + 2 * FP32) * logits if shape.head else 0
+    common = {"weights": state.weights, "master": state.master, "moments": state.moments, "buffers": state.buffers}
+    grads_backward = {0: state.gradients, 1: FP32 * n_local, 2: state.gradients + FP32 * min(REDUCE_BUCKET_SIZE, n_local),
+                      3: state.gradients}[zero]  # fmt: skip
+    backward = {**common, "gradients": grads_backward, "activations": in_flight * acts.activations,
+                "weight_copies": in_flight * acts.weight_copies,
+                "transient": max(acts.recompute, acts.cast_transient - acts.weight_copies, loss_transient)}  # fmt: skip
+    largest_group = max(sum(p.numel for p in params if p.decay), sum(p.numel for p in params if not p.decay))
+    step_extra = FP32 * (largest_group if zero == 0 else state.partition)  # foreach sqrt of the second moment
+    if zero in (1, 2):
+        step_extra += FP32 * state.partition  # the flattened fp32 gradient partition
+    if zero == 0 and dp > 1:
+        step_extra += FP32 * min(REDUCE_BUCKET_SIZE, n_local)  # the flattened all-reduce bucket
+    step = {**common, "gradients": state.gradients, "optimizer_transient": step_extra}
+    return backward if sum(backward.values()) >= sum(step.values()) else step
+
+
+def _rank(model_cfg, layout: Layout, impl: Implementation, hw: Hardware, stage: int, inter_node: dict) -> RankPlan:
+    tp, pp, dp, m = layout.tp, layout.pp, layout.dp, layout.micro_batches
+    params = rank_parameters(model_cfg, tp, pp, stage)
+    shape = StageShape.of(model_cfg, pp, stage)
+    comm_dtypes = (FP32, 2) if impl.autocast and tp == 1 else (FP32,)
+    state = state_bytes(params, layout.zero_stage, dp, 0, layout.offload_optimizer, comm_dtypes)
+    acts = micro_batch_activations(
+        model_cfg, tp, pp, stage, layout.micro_batch, sequence_parallel=layout.sequence_parallel,
+        checkpoint_every=layout.checkpoint_every, autocast=impl.autocast,
+    )  # fmt: skip
+    in_flight = min(pp - stage, m) if pp > 1 else 1
+    memory = _memory(model_cfg, layout, impl, params, state, acts, shape, in_flight)
+
+    if impl.grad_reduce_bytes is not None:
+        grad_bytes = lambda p: impl.grad_reduce_bytes  # noqa: E731
+    else:
+        grad_bytes = lambda p: 2 if impl.autocast and p.linear else FP32  # noqa: E731
+    tied = sum(p.numel for p in params if p.name.endswith("wte.weight"))
+    transfers = (
+        plan_comm.tensor_parallel(model_cfg, shape, tp, layout.micro_batch, m,
+                                  sequence_parallel=layout.sequence_parallel, autocast=impl.autocast)
+        + plan_comm.pipeline(model_cfg, shape, tp, pp, layout.micro_batch, m, tied)
+        + plan_comm.data_parallel(params, dp, layout.zero_stage, m, flat_elements=state.details.get("flat", 0),
+                                  grad_bytes=grad_bytes, weight_bytes=FP32 if impl.fp32_weights else 2)
+    )  # fmt: skip
+    compute_s, flops = _stage_compute(model_cfg, layout, impl, hw, stage, shape)
+    tp_s = _comm_time([t for t in transfers if t.group == "tp"], hw, inter_node) / m
+    pp_s = _comm_time([t for t in transfers if t.group == "pp" and t.op == "send"], hw, inter_node) / m
+    gathers = [t for t in transfers if t.group == "dp" and t.phase == "forward"]
+    gather_s = _comm_time(gathers, hw, inter_node) / m
+    exposed = [t for t in transfers if t not in gathers and (t.group == "dp" or (t.group == "pp" and t.op != "send"))]
+    updated = sum(p.numel for p in params) if layout.zero_stage == 0 else state.partition
+    time = {
+        "compute_s": compute_s, "tp_comm_s": tp_s, "pp_comm_s": pp_s, "zero3_gather_s": gather_s,
+        "micro_batch_s": compute_s + gather_s + tp_s + pp_s,
+        "dp_comm_s": _comm_time(exposed, hw, inter_node),
+        "optimizer_s": 0.0 if layout.offload_optimizer else OPTIMIZER_BYTES * updated / hw.memory_bandwidth,
+    }  # fmt: skip
+    parameters = sum(p.numel for p in params)
+    return RankPlan(stage, parameters, state, acts, in_flight, memory, sum(memory.values()), flops * m, transfers, time)
+
+
+def build_plan(
+    model_cfg: GPTConfig, layout: Layout, hardware: Hardware, *, implementation: Implementation = Implementation(),
+    gpus_per_node: int = 8, reserved_gib: float = 0.0, tokens: float = 300e9,
+) -> Plan:  # fmt: skip
+    """The prediction for `layout` (see module docstring); ranks: first, middle and last stage."""
+    tp, dp = layout.tp, layout.dp
+    inter_node = {"tp": tp > gpus_per_node, "pp": tp * dp >= gpus_per_node, "dp": tp * dp > gpus_per_node}
+    stages, seen = [], {}
+    for s in range(layout.pp):  # stages with the same layers predict the same; compute each kind once
+        blocks = stage_blocks(model_cfg.n_layer, layout.pp, s)
+        key = (StageShape.of(model_cfg, layout.pp, s), len(blocks), blocks.start % 2, min(layout.pp - s, layout.micro_batches))
+        if key not in seen:
+            seen[key] = _rank(model_cfg, layout, implementation, hardware, s, inter_node)
+        stages.append(dataclasses.replace(seen[key], stage=s))
+    m = layout.micro_batches
+    pipeline_s = (m + layout.pp - 1) * max(r.time["micro_batch_s"] for r in stages)
+    step_s = pipeline_s + max(r.time["dp_comm_s"] + r.time["optimizer_s"] for r in stages)
+    shown = sorted({0, layout.pp // 2, layout.pp - 1})
+    return Plan(
+        model=model_cfg, layout=layout, hardware=hardware, implementation=implementation,
+        ranks=[stages[s] for s in shown], step_time_s=step_s,
+        model_flops_per_step=model_flops_per_token(model_cfg) * layout.global_batch * model_cfg.seq_len,
+        hardware_flops_per_step=sum(r.hardware_flops for r in stages) * tp * dp,
+        reserved_gib=reserved_gib, tokens=tokens, gpus_per_node=gpus_per_node, notes=_notes(layout),
+    )  # fmt: skip
+
+
+def _notes(layout: Layout) -> list[str]:
+    notes = []
+    if layout.offload_optimizer:
+        notes.append("optimizer offload: the CPU optimizer's time and the host transfers are not modelled")
+    return notes

@@ -1,0 +1,115 @@
+"""Plain-text tables of a Plan (per rank: first, middle and last pipeline stage) and of a search."""
+
+from __future__ import annotations
+
+from train.plan.estimate import GIB, Plan
+
+STAGE_NAMES = {1: ["every stage"], 2: ["first stage", "last stage"], 3: ["first stage", "middle stage", "last stage"]}
+
+
+def _count(n: float) -> str:
+    for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def _bytes(n: float) -> str:
+    for scale, unit in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f} ms"
+
+
+def _comm(rank, group: str) -> str:
+    ops = {}
+    for t in rank.transfers:
+        if t.group == group:
+            ops[t.op] = ops.get(t.op, 0) + t.total
+    return ", ".join(f"{op.replace('_', '-')} {_bytes(n)}" for op, n in sorted(ops.items())) or "none"
+
+
+def format_plan(plan: Plan) -> str:
+    """The table `python -m train.plan` prints."""
+    cfg, lay, hw = plan.model, plan.layout, plan.hardware
+    ranks = plan.ranks
+    names = STAGE_NAMES[len(ranks)]
+    peak_total = {r.stage: r.peak_bytes for r in ranks}
+    rows = [
+        ("pipeline stage", [str(r.stage) for r in ranks]),
+        ("transformer blocks", [str(len(_blocks(plan, r.stage))) for r in ranks]),
+        ("parameters", [_count(r.parameters) for r in ranks]),
+        ("weights (fp32)", [_gib(r.state.weights) for r in ranks]),
+        ("gradients (fp32) at the step", [_gib(r.state.gradients) for r in ranks]),
+        ("fp32 master weights", [_gib(r.state.master) for r in ranks]),
+        ("Adam moments", [_gib(r.state.moments) for r in ranks]),
+        ("ZeRO buffers", [_gib(r.state.buffers) for r in ranks]),
+        ("host memory (offload)", [_gib(r.state.host) for r in ranks]),
+        ("activations / micro batch", [_gib(r.activations.activations) for r in ranks]),
+        ("autocast weight copies / micro batch", [_gib(r.activations.weight_copies) for r in ranks]),
+        ("micro batches in flight (1F1B)", [str(r.in_flight) for r in ranks]),
+        ("peak memory", [_gib(peak_total[r.stage]) for r in ranks]),
+        ("peak memory by kind, GiB", [", ".join(f"{k} {v / GIB:.1f}" for k, v in r.memory.items() if v) for r in ranks]),
+        ("hardware FLOPs / step", [f"{r.hardware_flops:.3g}" for r in ranks]),
+        ("tensor-parallel bytes / step", [_comm(r, "tp") for r in ranks]),
+        ("pipeline bytes / step", [_comm(r, "pp") for r in ranks]),
+        ("data-parallel bytes / step", [_comm(r, "dp") for r in ranks]),
+        ("micro batch: compute", [_ms(r.time["compute_s"]) for r in ranks]),
+        ("micro batch: tp / pp / ZeRO-3 comm", [" / ".join(_ms(r.time[k]) for k in ("tp_comm_s", "pp_comm_s", "zero3_gather_s")) for r in ranks]),
+        ("step: dp comm + optimizer", [_ms(r.time["dp_comm_s"] + r.time["optimizer_s"]) for r in ranks]),
+    ]  # fmt: skip
+    label = max(len(name) for name, _ in rows) + 2
+    width = max(14, *(len(v) for _, values in rows for v in values if len(v) < 30)) + 2
+    lines = [
+        f"{cfg.name}: {_count(plan.parameters)} parameters, {cfg.n_layer} layers, "
+        f"d_model {cfg.d_model}, {cfg.n_head} heads, sequence {cfg.seq_len}",
+        f"layout: {lay.describe()} on {lay.gpus} × {hw.name} ({hw.memory_gib:g} GiB, {hw.peak_tflops:g} TFLOP/s bf16)",
+        f"batch: {lay.global_batch} sequences = {_count(plan.tokens_per_step)} tokens per step, "
+        f"{lay.micro_batches} micro batches of {lay.micro_batch} per replica, pipeline bubble {100 * plan.bubble:.1f}%",
+        "",
+        " " * label + "".join(f"{n:>{width}}" for n in names),
+    ]
+    for name, values in rows:
+        if len(max(values, key=len)) >= 30:  # long entries: a line per stage under the row's name
+            lines.append(name)
+            lines += [f"  {stage_name:<{label - 2}}{value}" for stage_name, value in zip(names, values)]
+        else:
+            lines.append(f"{name:<{label}}" + "".join(f"{v:>{width}}" for v in values))
+    verdict = "fits" if plan.fits else "DOES NOT FIT"
+    lines += [
+        "",
+        f"peak memory {plan.peak_memory_gib:.2f} GiB + {plan.reserved_gib:g} GiB reserved of {hw.memory_gib:g} GiB: {verdict}",
+        f"step {plan.step_time_s:.3f} s | {plan.tokens_per_s:,.0f} tokens/s | model {plan.model_tflops_per_gpu:.0f} TFLOP/s per GPU "
+        f"(MFU {100 * plan.predicted_mfu:.1f}%) | hardware {plan.hardware_tflops_per_gpu:.0f} TFLOP/s per GPU",
+        f"{_count(plan.tokens)} tokens in {plan.days:.1f} days",
+    ]
+    lines += [f"note: {note}" for note in plan.notes]
+    return "\n".join(lines)
+
+
+def _blocks(plan: Plan, stage: int):
+    from train.plan.counts import stage_blocks
+
+    return stage_blocks(plan.model.n_layer, plan.layout.pp, stage)
+
+
+def format_search(plans: list[Plan], top: int) -> str:
+    """The ranked layouts `plan.search=true` prints."""
+    if not plans:
+        return "no valid layout fits"
+    lines = [f"{'#':>3}  {'layout':<52} {'tokens/s':>11} {'MFU':>6} {'peak GiB':>9} {'days':>7}"]
+    for i, plan in enumerate(plans[:top], 1):
+        lines.append(
+            f"{i:>3}  {plan.layout.describe():<52} {plan.tokens_per_s:>11,.0f} {100 * plan.predicted_mfu:>5.1f}% "
+            f"{plan.peak_memory_gib:>9.1f} {plan.days:>7.1f}"
+        )
+    lines.append(f"{len(plans)} layouts fit; {min(top, len(plans))} shown (plan.top)")
+    return "\n".join(lines)
