@@ -12,6 +12,9 @@ records are dealt as for other sources, and the run says so. With offline mode o
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
 import signal
 import time
 from pathlib import Path
@@ -19,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cli import metrics, start_train, train
+from cli import clean_env, metrics, start_train, train
 from data_corpus import hub_cfg, parquet_dataset, short_doc, take, token_stream
 from test_layouts import assert_same_losses
 from train.data import TrainBatches, check_data
@@ -32,6 +35,9 @@ N_FILES = 16
 STEPS = ["train.max_steps=6", "train.eval_interval=0", "train.checkpoint_interval=0", "logging.wandb.mode=disabled"]
 OPEN_HOOK = '''"""Test instrumentation: append every .parquet file this process opens under GPT3D_OPENS_ROOT to a log."""
 import os
+import shutil
+import subprocess
+import sys
 import sys
 
 _root, _log = os.environ["GPT3D_OPENS_ROOT"], os.environ["GPT3D_OPENS_LOG"]
@@ -214,3 +220,24 @@ def test_hub_run_killed_with_sigkill_resumes_bit_for_bit(tmp_path, cli_dataset, 
     assert f"resumed from {killed / 'checkpoints' / f'step{resumed_from:08d}'} at step {resumed_from}" in out.stdout
     keys = ["step", "tokens", "train/loss", "train/grad_norm", "train/lr"]
     assert [[r[k] for k in keys] for r in metrics(killed)] == [[r[k] for k in keys] for r in hub_one_process]
+
+
+def test_offline_a_dataset_in_the_cache_trains_and_one_not_there_fails_before_the_model(tmp_path):
+    """A dataset loaded once (without streaming) sits in the datasets cache; offline, data.name finds it there.
+    The cache holds it as one Arrow file, fewer than the two streams: the run says so and deals records."""
+    cache, copy = tmp_path / "hf-cache", tmp_path / "toycorpus"
+    copy.mkdir()
+    parquet_dataset(copy, 4, 3)
+    env = {"HF_DATASETS_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    subprocess.run([sys.executable, "-c", f"import datasets; datasets.load_dataset({str(copy)!r}, split='train')"],
+                   env=clean_env(env), check=True, capture_output=True)
+    shutil.rmtree(copy)
+    hub = ["data=hub", "data.name=toycorpus", "data.streams=2", "data.shuffle_buffer=2", "data.val_permille=250"]
+    proc = train(tmp_path / "run", None, *STEPS[1:], "train.max_steps=2", *hub, env=env)
+    assert "'toycorpus' has 1 data file(s), fewer than data.streams=2" in proc.stderr
+    assert [r["step"] for r in metrics(tmp_path / "run")] == [1, 2]
+    proc = train(tmp_path / "absent", None, *STEPS, *hub[:1], "data.name=absentcorpus", env=env, check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "cannot open data.name='absentcorpus'" in proc.stderr
+    assert "it must be a local dataset folder, or a dataset already in the local datasets cache" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "absent").exists()

@@ -287,8 +287,9 @@ def open_hub(src: SourceSpec):
     try:
         return datasets.load_dataset(src.name, src.config_name, split=src.split, streaming=True)
     except (ConnectionError, OSError, ValueError) as e:
-        where = "the local datasets cache (offline mode is on)" if hub_offline() else "the Hub or a local folder"
-        raise DataError(f"data.source=hub: cannot open {src.name!r} from {where}: {e}") from e
+        valid = ("a local dataset folder, or a dataset already in the local datasets cache (offline mode is on)"
+                 if hub_offline() else "a Hub dataset, a local dataset folder")
+        raise DataError(f"data.source=hub: cannot open data.name={src.name!r} ({e}); it must be {valid}") from e
 
 
 def is_validation(text: str, val_permille: int) -> bool:
