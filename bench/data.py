@@ -11,12 +11,13 @@ filling the first shuffle chunks is startup) and reports, in one run:
 - the same with background workers (``data.workers``), and, for reference, the old layout
   (``data.streams=1``: every rank packs the whole stream and keeps 1/dp of it);
 - baseline: the GPT-2 tokenizer alone on the same files, one thread, read straight from disk;
-- Hub-style rows (``hub``; ``÷ ideal`` is ``vs dp=1`` × dp, 1 at perfect scaling): the same documents written as a local dataset folder of parquet files
+- Hub-style rows (``hub``): the same documents written as a local dataset folder of parquet files
   (``--hub-files`` of them, 4 per stream by default) and read through ``data.source=hub``, as a
   `datasets` stream of a Hub dataset is: per simulated rank, the bytes it reads (Linux's count of
   the process's reads, /proc/self/io ``rchar``) while serving ``--hub-batches`` global batches (by
   default as many as take each stream half way into its second file), its ratio to dp=1 against the
-  ideal 1/dp, and the tokens per second it supplies (after the first batch).
+  ideal 1/dp and their quotient (``÷ ideal``, 1 at perfect scaling), and the tokens per second it
+  supplies (after the first batch).
 
 Demand: one H100 training gpt3-125m (seq 2048). gpt3-125m costs 6N + 12·L·d·T FLOPs per trained token
 (PaLM's count, as the training loop's MFU uses); at 45% MFU of the H100's 989 TFLOP/s dense bf16 peak

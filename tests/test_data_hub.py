@@ -25,7 +25,7 @@ import pytest
 from cli import clean_env, metrics, start_train, train
 from data_corpus import hub_cfg, parquet_dataset, short_doc, take, token_stream
 from test_layouts import assert_same_losses
-from train.data import TrainBatches, check_data
+from train.data import DataError, TrainBatches, check_data
 from train.data_records import records
 from train.data_sources import resolve
 
@@ -120,7 +120,8 @@ def test_a_resume_state_from_a_dataset_with_other_files_is_refused(dataset, tmp_
     os.rename(fewer, tmp_path / root.name)  # the same folder name, one file less
     again = TrainBatches(hub_cfg(tmp_path / root.name, streams=S, shuffle_buffer=S), SEQ, S, 0, 1, seed=0)
     again.load_state_dict(state)
-    with pytest.raises(ValueError, match=f"now has {N_FILES - 1} data file\\(s\\); the resume state was saved when it had {N_FILES}"):
+    saved_with = f"now has {N_FILES - 1} data file\\(s\\); the resume state was saved when it had {N_FILES}"
+    with pytest.raises(DataError, match=saved_with):
         next(again)
 
 

@@ -16,9 +16,9 @@ other record sources.
 
 from __future__ import annotations
 
-import numpy as np
-
 import sys
+
+import numpy as np
 
 from train.data_records import Bad, BadRecords, by_files, is_validation, open_hub, prepared_split, records
 from train.data_sources import DataError, DataSpec, SourceSpec, resolve

@@ -288,7 +288,7 @@ def open_hub(src: SourceSpec):
         return datasets.load_dataset(src.name, src.config_name, split=src.split, streaming=True)
     except (ConnectionError, OSError, ValueError) as e:
         valid = ("a local dataset folder, or a dataset already in the local datasets cache (offline mode is on)"
-                 if hub_offline() else "a Hub dataset, a local dataset folder")
+                 if hub_offline() else "a Hub dataset or a local dataset folder")
         raise DataError(f"data.source=hub: cannot open data.name={src.name!r} ({e}); it must be {valid}") from e
 
 

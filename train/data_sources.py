@@ -117,9 +117,8 @@ class DataSpec:
 
 def check_data_config(data_cfg) -> DataSpec:
     """Raise DataError if `data_cfg` cannot work: unknown source or key, missing file, empty glob,
-    unsupported or mixed extensions, missing text field, unknown encoding, unreachable Hub (for a Hub name
-    that needs the network), a folder
-    that is not a prepared dataset. Cheap: reads no documents."""
+    unsupported or mixed extensions, missing text field, unknown encoding, an unreachable Hub (for a Hub
+    name that needs the network), a folder that is not a prepared dataset. Cheap: reads no documents."""
     return resolve(data_cfg)
 
 
