@@ -149,7 +149,7 @@ def _env(tmp: Path, root: Path) -> dict:
     (hook / "sitecustomize.py").write_text(OPEN_HOOK)
     return {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp / "hf-cache"),
             "GPT3D_OPENS_ROOT": str(root), "GPT3D_OPENS_LOG": str(log),
-            "PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])}
+            "PYTHONPATH": os.pathsep.join(p for p in [str(hook), os.environ.get("PYTHONPATH")] if p)}
 
 
 def _opened_by_rank(tmp: Path) -> dict[int, set[int]]:
