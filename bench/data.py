@@ -10,7 +10,14 @@ filling the first shuffle chunks is startup) and reports, in one run:
 - ``supply/demand``: supplies ÷ the assumed demand of one GPU (below);
 - the same with background workers (``data.workers``), and, for reference, the old layout
   (``data.streams=1``: every rank packs the whole stream and keeps 1/dp of it);
-- baseline: the GPT-2 tokenizer alone on the same files, one thread, read straight from disk.
+- baseline: the GPT-2 tokenizer alone on the same files, one thread, read straight from disk;
+- Hub-style rows (``hub``): the same documents written as a local dataset folder of parquet files
+  (``--hub-files`` of them, 4 per stream by default) and read through ``data.source=hub``, as a
+  `datasets` stream of a Hub dataset is: per simulated rank, the bytes it reads (Linux's count of
+  the process's reads, /proc/self/io ``rchar``) while serving ``--hub-batches`` global batches (by
+  default as many as take each stream half way into its second file), its ratio to dp=1 against the
+  ideal 1/dp and their quotient (``÷ ideal``, 1 at perfect scaling), and the tokens per second it
+  supplies (after the first batch).
 
 Demand: one H100 training gpt3-125m (seq 2048). gpt3-125m costs 6N + 12·L·d·T FLOPs per trained token
 (PaLM's count, as the training loop's MFU uses); at 45% MFU of the H100's 989 TFLOP/s dense bf16 peak
@@ -20,12 +27,14 @@ supply that whatever dp is, since each rank feeds its own GPU.
     python -m bench.data                 # seq 2048, global batch 64, streams 64, dp 1/8/64, workers 0 and 2
     python -m bench.data --quick         # a smoke run: seq 256, streams 4, dp 1/2/4, under a minute
     python -m bench.data --paths /data/owt/*.jsonl   # on your own corpus (tokens/s depend on the text)
+    python -m bench.data --hub-only      # only the Hub-style rows
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 import time
 
 from train.data import TrainBatches
@@ -34,6 +43,8 @@ from train.data.tokenizer import gpt2
 
 H100_BF16_TFLOPS = 989.0  # dense bf16 peak of an H100 SXM
 ASSUMED_MFU = 0.45
+HUB_RECORD_CHARS = 4000  # the Hub-style rows' records: pieces of the corpus's documents
+HUB_ROW_GROUP = 2  # records per parquet row group (the unit a reader reads)
 
 
 def demand_tokens_per_s() -> tuple[float, float]:
@@ -74,6 +85,90 @@ def tokenizer_rate(files: tuple[str, ...], max_tokens: int) -> float:
     return tokens / (time.perf_counter() - start)
 
 
+def hub_folder(folder: str, documents: tuple[str, ...], n_files: int, bytes_per_file: int) -> str:
+    """A local dataset folder as `datasets` reads a Hub dataset: n_files parquet files of about bytes_per_file
+    bytes of text each and a dataset card naming the features (so opening it reads no data file). The text is
+    the documents' cut into records of HUB_RECORD_CHARS characters, dealt to the files in turn, so the files
+    are alike and every stream reads about the same bytes per token; row groups of HUB_ROW_GROUP records keep
+    the reads fine-grained. Returns the folder."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows: list[list[str]] = [[] for _ in range(n_files)]
+    size, k, n = 0, 0, 0
+    while size < n_files * bytes_per_file:
+        with open(documents[k % len(documents)], encoding="utf-8", errors="replace") as f:
+            text = f.read()
+        for start in range(0, len(text), HUB_RECORD_CHARS):
+            rows[n % n_files].append(text[start : start + HUB_RECORD_CHARS])
+            n += 1
+        size, k = size + len(text.encode()), k + 1
+    for i, records in enumerate(rows):
+        pq.write_table(pa.table({"text": records}), os.path.join(folder, f"train-{i:05d}.parquet"),
+                       row_group_size=HUB_ROW_GROUP, write_statistics=False)
+    with open(os.path.join(folder, "README.md"), "w") as f:
+        f.write("---\ndataset_info:\n  features:\n  - name: text\n    dtype: string\n---\n")
+    return folder
+
+
+def bytes_read() -> int:
+    """Bytes this process has read so far through read system calls (Linux: /proc/self/io rchar)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+
+def hub_rank(cfg: dict, seq_len: int, batch: int, dp: int, batches: int) -> tuple[int, float]:
+    """(bytes read, tokens/s supplied) of rank dp-1 of dp serving `batches` global batches from a hub source:
+    bytes from the start (opening the dataset included), time after the first batch."""
+    start_bytes = bytes_read()
+    it = TrainBatches(cfg, seq_len, batch, dp - 1, dp, seed=0, warn=False)
+    try:
+        next(it)
+        start = time.perf_counter()
+        for _ in range(batches - 1):
+            next(it)
+        seconds = time.perf_counter() - start
+    finally:
+        it.close()
+    return bytes_read() - start_bytes, (batches - 1) * (batch // dp) * seq_len / seconds
+
+
+def _batches_for(files: float, folder: str, seq_len: int, per_stream: int) -> int:
+    """Global batches in which each stream reads about `files` files (counted on the first file's tokens).
+    A reader reads whole files, so a count of bytes taken just as streams open their next file would measure
+    where that boundary falls, not how reading scales with dp: the default count stops half way into a file."""
+    import pyarrow.parquet as pq
+
+    enc = gpt2()
+    texts = pq.read_table(os.path.join(folder, "train-00000.parquet")).column("text").to_pylist()
+    tokens = sum(len(enc.encode_ordinary(t)) + 1 for t in texts)
+    return max(2, round(files * tokens / (seq_len + 1) / per_stream))
+
+
+def hub_rows(args, documents: tuple[str, ...], demand: float) -> None:
+    """The Hub-style rows: per-rank bytes read and tokens/s at each dp, against dp=1 and the ideal 1/dp."""
+    n_files = args.hub_files or 4 * args.streams
+    with tempfile.TemporaryDirectory(prefix="gpt3d-bench-hub-") as folder:
+        hub_folder(folder, documents, n_files, args.hub_file_kb * 1024)
+        batches = args.hub_batches or _batches_for(1.5, folder, args.seq_len, args.global_batch // args.streams)
+        cfg = {"source": "hub", "name": folder, "val_permille": 10, "streams": args.streams,
+               "shuffle_buffer": args.streams * args.chunk}
+        hub_rank(cfg, args.seq_len, args.global_batch, args.dp[-1], 2)  # imports and first opens outside the counts
+        print(f"\nhub-style: a local folder of {n_files} parquet files ({n_files * args.hub_file_kb / 1024:,.1f} MB of "
+              f"text) through data.source=hub, {args.streams} streams ({n_files / args.streams:g} files each), "
+              f"{batches} global batches per rank")
+        header = f"{'':>3} {'streams':>7} {'dp':>4} {'MB read':>9} {'vs dp=1':>8} {'ideal':>6} {'÷ ideal':>7} " \
+                 f"{'supplies tok/s':>15} {'supply/demand':>13}"
+        print(header)
+        print("-" * len(header))
+        first = None
+        for dp in args.dp:
+            got, rate = hub_rank(cfg, args.seq_len, args.global_batch, dp, batches)
+            first = first or got
+            print(f"{'hub':>3} {args.streams:>7} {dp:>4} {got / 2**20:>9.2f} {got / first:>8.4f} {1 / dp:>6.4f} "
+                  f"{got / first * dp:>7.3f} {rate:>15,.0f} {rate / demand:>13.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq-len", type=int, default=2048)
@@ -86,9 +181,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="measurements per row; the fastest is kept (busy hosts)")
     parser.add_argument("--paths", nargs="+", help="measure on these files (data=files) instead of the stdlib corpus")
     parser.add_argument("--quick", action="store_true", help="seq 256, batch 8, streams 4, dp 1 2 4, 0.5 s per row")
+    parser.add_argument("--hub-only", action="store_true", help="only the Hub-style rows")
+    parser.add_argument("--hub-files", type=int, help="parquet files of the Hub-style rows (default: 4 per stream)")
+    parser.add_argument("--hub-file-kb", type=int, default=128, help="kilobytes of text per parquet file")
+    parser.add_argument("--hub-batches", type=int,
+                        help="global batches each Hub-style rank serves (default: its streams read 1.5 files each)")
     args = parser.parse_args()
     if args.quick:
         args.seq_len, args.global_batch, args.streams, args.dp, args.seconds, args.repeats = 256, 8, 4, [1, 2, 4], 0.5, 1
+        args.hub_file_kb = 16
 
     demand, flops = demand_tokens_per_s()
     source = {"source": "files", "paths": args.paths} if args.paths else {"source": "stdlib"}
@@ -103,6 +204,8 @@ def main() -> None:
           f"fastest of {args.repeats} per row")
     header = f"{'streams':>7} {'dp':>4} {'workers':>7} {'work/batch s':>12} {'vs dp=1':>8} {'ideal':>6} " \
              f"{'supplies tok/s':>15} {'supply/demand':>13}"
+    if args.hub_only:
+        return hub_rows(args, resolve(base_cfg).sources[0].files, demand)
     print(header)
     print("-" * len(header))
     cases = [(args.streams, dp, w) for w in (0, args.workers) for dp in args.dp]
@@ -117,6 +220,7 @@ def main() -> None:
         ideal = f"{1 / dp:.3f}" if streams > 1 else "-"  # the old layout does the same work at every dp
         print(f"{streams:>7} {dp:>4} {workers:>7} {t:>12.4f} {t / reference:>8.3f} {ideal:>6} "
               f"{supplies:>15,.0f} {supplies / demand:>13.2f}")
+    hub_rows(args, resolve(base_cfg).sources[0].files, demand)
 
 
 if __name__ == "__main__":

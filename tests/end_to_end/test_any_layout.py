@@ -13,7 +13,8 @@ import json
 import pytest
 
 from cli import generate, metrics, train
-from test_layouts import STEPS, assert_same_losses, corpus, one_process  # noqa: F401 (fixtures: the same runs)
+from cli import assert_same_losses
+from test_layouts import STEPS, corpus, one_process  # noqa: F401 (fixtures: the same runs)
 
 # A model that barely trained (small LR) still has varied greedy continuations; GPT-3's banded
 # layers with a window of 8, and 32 new tokens after the prompt run past seq_len = 32.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from cli import metrics, train, write_corpus
+from cli import assert_same_losses, metrics, train, write_corpus
 
 STEPS = ["train.max_steps=3", "train.eval_interval=0", "train.checkpoint_interval=0", "logging.wandb.mode=disabled"]
 
@@ -24,14 +24,6 @@ def one_process(tmp_path_factory, corpus):
     run_dir = tmp_path_factory.mktemp("one_process")
     train(run_dir, corpus, *STEPS)
     return metrics(run_dir)
-
-
-def assert_same_losses(got: list[dict], expected: list[dict], rel: float = 1e-5) -> None:
-    assert [r["step"] for r in got] == [r["step"] for r in expected]
-    for g, e in zip(got, expected):
-        assert g["train/loss"] == pytest.approx(e["train/loss"], rel=rel), f"step {e['step']}"
-        assert g["train/grad_norm"] == pytest.approx(e["train/grad_norm"], rel=1e-4), f"step {e['step']}"
-        assert g["train/lr"] == pytest.approx(e["train/lr"], rel=1e-12)
 
 
 @pytest.mark.parametrize(

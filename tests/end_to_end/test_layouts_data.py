@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from cli import metrics, start_train, train
-from test_layouts import STEPS, assert_same_losses, corpus, one_process  # noqa: F401 (fixtures: the same runs)
+from cli import assert_same_losses
+from test_layouts import STEPS, corpus, one_process  # noqa: F401 (fixtures: the same runs)
 
 SEQ = 32  # TINY's model.seq_len
 # Batches of 2, 4, 8 sequences: from 2 to 8 in increments of 2, one every 192 / 3 = 64 tokens (2 sequences).

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
@@ -103,6 +105,16 @@ def clean_env(extra: dict | None = None) -> dict:
 
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_losses(got: list[dict], expected: list[dict], rel: float = 1e-5) -> None:
+    """Two runs' metrics records on one loss curve: the same steps, losses within `rel`, gradient norms
+    within 1e-4, learning rates equal."""
+    assert [r["step"] for r in got] == [r["step"] for r in expected]
+    for g, e in zip(got, expected):
+        assert g["train/loss"] == pytest.approx(e["train/loss"], rel=rel), f"step {e['step']}"
+        assert g["train/grad_norm"] == pytest.approx(e["train/grad_norm"], rel=1e-4), f"step {e['step']}"
+        assert g["train/lr"] == pytest.approx(e["train/lr"], rel=1e-12)
 
 
 def _free_port() -> int:

@@ -57,3 +57,29 @@ def token_stream(texts, val_permille: int, validation: bool = False) -> np.ndarr
 def take(it, n: int) -> list[torch.Tensor]:
     """The next n batches of a TrainBatches."""
     return [next(it) for _ in range(n)]
+
+
+def short_doc(i: int) -> str:
+    """Document i, a dozen tokens or so: a few of them fill a window of a toy model."""
+    return f"<<doc{i}>> short text " + "word " * (i % 4)
+
+
+def parquet_dataset(root, n_files: int, per_file: int, text=doc) -> list[list[str]]:
+    """A local dataset folder as `datasets.load_dataset` reads one: n_files parquet files of `per_file`
+    documents (`text(0)`, `text(1)`, ... in file order) and a dataset card naming the features, as Hub
+    datasets have (so loading it reads no data file). Returns each file's texts, in file order."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    files = [[text(f * per_file + k) for k in range(per_file)] for f in range(n_files)]
+    for f, texts in enumerate(files):
+        pq.write_table(pa.table({"text": texts, "id": list(range(len(texts)))}), root / f"train-{f:05d}.parquet",
+                       row_group_size=2)
+    (root / "README.md").write_text("---\ndataset_info:\n  features:\n  - name: text\n    dtype: string\n"
+                                    "  - name: id\n    dtype: int64\n---\n")
+    return files
+
+
+def hub_cfg(root, **keys) -> dict:
+    """A data config reading the dataset folder `root` through data.source=hub, plus `keys`."""
+    return {"source": "hub", "name": str(root), **keys}

@@ -2,7 +2,9 @@
 
 The global order (independent of dp, of background workers and of batch sizes):
 
-1. record i of a source belongs to stream ``i % data.streams`` (`train.data.records`);
+1. record i of a source belongs to stream ``i % data.streams`` (`train.data.records`); a `datasets`
+   source with at least data.streams data files is split by file instead: stream j is its files j,
+   j + data.streams, j + 2·data.streams, …;
 2. each stream of each source — a *lane* — packs its documents into windows of ``seq_len + 1`` tokens
    and shuffles them chunk by chunk (`train.data.streams`);
 3. position t of stream s takes the next window of one source's lane: the only source, or, for a

@@ -5,13 +5,22 @@ each source only until every stream has a training document (and, if validation 
 validation document shows up). An empty corpus, one that is all bad records, one whose training split is
 empty, or one with fewer training documents than streams is one clear error here, instead of a failure
 mid-run. With ``on_bad_record=error`` a bad record among those read stops the run here too.
+
+A `datasets` source (data.source=hub) is opened here, so a name that cannot be found (not on the Hub, not
+a folder, not in the cache in offline mode) fails here. When it has at least data.streams data files its
+streams are sets of files (`data_records`), and the probe reads no training record: every rank runs it,
+and reading one record of every stream would make each rank open every stream's first file. With fewer
+files than streams it says so in one line (every stream then reads the whole dataset) and probes as for
+other record sources.
 """
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
-from train.data.records import Bad, BadRecords, is_validation, prepared_split, records
+from train.data.records import Bad, BadRecords, by_files, is_validation, open_hub, prepared_split, records
 from train.data.sources import DataError, DataSpec, SourceSpec, resolve
 
 
@@ -46,6 +55,9 @@ def check_data(data_cfg, dp_size: int = 1, global_batch: int | None = None, vali
     for src in spec.sources:
         if src.reader == "prepared":
             _probe_prepared(src, spec.streams, validation)
+        elif src.reader == "hub" and _hub_by_files(src, spec.streams):
+            if validation:
+                _probe_validation(src, spec)
         else:
             _probe_records(src, spec, validation)
     return spec
@@ -90,6 +102,40 @@ def _probe_records(src: SourceSpec, spec: DataSpec, validation: bool) -> None:
     raise DataError(
         f"{where}: the validation split is empty (val_permille={src.val_permille}, {n_train} training documents) but "
         "validation is asked for; raise data.val_permille, or set train.eval_interval=0"
+    )
+
+
+def _hub_by_files(src: SourceSpec, streams: int) -> bool:
+    """Open a `datasets` source (reading no record) and say whether its streams are sets of files; if not (and
+    streams > 1), say once what that costs."""
+    from train.config.launch import is_rank_zero
+
+    files = open_hub(src).n_shards
+    if by_files(files, streams):
+        return True
+    if is_rank_zero():
+        print(
+            f"gpt3d: note: data: {src.label}: {src.name!r} has {files} data file(s), fewer than data.streams={streams}, so "
+            f"its records are dealt to streams: every stream reads the whole dataset and keeps every {streams}th record "
+            f"(each rank downloads and parses all of it); data.streams <= {files} would split it by file",
+            file=sys.stderr, flush=True,
+        )
+    return False
+
+
+def _probe_validation(src: SourceSpec, spec: DataSpec) -> None:
+    """Read records in order (as validation does) until a validation document shows up."""
+    bad, n_train = BadRecords(spec.on_bad_record, warn=False), 0
+    for record in records(src, 0, 1):
+        if isinstance(record.text, Bad):
+            bad.skip(record)
+        elif record.text and is_validation(record.text, src.val_permille):
+            return
+        elif record.text:
+            n_train += 1
+    raise DataError(
+        f"data: {src.label}: the validation split is empty (val_permille={src.val_permille}, {n_train} training documents) "
+        "but validation is asked for; raise data.val_permille, or set train.eval_interval=0"
     )
 
 

@@ -4,7 +4,13 @@ Records are numbered in the source's fixed reading order (files in order, record
 Hub's or a prepared dataset's own order): record i belongs to stream ``i % streams``. A stream reads
 only its own records' text: for a one-document-per-file source it opens only its own files; for
 ``.jsonl`` it splits every line but decodes and parses only its own; for parquet it converts only its
-own rows. Hub streams are read whole by every stream (`datasets` streams them in order).
+own rows.
+
+A `datasets` source (``data.source=hub``) is split by file instead when it has at least as many data files
+as streams (datasets' ``n_shards``): stream j is datasets' own shard j (``IterableDataset.shard(S, j,
+contiguous=False)``: files j, j+S, j+2S, …), so a stream opens, downloads and parses only its files and
+its records are numbered within it. With fewer files than streams every stream reads the whole dataset
+and keeps its records by index, as above.
 
 Decoding is explicit: bytes are decoded with the source's ``encoding`` (strict). A record that cannot
 be decoded, holds NUL characters (binary data), is not a JSON object, or has no text in the text field
@@ -30,7 +36,7 @@ from typing import Iterator
 
 import numpy as np
 
-from train.data.sources import DataError, SourceSpec
+from train.data.sources import DataError, SourceSpec, hub_offline
 from train.data.tokenizer import EOT, gpt2
 
 TOKEN_BLOCK = 256  # prepared rows fetched from Arrow at a time
@@ -239,32 +245,51 @@ def _parquet_records(src, stream, streams, pos):
 
 
 def _hub_records(src, stream, streams, pos):
-    """A Hub dataset through `datasets` streaming; positions hold datasets' own state."""
-    stream_ds = open_hub(src)
-    pos = pos or {"state": None, "index": 0}
-    if pos["state"] is not None:
-        stream_ds.load_state_dict(pos["state"])
-    index, before = pos["index"], pos["state"]
+    """A `datasets` stream (a Hub name, a local dataset folder or a cached dataset); positions hold datasets'
+    own state. With at least `streams` data files, stream j is datasets' shard j of `streams` (files j, j+S,
+    j+2S, …) and its records are numbered within it; with fewer, every stream reads all records in order and
+    keeps record i when i mod S = j."""
+    dataset = open_hub(src)
+    files = dataset.n_shards
+    pos = pos or {"state": None, "index": 0, "files": files}
+    if pos["files"] != files:
+        raise DataError(
+            f"data: {src.name!r} now has {files} data file(s); the resume state was saved when it had {pos['files']} "
+            "(streams are sets of files, so the order changed): restore the files, or start a new run"
+        )
     label = f"{src.name}[{src.split}]"
-    for record in stream_ds:
+    if by_files(files, streams):
+        dataset = dataset.shard(num_shards=streams, index=stream, contiguous=False)
+        label, stream, streams = f"{label} stream {stream}", 0, 1
+    if pos["state"] is not None:
+        dataset.load_state_dict(pos["state"])
+    index, before = pos["index"], pos["state"]
+    for record in dataset:
         if index % streams == stream:
-            yield Record({"state": before, "index": index}, index, label, f"record {index + 1}",
+            yield Record({"state": before, "index": index, "files": files}, index, label, f"record {index + 1}",
                          checked_text(record.get(src.text_field), src.text_field))
         index += 1
         if index % streams == stream:
-            before = stream_ds.state_dict()
+            before = dataset.state_dict()
+
+
+def by_files(files: int, streams: int) -> bool:
+    """Whether a `datasets` source of `files` data files is split into `streams` streams by file (else by record)."""
+    return files >= streams
 
 
 def open_hub(src: SourceSpec):
-    """The Hub dataset of `src` as a streaming `datasets.IterableDataset`, in its fixed order."""
+    """The dataset of `src` as a streaming `datasets.IterableDataset`, in its fixed order (files in order)."""
     import datasets
 
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()
     try:
         return datasets.load_dataset(src.name, src.config_name, split=src.split, streaming=True)
-    except (ConnectionError, OSError) as e:
-        raise DataError(f"data.source=hub: cannot stream {src.name!r} ({e}); use data=files") from e
+    except (ConnectionError, OSError, ValueError) as e:
+        valid = ("a local dataset folder, or a dataset already in the local datasets cache (offline mode is on)"
+                 if hub_offline() else "a Hub dataset or a local dataset folder")
+        raise DataError(f"data.source=hub: cannot open data.name={src.name!r} ({e}); it must be {valid}") from e
 
 
 def is_validation(text: str, val_permille: int) -> bool:

@@ -5,7 +5,9 @@ Five kinds of source (``data.source``):
 - ``stdlib``: the running Python's standard-library ``.py`` files, one document per file (no setup);
 - ``files``: local files or globs, ``.txt`` (one document per file), ``.jsonl``/``.json`` or
   ``.parquet`` (one document per record, its ``text_field``);
-- ``hub``: a dataset streamed from the Hugging Face Hub (``name``, ``config_name``, ``split``);
+- ``hub``: a dataset streamed by `datasets` (``name``, ``config_name``, ``split``): ``name`` is what
+  ``datasets.load_dataset`` takes: a Hub dataset, a local dataset folder, or, with offline mode on
+  (``HF_DATASETS_OFFLINE=1`` / ``HF_HUB_OFFLINE=1``), a dataset in the local datasets cache;
 - ``prepared``: a folder written by ``python -m train.prepare_data`` (`datasets`' save_to_disk);
 - ``mixture``: a weighted list of sources of the kinds above (``sources``, each with a ``weight``).
 
@@ -65,10 +67,12 @@ class SourceSpec:
     def fingerprint(self) -> dict:
         """What fixes this source's documents; a resume state must come from a source with the same one."""
         names = "\n".join(os.path.basename(f) for f in self.files)
+        hub = {"hub_streams": "by file when files >= streams"} if self.kind == "hub" else {}  # earlier: by record
         return {
+            **hub,
             "kind": self.kind,
             "reader": self.reader,
-            "name": self.name,
+            "name": os.path.basename(self.name) if self.name and os.path.isabs(self.name) else self.name,
             "config_name": self.config_name,
             "split": self.split,
             "path": os.path.basename(self.path) if self.path else None,
@@ -113,8 +117,8 @@ class DataSpec:
 
 def check_data_config(data_cfg) -> DataSpec:
     """Raise DataError if `data_cfg` cannot work: unknown source or key, missing file, empty glob,
-    unsupported or mixed extensions, missing text field, unknown encoding, unreachable Hub, a folder
-    that is not a prepared dataset. Cheap: reads no documents."""
+    unsupported or mixed extensions, missing text field, unknown encoding, an unreachable Hub (for a Hub
+    name that needs the network), a folder that is not a prepared dataset. Cheap: reads no documents."""
     return resolve(data_cfg)
 
 
@@ -188,8 +192,12 @@ def _source(cfg: dict, kind: str, label: str, where: str, record: dict) -> Sourc
     if kind == "hub":
         name = cfg.get("name")
         if not name:
-            raise DataError(f"{where}.source=hub needs {where}.name, a Hugging Face Hub dataset, e.g. HuggingFaceFW/fineweb")
+            raise DataError(f"{where}.source=hub needs {where}.name, a Hugging Face Hub dataset (e.g. "
+                            "HuggingFaceFW/fineweb) or a local dataset folder")
+        name = str(name)
         _check_hub_reachable(name)
+        if hub_location(name) == "local":  # the same folder whatever directory a rank starts in
+            name = os.path.abspath(os.path.expanduser(name))
         return SourceSpec("hub", label, "hub", name=name, config_name=cfg.get("config_name"),
                           split=cfg.get("split") or "train", **record)
     path = cfg.get("path")
@@ -353,14 +361,20 @@ def hub_offline() -> bool:
     return bool(datasets.config.HF_HUB_OFFLINE)
 
 
+def hub_location(name: str) -> str:
+    """Where `datasets.load_dataset` finds `name`: "local" (a folder or file on this machine), "cache" (offline
+    mode is on, so only the local datasets cache is looked in) or "network" (the Hub)."""
+    if os.path.exists(os.path.expanduser(name)):
+        return "local"
+    return "cache" if hub_offline() else "network"
+
+
 def _check_hub_reachable(name: str) -> None:
-    """Fail fast, with advice, when the Hub cannot be reached (offline mode, no network): one TCP connect."""
-    advice = (
-        f"data.source=hub needs the Hugging Face Hub to stream {name!r}, but this machine cannot reach it ({{why}}). "
-        "Train on local files instead: data=files 'data.paths=[/path/to/*.jsonl]' (or data=stdlib)."
-    )
-    if hub_offline():
-        raise DataError(advice.format(why="offline mode: HF_DATASETS_OFFLINE / HF_HUB_OFFLINE is set"))
+    """For a name that needs the network (not a local folder, offline mode off), fail fast with advice when the
+    Hub cannot be reached: one TCP connect. A name that is not in the cache in offline mode is reported when
+    the dataset is opened (`data_probe.check_data`, before any model is built)."""
+    if hub_location(name) != "network":
+        return
     if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
         return  # behind a proxy a direct connection proves nothing; loading reports any failure
     url = urlparse(os.environ.get("HF_ENDPOINT") or HUB_ENDPOINT)
@@ -368,4 +382,9 @@ def _check_hub_reachable(name: str) -> None:
     try:
         socket.create_connection((url.hostname, port), timeout=5).close()
     except OSError as e:
-        raise DataError(advice.format(why=f"{url.hostname}:{port}: {e}")) from None
+        raise DataError(
+            f"data.source=hub needs the Hugging Face Hub to stream {name!r}, but this machine cannot reach it "
+            f"({url.hostname}:{port}: {e}). data.name also takes a local dataset folder, or a dataset already in the "
+            "local datasets cache with HF_DATASETS_OFFLINE=1; or train on local files: data=files "
+            "'data.paths=[/path/to/*.jsonl]' (or data=stdlib)."
+        ) from None

@@ -291,14 +291,16 @@ def test_bad_files_fail_clearly(tmp_path):
         TrainBatches({"source": "files", "paths": [str(tmp_path / "a.txt")]}, SEQ, 6, 0, 4, 0)
 
 
-def test_hub_offline_fails_clearly(monkeypatch):
-    cfg = {"source": "hub", "name": "HuggingFaceFW/fineweb"}
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    with pytest.raises(DataError, match="cannot reach it \\(offline mode.*data=files"):
-        check_data_config(cfg)
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "0")
+def test_hub_reachability_is_checked_only_for_names_that_need_the_network(monkeypatch, tmp_path):
+    """A Hub name with no route to the Hub fails at once; in offline mode (the local datasets cache) and for a
+    local folder the check is not made (nothing listens at the endpoint, so it would fail)."""
     for proxy in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
         monkeypatch.delenv(proxy, raising=False)
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens there: like no network
-    with pytest.raises(DataError, match="cannot reach it \\(127.0.0.1:9.*data=files"):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "0")
+    cfg = {"source": "hub", "name": "HuggingFaceFW/fineweb"}
+    with pytest.raises(DataError, match="cannot reach it \\(127.0.0.1:9.*a local dataset folder.*HF_DATASETS_OFFLINE=1"):
         check_data_config(cfg)
+    assert check_data_config({"source": "hub", "name": str(tmp_path)}).sources[0].name == str(tmp_path)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    assert check_data_config(cfg).sources[0].name == "HuggingFaceFW/fineweb"
