@@ -97,8 +97,8 @@ INTERPRET_BWD = (32, 16, 16)
 
 # The deterministic dQ kernel: (BLOCK_M queries, BLOCK_N keys, masked sub-block of BLOCK_N, warps,
 # stages), by head dim as above. Its outer block is BLOCK_M, like the forward's.
-DQ_TUNING = {64: [(128, 64, 32, 8, 2), (64, 64, 32, 4, 2), (128, 128, 64, 8, 2)],
-             128: [(64, 64, 32, 4, 2), (128, 64, 32, 8, 2), (64, 32, 16, 4, 2)]}
+DQ_TUNING = {64: [(128, 64, 32, 8, 3), (128, 64, 32, 8, 2), (64, 64, 32, 4, 3)],
+             128: [(64, 64, 32, 8, 2), (128, 32, 16, 8, 2), (64, 32, 16, 4, 3)]}
 
 TUNING_KEY = ["T_TUNE", "BAND_TUNE", "HEAD_DIM"]  # the autotuner also keys on the tensors' dtypes
 # Integer arguments Triton would otherwise specialise on (value 1, multiple of 16), compiling one
