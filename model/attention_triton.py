@@ -51,10 +51,12 @@ head dim is padded to a power of two inside the kernels with masked loads.
 
 Tuning: each program's block sizes are autotuned per (bucket of T, band width, head dim, dtype):
 T is rounded up to a power of two and the band to its width, capped by that bucket, so new
-sequence lengths reuse a tuned choice instead of benchmarking every config again. The candidates
-depend on the head dim (larger tiles fit at 64); every one compiles without register spills for
-sm_80 and sm_90 at the head dims it serves (64–128), in bf16 and fp16, with Triton 3.6 and 3.9
-(tests/test_attention_compile.py checks it ahead of time, on CPU). Set GPT3D_TRITON_AUTOTUNE=0
+sequence lengths reuse a tuned choice instead of benchmarking every config again. Each kernel has
+its candidates (FWD_TUNING; BWD_TUNING for both key-block kernels; DQ_TUNING for the deterministic
+dQ pass), which depend on the head dim (larger tiles fit at 64); every one compiles without
+register spills for sm_80 and sm_90 at the head dims it serves (64–128), in bf16 and fp16, with
+Triton 3.6 and 3.9 (DQ_TUNING: checked with 3.9 only so far; tests/test_attention_compile.py
+checks the installed Triton ahead of time, on CPU). Set GPT3D_TRITON_AUTOTUNE=0
 (before import) to use one pinned config per kernel at every head dim, with no benchmarking.
 Under TRITON_INTERPRET=1 the same kernels run on CPU tensors with small fixed blocks.
 """
