@@ -322,9 +322,9 @@ def _bwd_inner(dk, dv, k, v, Q, DO, DQ, LSE, DELTA, sqt, sdt, sdqt, keys, cols, 
 
 @triton.jit(do_not_specialize=NO_SPECIALIZE)
 def _bwd_kv(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, sqb, sqh, sqt, skb, skh, skt, svb, svh, svt,
-                sdb, sdh, sdt, sdqb, sdqh, sdqt, sgb, sgh, sgt, H, T, lo, hi, sm_scale, qk_scale, T_TUNE, BAND_TUNE,
-                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_M: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+            sdb, sdh, sdt, sdqb, sdqh, sdqt, sgb, sgh, sgt, H, T, lo, hi, sm_scale, qk_scale, T_TUNE, BAND_TUNE,
+            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_M: tl.constexpr, ATOMIC_DQ: tl.constexpr):
     """dK, dV of one key block and, with ATOMIC_DQ, its share of dQ (float32, added into DQ; unused
     without). DK and DV share the strides (sgb, sgh, sgt). Grid (B·H, key blocks); under a causal
     mask the first key blocks, seen by the most queries, are the longest programs and already start first."""
