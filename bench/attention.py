@@ -4,12 +4,18 @@
   python -m bench.attention --quick   # small sizes: a smoke run (under a minute on CPU)
   python -m bench.attention --cpu     # the CPU benchmark on a machine with a GPU
   python -m bench.attention --smoke   # the GPU benchmark's code on the CPU at toy sizes, float32
+  python -m bench.attention --json results.json   # also every row as JSON (any of the modes above)
 
-GPU, bf16, B=8, H=16, T=2048, head dims 64, 80, 96, 128 (--quick: B=2, T=512, d 64 and 128):
-  causal        impl="triton" and torch's scaled_dot_product_attention under each backend, forced
-                one at a time with sdpa_kernel: sdpa-flash (the baseline), sdpa-cudnn, sdpa-efficient;
-  window 256    impl="triton" banded, the same kernel dense causal, and each SDPA backend with the
-                band as a boolean mask (sdpa-efficient, the one that takes any mask, is the baseline).
+GPU, bf16, B=8, H=16, T=2048, head dims 64, 80, 96, 128, and B=2, H=16, T=8192 at head dims 64 and
+128 (the same tokens per batch; --quick: B=2, T=512, d 64 and 128 only):
+  causal        impl="triton", the same kernel with deterministic=True (triton-det), flash-attn's
+                flash_attn_func and its deterministic backward (flash-attn, flash-attn-det: rows
+                only when `import flash_attn` works), and torch's scaled_dot_product_attention under
+                each backend, forced one at a time with sdpa_kernel: sdpa-flash (the baseline),
+                sdpa-cudnn, sdpa-efficient;
+  window 256    impl="triton" banded (and deterministic), the same kernel dense causal, flash-attn
+                with window_size=(255, 0), and each SDPA backend with the band as a boolean mask
+                (sdpa-efficient, the one that takes any mask, is the baseline).
 Before timing, each row's forward and gradients are checked against a float64 reference on the
 first (batch, 2 heads) slice of its inputs (column `err`: max relative error; above 2e-2 the row
 is reported as failed and not timed). A row whose backend refuses the case is printed with the
@@ -23,12 +29,23 @@ are the minimum over repetitions (the least disturbed by other load on the machi
 FLOPs count the visible (query, key) pairs exactly: forward 4·B·H·D·pairs (two matmuls), backward
 2.5× that (five matmuls); causal pairs = T(T+1)/2 ≈ T²/2, banded ≈ T·w. speed× = the baseline's
 forward+backward time / this row's (above 1: faster); mem× = this row's peak / the baseline's.
+The deterministic backward does seven matmuls' work, but its FLOP/s are counted with the same five,
+so its rows compare the time to the same result.
+
+--json PATH writes a JSON list with one object per row (failed rows included, with their `error`):
+case, implementation, batch, heads, head_dim, T, causal, window, dtype, fwd_ms, fwd_tflops,
+fwd_bwd_ms, fwd_bwd_tflops, speed_vs_baseline, baseline (the case's baseline row), is_baseline, err,
+peak_mib, mem_vs_baseline, error, device (the GPU's name, or "CPU"), commit (`git rev-parse HEAD`
+of this checkout, null outside git), date (UTC) and command. Figures that do not apply are null.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import importlib
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -43,6 +60,8 @@ from model.attention import attention, band_mask, reference_attention
 
 SDPA_BACKENDS = {"sdpa-flash": "FLASH_ATTENTION", "sdpa-cudnn": "CUDNN_ATTENTION",
                  "sdpa-efficient": "EFFICIENT_ATTENTION"}
+FLASH_ATTN = ("flash-attn", "flash-attn-det")  # flash_attn_func, with deterministic=False / True
+REPO = Path(__file__).resolve().parents[1]
 CHECK_TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 2e-4}
 
 
@@ -60,11 +79,32 @@ def make_inputs(shape, dtype, device, seed=0):
     return [x.requires_grad_() for x in (q, k, v)], do
 
 
+def flash_attn_available() -> bool:
+    """Whether the flash-attn package imports here (its rows are left out when it does not)."""
+    try:
+        importlib.import_module("flash_attn")
+    except Exception:  # not installed, or built for another torch / CUDA: either way no rows
+        return False
+    return True
+
+
 def attention_fn(impl, window):
-    """fn(q, k, v), causal, for "triton", "torch", "reference" or an SDPA backend ("sdpa-flash", ...):
-    SDPA gets is_causal without a window and the band as a boolean mask with one."""
+    """fn(q, k, v), causal, for "triton", "triton-det" (deterministic=True), "torch", "reference", an
+    SDPA backend ("sdpa-flash", ...) or flash-attn ("flash-attn", "flash-attn-det"). SDPA gets
+    is_causal without a window and the band as a boolean mask with one; flash-attn takes (B, T, H, D)
+    and the band as window_size=(w − 1, 0)."""
+    if impl in FLASH_ATTN:
+        from flash_attn import flash_attn_func
+
+        window_size = (-1, -1) if window is None else (window - 1, 0)
+        deterministic = impl == "flash-attn-det"
+        return lambda q, k, v: flash_attn_func(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True, window_size=window_size,
+            deterministic=deterministic).transpose(1, 2)  # (B, H, T, D) from (B, T, H, D)
     if impl not in SDPA_BACKENDS:
-        return lambda q, k, v: attention(q, k, v, causal=True, window=window, impl=impl)
+        deterministic = impl == "triton-det"
+        impl = "triton" if deterministic else impl
+        return lambda q, k, v: attention(q, k, v, causal=True, window=window, impl=impl, deterministic=deterministic)
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     backend = getattr(SDPBackend, SDPA_BACKENDS[impl])
@@ -99,26 +139,36 @@ def check(fn, ins, do, window):
 
 
 # ---------------------------------------------------------------- GPU table: one process
-def gpu_cases(quick):
-    """(case name, shape, [(row name, impl, window)], baseline row) for the GPU table."""
-    b, t, dims = (2, 512, (64, 128)) if quick else (8, 2048, (64, 80, 96, 128))
+def gpu_cases(quick, flash_attn):
+    """(case name, shape, [(row name, impl, window)], baseline row) for the GPU table; flash_attn:
+    whether to add the flash-attn rows."""
+    sizes = [(2, 512, (64, 128))] if quick else [(8, 2048, (64, 80, 96, 128)), (2, 8192, (64, 128))]
+    flash = FLASH_ATTN if flash_attn else ()
     cases = []
-    for d in dims:
-        shape = (b, 16, t, d)
-        cases.append((f"T={t} d={d} causal", shape,
-                      [("triton", "triton", None), *((name, name, None) for name in SDPA_BACKENDS)], "sdpa-flash"))
-        cases.append((f"T={t} d={d} window 256", shape,
-                      [("triton w=256", "triton", 256), ("triton dense", "triton", None),
-                       *((f"{name} w=256", name, 256) for name in SDPA_BACKENDS)], "sdpa-efficient w=256"))
+    for b, t, dims in sizes:
+        for d in dims:
+            shape = (b, 16, t, d)
+            cases.append((f"T={t} d={d} causal", shape,
+                          [("triton", "triton", None), ("triton-det", "triton-det", None),
+                           *((name, name, None) for name in (*flash, *SDPA_BACKENDS))], "sdpa-flash"))
+            cases.append((f"T={t} d={d} window 256", shape,
+                          [("triton w=256", "triton", 256), ("triton-det w=256", "triton-det", 256),
+                           ("triton dense", "triton", None),
+                           *((f"{name} w=256", name, 256) for name in (*flash, *SDPA_BACKENDS))],
+                          "sdpa-efficient w=256"))
     return cases
 
 
-def smoke_cases():
+def smoke_cases(flash_attn):
+    """The GPU table's rows at toy sizes, against impl="torch"; flash_attn: add the flash-attn rows."""
     shape = (1, 2, 128, 64)
-    return [("T=128 d=64 causal", shape, [("triton", "triton", None), ("torch", "torch", None),
-                                          *((name, name, None) for name in SDPA_BACKENDS)], "torch"),
+    flash = FLASH_ATTN if flash_attn else ()
+    return [("T=128 d=64 causal", shape, [("triton", "triton", None), ("triton-det", "triton-det", None),
+                                          ("torch", "torch", None),
+                                          *((name, name, None) for name in (*flash, *SDPA_BACKENDS))], "torch"),
             ("T=128 d=64 window 32", shape,
-             [("torch w=32", "torch", 32), ("sdpa-efficient w=32", "sdpa-efficient", 32)], "torch w=32")]
+             [("torch w=32", "torch", 32), *((f"{name} w=32", name, 32) for name in flash),
+              ("sdpa-efficient w=32", "sdpa-efficient", 32)], "torch w=32")]
 
 
 def _timer(device):
@@ -188,10 +238,18 @@ def run_case(name, shape, rows, baseline, dtype, device, rounds, inner):
 
 
 def gpu_table(cases, dtype, device, rounds, inner, unit):
-    print_header(f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}, {dtype}".replace("torch.", ""),
-                 unit)
+    """Runs and prints every case; returns all rows, each with its dtype."""
+    print_header(f"{device_name(device)}, {dtype}".replace("torch.", ""), unit)
+    every_row = []
     for name, shape, rows, baseline in cases:
-        print_rows(run_case(name, shape, rows, baseline, dtype, device, rounds, inner), unit)
+        results = run_case(name, shape, rows, baseline, dtype, device, rounds, inner)
+        print_rows(results, unit)
+        every_row += [{**r, "dtype": str(dtype).replace("torch.", "")} for r in results]
+    return every_row
+
+
+def device_name(device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
 
 
 # ---------------------------------------------------------------- CPU: fresh subprocesses per case
@@ -251,12 +309,15 @@ def cpu_case(impl, shape, window, reps, threads):
 def cpu_table(quick, threads):
     lengths, reps = ((256, 512), 3) if quick else ((1024, 2048), 7)
     print_header(f"CPU, {threads} thread(s), float32", "GF")
+    every_row = []
     for t in lengths:
         shape = (1, 12, t, 64)
         rows = [dict(group=f"T={t} d=64 causal", impl=impl, shape=shape, window=window, baseline=impl == "reference",
                      **cpu_case(impl, shape, window, reps, threads))
                 for impl, window in (("reference", None), ("torch", None), ("torch w=256", 256))]
         print_rows(rows, "GF")
+        every_row += [{**r, "dtype": "float32"} for r in rows]
+    return every_row
 
 
 # ---------------------------------------------------------------- the table
@@ -268,11 +329,16 @@ def print_header(device, unit):
     print("-" * len(head), flush=True)
 
 
+def case_baseline(rows):
+    """The case's baseline row, or None when it failed (then no row has ratios)."""
+    return next((r for r in rows if r["baseline"] and "error" not in r), None)
+
+
 def print_rows(rows, unit):
     """One line per row of one case; speed× = baseline time / time (fwd+bwd), mem× = peak / baseline
     peak. unit: "TF" or "GF", the FLOP/s scale. A failed row prints its reason instead of figures."""
     scale = {"TF": 1e9, "GF": 1e6}[unit]  # FLOPs per ms
-    base = next((r for r in rows if r["baseline"] and "error" not in r), None)
+    base = case_baseline(rows)
     for row in rows:
         name = row["impl"] + (" *" if row["baseline"] else "")
         if "error" in row:
@@ -289,6 +355,50 @@ def print_rows(rows, unit):
     sys.stdout.flush()
 
 
+def json_records(rows, device: str, command: str) -> list[dict]:
+    """One JSON-ready dict per row (see the module docstring for the fields); rows of one case are
+    consecutive and share their `group`."""
+    commit = git_commit()
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    cases = {}
+    for row in rows:
+        cases.setdefault(row["group"], []).append(row)
+    records = []
+    for case_rows in cases.values():
+        base = case_baseline(case_rows)
+        baseline_name = next(r["impl"] for r in case_rows if r["baseline"])
+        for row in case_rows:
+            b, h, t, d = row["shape"]
+            ok = "error" not in row
+            tflops = {key: attention_flops(row["shape"], row["window"], backward) / row[ms] / 1e9 if ok else None
+                      for key, ms, backward in (("fwd", "fwd_ms", False), ("fwd_bwd", "fb_ms", True))}
+            records.append({
+                "case": row["group"], "implementation": row["impl"], "batch": b, "heads": h, "head_dim": d, "T": t,
+                "causal": True, "window": row["window"], "dtype": row["dtype"],
+                "fwd_ms": row.get("fwd_ms"), "fwd_tflops": tflops["fwd"],
+                "fwd_bwd_ms": row.get("fb_ms"), "fwd_bwd_tflops": tflops["fwd_bwd"],
+                "speed_vs_baseline": base["fb_ms"] / row["fb_ms"] if ok and base else None,
+                "baseline": baseline_name, "is_baseline": row["baseline"], "err": row.get("err"),
+                "peak_mib": _finite(row.get("peak_mib")),
+                "mem_vs_baseline": _finite(row["peak_mib"] / base["peak_mib"]) if ok and base else None,
+                "error": row.get("error"), "device": device, "commit": commit, "date": date, "command": command})
+    return records
+
+
+def _finite(x):
+    """x, or None for NaN (no measurement, e.g. CUDA memory on a CPU), which JSON cannot hold."""
+    return None if x is None or math.isnan(x) else x
+
+
+def git_commit() -> str | None:
+    """HEAD of the checkout this file is in, or None outside a git checkout."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return out.stdout.strip()
+
+
 def main():
     # SDPA explains in a UserWarning why each backend it tried declined a case; the row that cannot
     # run is reported as FAILED with the error, so the table is kept free of those explanations.
@@ -299,16 +409,25 @@ def main():
     parser.add_argument("--cpu", action="store_true", help="the CPU benchmark even when CUDA is available")
     parser.add_argument("--smoke", action="store_true", help="the GPU benchmark's code on the CPU, toy sizes")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="CPU threads per case")
+    parser.add_argument("--json", metavar="PATH", type=Path, help="also write every row to PATH as a JSON list")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one CPU case, as JSON
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(cpu_worker(json.loads(args.worker))))
-    elif args.smoke:
-        gpu_table(smoke_cases(), torch.float32, torch.device("cpu"), rounds=2, inner=1, unit="GF")
+        return
+    if args.smoke:
+        device = torch.device("cpu")
+        rows = gpu_table(smoke_cases(flash_attn_available()), torch.float32, device, rounds=2, inner=1, unit="GF")
     elif torch.cuda.is_available() and not args.cpu:
-        gpu_table(gpu_cases(args.quick), torch.bfloat16, torch.device("cuda"), rounds=10, inner=3, unit="TF")
+        device = torch.device("cuda")
+        cases = gpu_cases(args.quick, flash_attn_available())
+        rows = gpu_table(cases, torch.bfloat16, device, rounds=10, inner=3, unit="TF")
     else:
-        cpu_table(args.quick, args.threads)
+        device = torch.device("cpu")
+        rows = cpu_table(args.quick, args.threads)
+    if args.json:
+        command = " ".join(["python -m bench.attention", *sys.argv[1:]])
+        args.json.write_text(json.dumps(json_records(rows, device_name(device), command), indent=1) + "\n")
 
 
 if __name__ == "__main__":

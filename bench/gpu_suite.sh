@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything gpt3d measures on a GPU, in one command: the CUDA tests, then every GPU benchmark.
 # Writes DIR/<gpu>-<date>.md (DIR defaults to bench/results) while it runs: the device, driver and
-# library versions, then each section's exact command and unedited output, appended as it comes.
+# library versions, then each section's exact command and unedited output, appended as it comes;
+# the attention benchmark's rows also as JSON beside it (DIR/<gpu>-<date>-attention.json).
 # Every section has a time limit and the whole suite a deadline (SUITE_SECONDS, default 560 s,
 # under a 10-minute job limit): a section that fails or runs out of time is recorded as such and
 # the next one still runs; whatever was finished stays in the file even if the suite is killed.
@@ -74,7 +75,7 @@ EOF
 
 section "CUDA tests (autotuning pinned to each kernel's first config)" 170 \
   env GPT3D_TRITON_AUTOTUNE=0 "$PY" -m pytest -q -p no:cacheprovider -rfEs --durations=5 tests/model/test_attention_cuda.py
-section "Attention kernel vs SDPA backends" 210 "$PY" -m bench.attention
+section "Attention kernel vs SDPA backends" 210 "$PY" -m bench.attention --json "${RESULT%.md}-attention.json"
 section "Training step: gpt3d (Triton kernel, SDPA) vs Hugging Face GPT-2" 170 \
   "$PY" -m bench.train_speed model=gpt3-125m model=gpt3-350m
 

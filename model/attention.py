@@ -17,6 +17,12 @@ Implementations (`impl`):
   "reference"  plain softmax(QKᵀ/√D)V with autograd; materialises the (T, T) scores
   "auto"       "triton" for bf16/fp16 CUDA tensors, "sdpa" for other CUDA tensors (float32: the
                kernel takes half precision only), "torch" on the CPU
+
+deterministic=True asks for gradients that are the same bits on every run. "triton" then computes
+dQ in a pass of its own instead of with atomic adds (model/attention_triton.py); "torch" and
+"reference" are deterministic already (each output element is summed in a fixed order by torch
+ops on one device), so the flag changes nothing there. "sdpa" leaves the choice of backward to
+PyTorch, whose fused backends are not all deterministic: it refuses the flag rather than ignore it.
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ from model import attention_torch
 from model.config import ATTENTION_IMPLS
 
 
-def attention(q, k, v, causal: bool = True, window: int | None = None, impl: str = "auto"):
+def attention(q, k, v, causal: bool = True, window: int | None = None, impl: str = "auto",
+              deterministic: bool = False):
     """Scaled dot-product attention; q, k, v: (B, H, T, D). Returns (B, H, T, D)."""
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention impl={impl!r}: must be one of {list(ATTENTION_IMPLS)}")
@@ -38,6 +45,10 @@ def attention(q, k, v, causal: bool = True, window: int | None = None, impl: str
         raise ValueError(f"attention window={window!r}: must be None or a positive integer")
     if impl == "auto":
         impl = "torch" if not q.is_cuda else "triton" if q.dtype in (torch.bfloat16, torch.float16) else "sdpa"
+    if deterministic and impl == "sdpa":
+        raise ValueError(f"attention deterministic=True with impl='sdpa' (for {q.dtype} on {q.device}): PyTorch's "
+                         "SDPA backward is not deterministic on every backend; use impl='triton' with bf16/fp16 "
+                         "inputs, or impl='torch'")
     if impl == "reference":
         return reference_attention(q, k, v, causal=causal, window=window)
     if impl == "sdpa":
@@ -47,7 +58,7 @@ def attention(q, k, v, causal: bool = True, window: int | None = None, impl: str
         return attention_torch.banded_attention(q, k, v, lo, hi)
     from model import attention_triton  # triton is imported only when the kernel is used
 
-    return attention_triton.banded_attention(q, k, v, lo, hi)
+    return attention_triton.banded_attention(q, k, v, lo, hi, deterministic=deterministic)
 
 
 def band_limits(t: int, causal: bool, window: int | None) -> tuple[int, int]:

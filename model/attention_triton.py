@@ -25,6 +25,14 @@ backward, derived from O = A V with A = softmax(S):
   dQKV buffer when q, k, v came from one fused projection (see `banded_attention`). The float32
   atomic sums make dQ's last bits depend on the order programs finish: it is not bit-reproducible
   from run to run, as in FlashAttention-2.
+  Deterministic mode (`deterministic=True`) trades that for one more pass: (1) the preprocess
+  computes Δ only; (2) the same key-block kernel computes dK and dV alone (four matmuls per tile,
+  no dQ, no atomics); (3) a dQ kernel, one program per query block, loops over the key blocks its
+  band reaches like the forward and recomputes three matmuls per tile,
+      S = Q Kᵀ,  P = e^(S − LSE),  dP = dO Vᵀ,  dS = P ⊙ (dP − Δ),  dQ += dS K,
+  writing dQ once, in q's dtype. Every output element is then summed by one program in a fixed
+  order: the gradients are the same bits on every run (the recomputed S and dP cost two matmuls
+  per tile more than the atomic form's five).
 
 Exponentials are exp2 with log2(e) folded into the scale, and each costs one fused multiply-add
 before the exp2: with c = log2(e)/√D the forward keeps m in units of c·S and computes
@@ -43,10 +51,12 @@ head dim is padded to a power of two inside the kernels with masked loads.
 
 Tuning: each program's block sizes are autotuned per (bucket of T, band width, head dim, dtype):
 T is rounded up to a power of two and the band to its width, capped by that bucket, so new
-sequence lengths reuse a tuned choice instead of benchmarking every config again. The candidates
-depend on the head dim (larger tiles fit at 64); every one compiles without register spills for
-sm_80 and sm_90 at the head dims it serves (64–128), in bf16 and fp16, with Triton 3.6 and 3.9
-(tests/test_attention_compile.py checks it ahead of time, on CPU). Set GPT3D_TRITON_AUTOTUNE=0
+sequence lengths reuse a tuned choice instead of benchmarking every config again. Each kernel has
+its candidates (FWD_TUNING; BWD_TUNING for both key-block kernels; DQ_TUNING for the deterministic
+dQ pass), which depend on the head dim (larger tiles fit at 64); every one compiles without
+register spills for sm_80 and sm_90 at the head dims it serves (64–128), in bf16 and fp16, with
+Triton 3.6 and 3.9 (DQ_TUNING: checked with 3.9 only so far; tests/model/test_attention_compile.py
+checks the installed Triton ahead of time, on CPU). Set GPT3D_TRITON_AUTOTUNE=0
 (before import) to use one pinned config per kernel at every head dim, with no benchmarking.
 Under TRITON_INTERPRET=1 the same kernels run on CPU tensors with small fixed blocks.
 """
@@ -86,6 +96,11 @@ BWD_TUNING = {64: [(64, 128, 32, 8, 2), (32, 128, 16, 8, 2), (64, 64, 32, 4, 2)]
 # crosses outer, inner and masked sub-block boundaries at small T.
 INTERPRET_FWD = (16, 32, 16)
 INTERPRET_BWD = (32, 16, 16)
+
+# The deterministic dQ kernel: (BLOCK_M queries, BLOCK_N keys, masked sub-block of BLOCK_N, warps,
+# stages), by head dim as above. Its outer block is BLOCK_M, like the forward's.
+DQ_TUNING = {64: [(128, 64, 32, 8, 3), (128, 64, 32, 8, 2), (64, 64, 32, 4, 3)],
+             128: [(64, 64, 32, 8, 2), (128, 32, 16, 8, 2), (64, 32, 16, 4, 3)]}
 
 TUNING_KEY = ["T_TUNE", "BAND_TUNE", "HEAD_DIM"]  # the autotuner also keys on the tensors' dtypes
 # Integer arguments Triton would otherwise specialise on (value 1, multiple of 16), compiling one
@@ -260,8 +275,9 @@ def _fwd_kernel(Q, K, V, Out, LSE, sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, 
 
 @triton.jit(do_not_specialize=["T"])
 def _bwd_preprocess(Out, DO, DELTA, DQ, sob, soh, sot, sdb, sdh, sdt, sqb, sqh, sqt, H, T,
-                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Δ_i = Σ_d dO_id O_id in float32, and the float32 dQ accumulator's rows set to zero."""
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, ZERO_DQ: tl.constexpr):
+    """Δ_i = Σ_d dO_id O_id in float32; with ZERO_DQ, also the float32 dQ accumulator's rows set to zero
+    (the atomic backward adds into it; the deterministic one passes DQ unused)."""
     bh = tl.program_id(0)
     b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -269,15 +285,17 @@ def _bwd_preprocess(Out, DO, DELTA, DQ, sob, soh, sot, sdb, sdh, sdt, sqb, sqh, 
     o = _load_tile(Out + b * sob + h * soh, rows, sot, cols, T, HEAD_DIM, BLOCK_D, True)  # (BLOCK_M, BLOCK_D)
     do = _load_tile(DO + b * sdb + h * sdh, rows, sdt, cols, T, HEAD_DIM, BLOCK_D, True)  # (BLOCK_M, BLOCK_D)
     tl.store(DELTA + bh * T + rows, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=rows < T)
-    _store_tile(DQ + b * sqb + h * sqh, rows, sqt, cols, tl.zeros([BLOCK_M, BLOCK_D], tl.float32), T, HEAD_DIM)
+    if ZERO_DQ:
+        _store_tile(DQ + b * sqb + h * sqh, rows, sqt, cols, tl.zeros([BLOCK_M, BLOCK_D], tl.float32), T, HEAD_DIM)
 
 
 @triton.jit
 def _bwd_inner(dk, dv, k, v, Q, DO, DQ, LSE, DELTA, sqt, sdt, sdqt, keys, cols, first, stop, T, lo, hi,
                sm_scale, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
-               DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr):
-    """For query blocks [first, stop) of BLOCK rows: dV += Pᵀ dO, dK += dSᵀ Q (unscaled), and
-    dQ_rows += dS K/√D added atomically. Five matmuls per tile; the transposed tiles keep keys as rows."""
+               DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+    """For query blocks [first, stop) of BLOCK rows: dV += Pᵀ dO, dK += dSᵀ Q (unscaled), and with
+    ATOMIC_DQ dQ_rows += dS K/√D added atomically (five matmuls per tile; four without). The
+    transposed tiles keep keys as rows."""
     for start_m in range(first, stop, BLOCK):
         rows = start_m + tl.arange(0, BLOCK)
         q = _load_tile(Q, rows, sqt, cols, T, HEAD_DIM, BLOCK_D, MASKED)  # (BLOCK, BLOCK_D)
@@ -296,21 +314,20 @@ def _bwd_inner(dk, dv, k, v, Q, DO, DQ, LSE, DELTA, sqt, sdt, sdqt, keys, cols, 
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK)
         ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)  # (BLOCK_N, BLOCK)
         dk += tl.dot(ds_t, q, input_precision=DOT_PRECISION)
-        dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION)  # (BLOCK, BLOCK_D)
-        _add_tile(DQ, rows, sdqt, cols, dq * sm_scale, T, HEAD_DIM, BLOCK_D, MASKED)
+        if ATOMIC_DQ:
+            dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION)  # (BLOCK, BLOCK_D)
+            _add_tile(DQ, rows, sdqt, cols, dq * sm_scale, T, HEAD_DIM, BLOCK_D, MASKED)
     return dk, dv
 
 
-@triton.autotune(configs=_configs(BWD_TUNING, INTERPRET_BWD, "MASK_M"), key=TUNING_KEY, reset_to_zero=["DQ"],
-                 prune_configs_by=_head_dim_pruner(BWD_TUNING, "MASK_M"))
 @triton.jit(do_not_specialize=NO_SPECIALIZE)
-def _bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, sqb, sqh, sqt, skb, skh, skt, svb, svh, svt,
-                sdb, sdh, sdt, sdqb, sdqh, sdqt, sgb, sgh, sgt, H, T, lo, hi, sm_scale, qk_scale, T_TUNE, BAND_TUNE,
-                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_M: tl.constexpr):
-    """dK, dV of one key block, and its share of dQ (float32, added into DQ). DK and DV share the
-    strides (sgb, sgh, sgt). Grid (B·H, key blocks); under a causal mask the first key blocks, seen
-    by the most queries, are the longest programs and already start first."""
+def _bwd_kv(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, sqb, sqh, sqt, skb, skh, skt, svb, svh, svt,
+            sdb, sdh, sdt, sdqb, sdqh, sdqt, sgb, sgh, sgt, H, T, lo, hi, sm_scale, qk_scale, T_TUNE, BAND_TUNE,
+            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_M: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+    """dK, dV of one key block and, with ATOMIC_DQ, its share of dQ (float32, added into DQ; unused
+    without). DK and DV share the strides (sgb, sgh, sgt). Grid (B·H, key blocks); under a causal
+    mask the first key blocks, seen by the most queries, are the longest programs and already start first."""
     bh = tl.program_id(0)
     start_n = tl.program_id(1) * BLOCK_N
     b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
@@ -328,18 +345,81 @@ def _bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, sqb, sqh, sqt, skb, skh, sk
     # query i sees key j iff −hi ≤ i − j ≤ −lo: the band seen from the keys' side
     first, full_lo, full_hi, last = _band_blocks(start_n, BLOCK_N, BLOCK_M, MASK_M, T, -hi, -lo)
     dk, dv = _bwd_inner(dk, dv, k, v, Q, DO, DQ, LSE, DELTA, sqt, sdt, sdqt, keys, cols, first, full_lo, T, lo, hi,
-                        sm_scale, qk_scale, HEAD_DIM, BLOCK_D, MASK_M, DOT_PRECISION, True)
+                        sm_scale, qk_scale, HEAD_DIM, BLOCK_D, MASK_M, DOT_PRECISION, True, ATOMIC_DQ)
     dk, dv = _bwd_inner(dk, dv, k, v, Q, DO, DQ, LSE, DELTA, sqt, sdt, sdqt, keys, cols, full_lo, full_hi, T, lo,
-                        hi, sm_scale, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, DOT_PRECISION, False)
+                        hi, sm_scale, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, DOT_PRECISION, False, ATOMIC_DQ)
     dk, dv = _bwd_inner(dk, dv, k, v, Q, DO, DQ, LSE, DELTA, sqt, sdt, sdqt, keys, cols, full_hi, last, T, lo, hi,
-                        sm_scale, qk_scale, HEAD_DIM, BLOCK_D, MASK_M, DOT_PRECISION, True)
+                        sm_scale, qk_scale, HEAD_DIM, BLOCK_D, MASK_M, DOT_PRECISION, True, ATOMIC_DQ)
     grad_offset = b * sgb + h * sgh
     _store_tile(DK + grad_offset, keys, sgt, cols, (dk * sm_scale).to(DK.dtype.element_ty), T, HEAD_DIM)
     _store_tile(DV + grad_offset, keys, sgt, cols, dv.to(DV.dtype.element_ty), T, HEAD_DIM)
 
 
-def banded_attention(q, k, v, lo: int, hi: int):
+# One kernel, two tuned launches: with ATOMIC_DQ (the default backward; the autotuner zeroes the dQ
+# accumulator between its trial runs) and without (the deterministic backward's dK, dV pass).
+_bwd_kernel = triton.autotune(configs=_configs(BWD_TUNING, INTERPRET_BWD, "MASK_M"), key=TUNING_KEY,
+                              reset_to_zero=["DQ"], prune_configs_by=_head_dim_pruner(BWD_TUNING, "MASK_M"))(_bwd_kv)
+_bwd_kv_kernel = triton.autotune(configs=_configs(BWD_TUNING, INTERPRET_BWD, "MASK_M"), key=TUNING_KEY,
+                                 prune_configs_by=_head_dim_pruner(BWD_TUNING, "MASK_M"))(_bwd_kv)
+
+
+@triton.jit
+def _dq_inner(dq, q, do, lse, delta, K, V, skt, svt, rows, cols, first, stop, T, lo, hi, qk_scale,
+              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
+              DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr):
+    """dQ_rows += dS K (unscaled) over key blocks [first, stop) of BLOCK keys, with P = 2^(QKᵀ·c − LSE₂),
+    dP = dO Vᵀ and dS = P ⊙ (dP − Δ) recomputed per tile: three matmuls, no atomics."""
+    for start_n in range(first, stop, BLOCK):
+        keys = start_n + tl.arange(0, BLOCK)
+        k = _load_tile(K, keys, skt, cols, T, HEAD_DIM, BLOCK_D, MASKED)  # (BLOCK, BLOCK_D)
+        v = _load_tile(V, keys, svt, cols, T, HEAD_DIM, BLOCK_D, MASKED)  # (BLOCK, BLOCK_D)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK), raw Q Kᵀ
+        p = tl.math.exp2(qk * qk_scale - lse[:, None])  # (BLOCK_M, BLOCK), one FMA then exp2
+        if MASKED:
+            p = tl.where(_visible(rows, keys, T, lo, hi), p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK)
+        ds = (p * (dp - delta[:, None])).to(k.dtype)  # (BLOCK_M, BLOCK)
+        dq += tl.dot(ds, k, input_precision=DOT_PRECISION)
+    return dq
+
+
+@triton.autotune(configs=_configs(DQ_TUNING, INTERPRET_FWD, "MASK_N"), key=TUNING_KEY,
+                 prune_configs_by=_head_dim_pruner(DQ_TUNING, "MASK_N"))
+@triton.jit(do_not_specialize=NO_SPECIALIZE)
+def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdb, sdh, sdt,
+                   sdqb, sdqh, sdqt, H, T, lo, hi, sm_scale, qk_scale, T_TUNE, BAND_TUNE,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr):
+    """dQ = dS K/√D of one query block, summed in one program in key order and stored once in DQ's
+    dtype: the deterministic backward's dQ. Grid (B·H, query blocks), last query block first, as the
+    forward (under a causal mask it sees the most keys)."""
+    bh = tl.program_id(0)
+    start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
+    b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
+    K += b * skb + h * skh
+    V += b * svb + h * svh
+    rows = start_m + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_D)
+    q = _load_tile(Q + b * sqb + h * sqh, rows, sqt, cols, T, HEAD_DIM, BLOCK_D, True)  # (BLOCK_M, BLOCK_D)
+    do = _load_tile(DO + b * sdb + h * sdh, rows, sdt, cols, T, HEAD_DIM, BLOCK_D, True)  # (BLOCK_M, BLOCK_D)
+    lse = tl.load(LSE + bh * T + rows, mask=rows < T, other=0.0)  # (BLOCK_M,), base 2
+    delta = tl.load(DELTA + bh * T + rows, mask=rows < T, other=0.0)  # (BLOCK_M,)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    first, full_lo, full_hi, last = _band_blocks(start_m, BLOCK_M, BLOCK_N, MASK_N, T, lo, hi)
+    dq = _dq_inner(dq, q, do, lse, delta, K, V, skt, svt, rows, cols, first, full_lo, T, lo, hi, qk_scale,
+                   HEAD_DIM, BLOCK_D, MASK_N, DOT_PRECISION, True)
+    dq = _dq_inner(dq, q, do, lse, delta, K, V, skt, svt, rows, cols, full_lo, full_hi, T, lo, hi, qk_scale,
+                   HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, False)
+    dq = _dq_inner(dq, q, do, lse, delta, K, V, skt, svt, rows, cols, full_hi, last, T, lo, hi, qk_scale,
+                   HEAD_DIM, BLOCK_D, MASK_N, DOT_PRECISION, True)
+    _store_tile(DQ + b * sdqb + h * sdqh, rows, sdqt, cols, (dq * sm_scale).to(DQ.dtype.element_ty), T, HEAD_DIM)
+
+
+def banded_attention(q, k, v, lo: int, hi: int, deterministic: bool = False):
     """softmax(QKᵀ/√D + band mask) V for q, k, v of shape (B, H, T, D); differentiable once.
+
+    deterministic=True: the backward computes dQ in a pass of its own instead of adding it
+    atomically (see the module docstring), so the gradients are the same bits on every run.
 
     When q, k, v are the [..., 0, :], [..., 1, :], [..., 2, :] slices of one (B, T, H, 3, D) buffer
     (a fused QKV projection, as model.layers.SelfAttention makes them), the kernel takes that
@@ -361,8 +441,8 @@ def banded_attention(q, k, v, lo: int, hi: int):
         raise ValueError(f"impl='triton' takes head dims up to {MAX_HEAD_DIM}, not {q.shape[-1]}")
     qkv = packed_qkv(q, k, v)
     if qkv is not None:
-        return _FlashAttention.apply(lo, hi, qkv)
-    return _FlashAttention.apply(lo, hi, *(_unit_stride(x) for x in (q, k, v)))
+        return _FlashAttention.apply(lo, hi, deterministic, qkv)
+    return _FlashAttention.apply(lo, hi, deterministic, *(_unit_stride(x) for x in (q, k, v)))
 
 
 def packed_qkv(q, k, v):
@@ -388,7 +468,7 @@ def _split(tensors):
 
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, lo, hi, *tensors):
+    def forward(ctx, lo, hi, deterministic, *tensors):
         """tensors: (qkv,) packed (B, T, H, 3, D), or (q, k, v) each (B, H, T, D) with unit last stride."""
         q, k, v = _split(tensors)
         b, h, t, d = q.shape
@@ -400,6 +480,7 @@ class _FlashAttention(torch.autograd.Function):
                               h, t, lo, hi, LOG2E / math.sqrt(d), *tuning_key(t, lo, hi), **_shape_args(q))
         ctx.save_for_backward(*tensors, o, lse)
         ctx.band = (lo, hi)
+        ctx.deterministic = deterministic
         return o
 
     @staticmethod
@@ -416,19 +497,30 @@ class _FlashAttention(torch.autograd.Function):
         else:
             grads = tuple(torch.empty(b, t, h, d, dtype=q.dtype, device=q.device).transpose(1, 2) for _ in range(3))
         dq, dk, dv = _split(grads)  # each (B, H, T, D); dk and dv share strides
-        dq_acc = torch.empty(b, t, h, d, dtype=torch.float32, device=q.device).transpose(1, 2)  # (B, H, T, D)
+        deterministic = ctx.deterministic
+        # the atomic form's float32 dQ accumulator; the deterministic one writes dq directly
+        dq_acc = dq if deterministic else torch.empty(b, t, h, d, dtype=torch.float32,
+                                                      device=q.device).transpose(1, 2)  # (B, H, T, D)
         delta = torch.empty_like(lse)  # (B, H, T)
         preprocess_block = INTERPRET_BWD[0] if INTERPRET else PREPROCESS_BLOCK
-        grid = lambda meta: (b * h, triton.cdiv(t, meta["BLOCK_N"]))  # noqa: E731
+        key_grid = lambda meta: (b * h, triton.cdiv(t, meta["BLOCK_N"]))  # noqa: E731
+        scales = (1.0 / math.sqrt(d), LOG2E / math.sqrt(d))  # sm_scale = 1/√D, qk_scale = log2(e)/√D
         with _device_of(q):
             _bwd_preprocess[(b * h, triton.cdiv(t, preprocess_block))](
                 o, do, delta, dq_acc, *_strides(o), *_strides(do), *_strides(dq_acc), h, t,
-                HEAD_DIM=d, BLOCK_D=shape_args["BLOCK_D"], BLOCK_M=preprocess_block)
-            _bwd_kernel[grid](q, k, v, do, lse, delta, dq_acc, dk, dv, *_strides(q), *_strides(k), *_strides(v),
-                              *_strides(do), *_strides(dq_acc), *_strides(dk), h, t, lo, hi, 1.0 / math.sqrt(d),
-                              LOG2E / math.sqrt(d), *tuning_key(t, lo, hi), **shape_args)
-        dq.copy_(dq_acc)  # float32 → q's dtype, into its slot of the packed gradient
-        return None, None, *grads
+                HEAD_DIM=d, BLOCK_D=shape_args["BLOCK_D"], BLOCK_M=preprocess_block, ZERO_DQ=not deterministic)
+            kv_kernel = _bwd_kv_kernel if deterministic else _bwd_kernel
+            kv_kernel[key_grid](q, k, v, do, lse, delta, dq_acc, dk, dv, *_strides(q), *_strides(k), *_strides(v),
+                                *_strides(do), *_strides(dq_acc), *_strides(dk), h, t, lo, hi, *scales,
+                                *tuning_key(t, lo, hi), **shape_args, ATOMIC_DQ=not deterministic)
+            if deterministic:
+                query_grid = lambda meta: (b * h, triton.cdiv(t, meta["BLOCK_M"]))  # noqa: E731
+                _bwd_dq_kernel[query_grid](q, k, v, do, lse, delta, dq, *_strides(q), *_strides(k), *_strides(v),
+                                           *_strides(do), *_strides(dq), h, t, lo, hi, *scales,
+                                           *tuning_key(t, lo, hi), **shape_args)
+        if not deterministic:
+            dq.copy_(dq_acc)  # float32 → q's dtype, into its slot of the packed gradient
+        return None, None, None, *grads
 
 
 def _shape_args(q):

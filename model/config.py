@@ -16,7 +16,9 @@ class GPTConfig:
 
     d_head = d_model / n_head; d_ff defaults to 4·d_model. With attention_pattern="alternating",
     odd layers (1, 3, 5, ...) attend only to the last `local_window` positions (GPT-3's locally
-    banded layers); even layers stay dense.
+    banded layers); even layers stay dense. deterministic_attention=True makes the attention's
+    backward give the same bits on every run (model.attention: the Triton kernel then computes dQ in
+    a pass of its own, without atomic adds; it cannot be combined with attention_impl="sdpa").
     """
 
     name: str = "toy"
@@ -30,6 +32,7 @@ class GPTConfig:
     attention_pattern: str = "dense"
     local_window: int = 256
     attention_impl: str = "auto"
+    deterministic_attention: bool = False
     dropout: float = 0.0
     init_std: float = 0.02
     ln_eps: float = 1e-5
@@ -50,6 +53,11 @@ class GPTConfig:
         _check_choice("activation", self.activation, ACTIVATIONS)
         _check_choice("attention_pattern", self.attention_pattern, ATTENTION_PATTERNS)
         _check_choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
+        if not isinstance(self.deterministic_attention, bool):
+            raise ValueError(f"model.deterministic_attention={self.deterministic_attention!r}: must be true or false")
+        if self.deterministic_attention and self.attention_impl == "sdpa":
+            raise ValueError("model.deterministic_attention=true with model.attention_impl='sdpa': PyTorch's SDPA "
+                             "backward is not deterministic on every backend; use attention_impl auto, triton or torch")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.dropout={self.dropout!r}: must be in [0, 1)")
 

@@ -47,6 +47,7 @@ class SelfAttention(nn.Module):
         self.d_head = config.d_head
         self.window = config.window_of(layer_index)
         self.impl = config.attention_impl
+        self.deterministic = config.deterministic_attention  # a backward whose bits do not depend on timing
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
         self.proj = nn.Linear(config.d_model, config.d_model)
         self.drop = nn.Dropout(config.dropout)
@@ -56,7 +57,8 @@ class SelfAttention(nn.Module):
         qkv = self.qkv(x).view(b, t, -1, 3, self.d_head)  # (B, T, nh, 3, hd)
         q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each (B, nh, T, hd)
         if cache is None:
-            y = attention(q, k, v, causal=True, window=self.window, impl=self.impl)  # (B, nh, T, hd)
+            y = attention(q, k, v, causal=True, window=self.window, impl=self.impl,
+                          deterministic=self.deterministic)  # (B, nh, T, hd)
         else:  # the new queries against the cached keys and the new ones
             y = cache.attend(self.layer_index, q, k, v, window=self.window, impl=self.impl)  # (B, nh, T, hd)
         y = y.transpose(1, 2).reshape(b, t, -1)  # (B, T, nh·hd)

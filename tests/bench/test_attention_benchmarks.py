@@ -3,18 +3,21 @@ attention table (checks against float64, alternating timing, failed rows printed
 end-to-end training table (gpt3d with each attention against Hugging Face GPT-2). Their speeds on
 a CPU mean nothing; figures come from `bash bench/gpu_suite.sh` on a GPU."""
 
+import json
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run(*args, check=True):
+def run(*args, check=True, env_extra=None):
     # The interpreter tests set TRITON_INTERPRET=1 for the whole pytest process; the benchmark must see
-    # the environment a user has, where the Triton row on a CPU is reported as failed.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # the environment a user has, where the Triton row on a CPU is reported as failed, unless a test
+    # sets it on purpose (env_extra).
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | (env_extra or {})
     proc = subprocess.run([sys.executable, "-m", *args], cwd=REPO, capture_output=True, text=True, timeout=600,
                           env=env)
     if check:
@@ -26,13 +29,75 @@ def test_attention_smoke_checks_times_and_reports_failures():
     out = run("bench.attention", "--smoke").stdout
     causal = [line for line in out.splitlines() if line.startswith("T=128 d=64 causal")]
     by_impl = {line.split()[3]: line for line in causal}
-    assert set(by_impl) == {"triton", "torch", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient"}, out
-    assert "FAILED" in by_impl["triton"] and "needs CUDA" in by_impl["triton"]  # printed, not dropped
+    assert set(by_impl) == {"triton", "triton-det", "torch", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient"}, out
+    for impl in ("triton", "triton-det"):
+        assert "FAILED" in by_impl[impl] and "needs CUDA" in by_impl[impl]  # printed, not dropped
     assert "FAILED" in by_impl["sdpa-cudnn"]  # no cuDNN backend on a CPU
     base = by_impl["torch"].split()
     assert base[4] == "*" and base[-2] == "1.00", out  # the baseline against itself
     flash = by_impl["sdpa-flash"].split()
     assert float(flash[-3]) < 2e-4, out  # its max relative error against float64 was checked
+
+
+# A stand-in for flash-attn's flash_attn_func with its documented contract: (B, T, H, D) tensors; query
+# i sees key j iff i − left ≤ j ≤ i + right for window_size=(left, right) (−1: no limit), and j ≤ i
+# when causal. It lets the benchmark's flash-attn rows run on a CPU: a wrong layout or window in the
+# benchmark's call shows up as their error against float64.
+FAKE_FLASH_ATTN = textwrap.dedent("""
+    import math
+    import torch
+
+    def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                        deterministic=False):
+        t = q.shape[1]
+        i = torch.arange(t)[:, None]
+        j = torch.arange(t)[None, :]
+        left, right = window_size
+        visible = (j <= i) if causal else torch.ones(t, t, dtype=torch.bool)
+        if left >= 0:
+            visible = visible & (j >= i - left)
+        if right >= 0:
+            visible = visible & (j <= i + right)
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+        scores = q @ k.transpose(-2, -1) * (softmax_scale or 1 / math.sqrt(q.shape[-1]))
+        return (torch.softmax(scores.masked_fill(~visible, float("-inf")), -1) @ v).transpose(1, 2)
+""")
+
+
+def test_attention_smoke_json_has_every_row_and_runs_the_kernel_rows_interpreted(tmp_path):
+    """--json writes one record per printed row. With TRITON_INTERPRET=1 the triton and triton-det rows
+    run (checked against float64 inside the benchmark), and the flash-attn rows appear when it imports."""
+    (tmp_path / "flash_attn").mkdir()
+    (tmp_path / "flash_attn" / "__init__.py").write_text(FAKE_FLASH_ATTN)
+    path = tmp_path / "rows.json"
+    out = run("bench.attention", "--smoke", "--json", str(path),
+              env_extra={"TRITON_INTERPRET": "1", "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}).stdout
+    records = json.loads(path.read_text())
+    printed = [line for line in out.splitlines() if line.startswith("T=128 d=64 ")]
+    assert len(records) == len(printed), out
+    by_name = {(r["case"], r["implementation"]): r for r in records}
+    causal, window = "T=128 d=64 causal", "T=128 d=64 window 32"
+    assert set(by_name) == {(causal, name) for name in ("triton", "triton-det", "torch", "flash-attn", "flash-attn-det",
+                                                        "sdpa-flash", "sdpa-cudnn", "sdpa-efficient")} | \
+        {(window, name) for name in ("torch w=32", "flash-attn w=32", "flash-attn-det w=32", "sdpa-efficient w=32")}
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    for (case, name), r in by_name.items():
+        assert r["device"] == "CPU" and r["commit"] == commit and r["dtype"] == "float32", r
+        assert (r["batch"], r["heads"], r["T"], r["head_dim"], r["causal"]) == (1, 2, 128, 64, True), r
+        assert r["window"] == (32 if case == window else None), r
+        assert r["baseline"] == ("torch" if case == causal else "torch w=32"), r
+        if r["error"] is None:
+            assert r["err"] < 2e-4 and r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 and r["fwd_bwd_tflops"] > 0, r
+            assert r["speed_vs_baseline"] > 0 and r["peak_mib"] is None, r  # no CUDA memory figures on a CPU
+        else:
+            assert r["fwd_ms"] is None and r["speed_vs_baseline"] is None, r
+    for name in ("triton", "triton-det", "flash-attn", "flash-attn-det"):
+        assert by_name[causal, name]["error"] is None, by_name[causal, name]
+    for name in ("flash-attn w=32", "flash-attn-det w=32"):
+        assert by_name[window, name]["error"] is None, by_name[window, name]
+    base = by_name[causal, "torch"]
+    assert base["is_baseline"] and base["speed_vs_baseline"] == 1.0
+    assert by_name[causal, "sdpa-cudnn"]["error"]  # a failed row is kept, with its reason
 
 
 def test_train_speed_smoke_runs_every_row_on_the_same_batches():

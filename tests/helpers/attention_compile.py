@@ -5,10 +5,13 @@ for a chosen architecture with no GPU present. Each kernel is compiled the way t
 compile it for contiguous or packed-QKV inputs (pointers and strides specialised as multiples of
 16; T, lo, hi never specialised, as the kernels declare), for every autotune config at the head
 dims it serves (and the pinned config at all of them), in both half-precision dtypes, for sm_80
-and sm_90 (Hopper, whose tensor cores need `wgmma`). From each binary it reads the per-thread
-register count and stack frame (cuobjdump's resource usage: a non-zero STACK is where ptxas put
-spilled registers, since these kernels call nothing and keep no local arrays) and counts the
-`wgmma` instructions in the PTX.
+and sm_90 (Hopper, whose tensor cores need `wgmma`). The kernels are those of both backwards: the
+default one (preprocess zeroing the dQ accumulator, then dK, dV and atomic dQ adds) and the
+deterministic one (preprocess, dK and dV alone, then the dQ pass). From each binary it reads the
+per-thread register count and stack frame (cuobjdump's resource usage: a non-zero STACK is where
+ptxas put spilled registers, since these kernels call nothing and keep no local arrays) and counts
+the `wgmma` instructions, the atomic instructions (`atom.`, `red.`) and the Hopper bulk-tensor
+loads (`cp.async.bulk.tensor`) in the PTX.
 
   python tests/helpers/attention_compile.py          # the table, with TRITON_INTERPRET unset
   python tests/helpers/attention_compile.py --json   # one JSON record per compiled kernel
@@ -38,13 +41,18 @@ DTYPES = ("bf16", "fp16")
 ARCHS = (80, 90)
 # Pointer arguments and their element types ("in" = the input dtype); every other non-constexpr
 # argument is an int32 except these float32 scalars. Strides are the int arguments named s…
+# DQ is the float32 accumulator, except in the deterministic dQ pass (`kernels` overrides it).
 POINTERS = {"Q": "in", "K": "in", "V": "in", "Out": "in", "DO": "in", "DK": "in", "DV": "in",
             "LSE": "fp32", "DELTA": "fp32", "DQ": "fp32"}
 FLOATS = ("qk_scale", "sm_scale")
+# PTX instructions counted per kernel: an atomic read-modify-write (atom.*, or red.* when the old
+# value is unused), and a TMA bulk-tensor copy.
+ATOMIC_RE = re.compile(r"^\s*(?:@!?%\w+\s+)?(?:atom|red)\.", re.MULTILINE)
 
 
 def kernels():
-    """{name: (JITFunction, {head dim: [config kwargs + num_warps/num_stages]})} for every kernel: the
+    """{name: (JITFunction, {head dim: [config kwargs + num_warps/num_stages]}, fixed constexprs,
+    pointer types overriding POINTERS)} for every kernel the two backwards and the forward launch: the
     configs the autotuner tries at that head dim plus the pinned one (used at every head dim)."""
     from model import attention_triton as at
 
@@ -55,10 +63,14 @@ def kernels():
         entries = {d: list(dict.fromkeys([*at.candidates(tuning, d), at.pinned(tuning)])) for d in HEAD_DIMS}
         return {d: [_config_dict(c) for c in at.triton_configs(e, mask_name)] for d, e in entries.items()}
 
-    preprocess = [{"BLOCK_M": at.PREPROCESS_BLOCK, "num_warps": 4, "num_stages": 3}]
-    return {"forward": (at._fwd_kernel.fn, per_head_dim(at.FWD_TUNING, "MASK_N")),
-            "backward": (at._bwd_kernel.fn, per_head_dim(at.BWD_TUNING, "MASK_M")),
-            "preprocess": (at._bwd_preprocess, {d: preprocess for d in HEAD_DIMS})}
+    preprocess = {d: [{"BLOCK_M": at.PREPROCESS_BLOCK, "num_warps": 4, "num_stages": 3}] for d in HEAD_DIMS}
+    return {"forward": (at._fwd_kernel.fn, per_head_dim(at.FWD_TUNING, "MASK_N"), {}, {}),
+            "backward": (at._bwd_kernel.fn, per_head_dim(at.BWD_TUNING, "MASK_M"), {"ATOMIC_DQ": True}, {}),
+            "preprocess": (at._bwd_preprocess, preprocess, {"ZERO_DQ": True}, {}),
+            "det-backward-dkdv": (at._bwd_kv_kernel.fn, per_head_dim(at.BWD_TUNING, "MASK_M"),
+                                  {"ATOMIC_DQ": False}, {}),
+            "det-backward-dq": (at._bwd_dq_kernel.fn, per_head_dim(at.DQ_TUNING, "MASK_N"), {}, {"DQ": "in"}),
+            "det-preprocess": (at._bwd_preprocess, preprocess, {"ZERO_DQ": False}, {"DQ": "in"})}
 
 
 def _config_dict(config):
@@ -67,15 +79,16 @@ def _config_dict(config):
 
 def compile_case(kernel_name: str, config: dict, head_dim: int, dtype: str, arch: int) -> dict:
     """Compile one kernel for sm_<arch>; return its config, registers, stack bytes, shared memory and
-    wgmma count."""
+    counts of wgmma, atomic and bulk-tensor instructions."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn, _ = kernels()[kernel_name]
+    fn, _, fixed, pointer_types = kernels()[kernel_name]
+    pointers = {**POINTERS, **pointer_types}
     meta = {k: v for k, v in config.items() if k not in ("num_warps", "num_stages")}
     params = {p.name for p in fn.params if p.is_constexpr}
-    constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": max(16, triton.next_power_of_2(head_dim)), **meta}
+    constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": max(16, triton.next_power_of_2(head_dim)), **meta, **fixed}
     if "DOT_PRECISION" in params:
         constexprs["DOT_PRECISION"] = "tf32"  # what the kernels get for bf16/fp16 (ignored for them)
     signature, attrs = {}, {}
@@ -84,15 +97,18 @@ def compile_case(kernel_name: str, config: dict, head_dim: int, dtype: str, arch
         if param.is_constexpr:
             signature[name] = "constexpr"
             continue
-        if name in POINTERS:
-            signature[name] = "*" + (dtype if POINTERS[name] == "in" else POINTERS[name])
+        if name in pointers:
+            signature[name] = "*" + (dtype if pointers[name] == "in" else pointers[name])
         elif name in FLOATS:
             signature[name] = "fp32"
         else:
             signature[name] = "i32"
-        if name in POINTERS or re.fullmatch(r"s[a-z]+", name):  # pointers and strides: multiples of 16
+        if name in pointers or re.fullmatch(r"s[a-z]+", name):  # pointers and strides: multiples of 16
             attrs[(index,)] = [["tt.divisibility", 16]]
     missing = set(constexprs) - params
+    unset = params - set(constexprs)
+    if unset:
+        raise ValueError(f"{kernel_name}: constexprs {sorted(unset)} of {fn.__name__} are given no value")
     if missing:
         raise ValueError(f"{kernel_name}: constexprs {sorted(missing)} are not parameters of {fn.__name__}")
     source = ASTSource(fn, signature, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()},
@@ -100,9 +116,11 @@ def compile_case(kernel_name: str, config: dict, head_dim: int, dtype: str, arch
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
                               options={"num_warps": config["num_warps"], "num_stages": config["num_stages"]})
     usage = _resource_usage(compiled.asm["cubin"])
+    ptx = compiled.asm["ptx"]
     return {"kernel": kernel_name, "config": config, "head_dim": head_dim, "dtype": dtype, "arch": arch,
             "registers": usage["REG"], "stack": usage["STACK"], "local": usage["LOCAL"],
-            "shared": compiled.metadata.shared, "wgmma": compiled.asm["ptx"].count("wgmma.mma_async")}
+            "shared": compiled.metadata.shared, "wgmma": ptx.count("wgmma.mma_async"),
+            "atomics": len(ATOMIC_RE.findall(ptx)), "bulk_tensor": ptx.count("cp.async.bulk.tensor")}
 
 
 def _resource_usage(cubin: bytes) -> dict[str, int]:
@@ -127,7 +145,7 @@ SPILLING_CONTROL = ("forward", {"BLOCK_M": 128, "BLOCK_N": 64, "MASK_N": 32, "nu
 def all_cases():
     """Every (kernel, config, head dim, dtype, arch) the test must compile."""
     return [(name, config, d, dtype, arch)
-            for name, (_, configs) in kernels().items() for d in HEAD_DIMS for config in configs[d]
+            for name, (_, configs, _, _) in kernels().items() for d in HEAD_DIMS for config in configs[d]
             for dtype in DTYPES for arch in ARCHS]
 
 
@@ -140,14 +158,14 @@ def compile_all(workers: int | None = None, control: bool = False) -> list[dict]
 
 
 def print_table(records):
-    print(f"{'kernel':<11} {'config (M, N, mask, warps, stages)':<36} {'arch':>5} {'dtype':>5} {'d':>4} "
-          f"{'regs':>5} {'stack B':>7} {'smem KiB':>8} {'wgmma':>6}")
+    print(f"{'kernel':<17} {'config (M, N, mask, warps, stages)':<36} {'arch':>5} {'dtype':>5} {'d':>4} "
+          f"{'regs':>5} {'stack B':>7} {'smem KiB':>8} {'wgmma':>6} {'atomic':>6}")
     for r in records:
         c = r["config"]
         blocks = tuple(v for k, v in c.items() if k not in ("num_warps", "num_stages"))
         name = f"{blocks + (c['num_warps'], c['num_stages'])}"
-        print(f"{r['kernel']:<11} {name:<36} {'sm_' + str(r['arch']):>5} {r['dtype']:>5} {r['head_dim']:>4} "
-              f"{r['registers']:>5} {r['stack']:>7} {r['shared'] / 1024:>8.1f} {r['wgmma']:>6}")
+        print(f"{r['kernel']:<17} {name:<36} {'sm_' + str(r['arch']):>5} {r['dtype']:>5} {r['head_dim']:>4} "
+              f"{r['registers']:>5} {r['stack']:>7} {r['shared'] / 1024:>8.1f} {r['wgmma']:>6} {r['atomics']:>6}")
 
 
 def main():

@@ -33,15 +33,16 @@ def rel_err(x, ref):
     return ((x.double() - ref).abs().max() / ref.abs().max().clamp_min(1.0)).item()
 
 
-def errors_vs_float64(shape, causal, window, impl, dtype=torch.float32, seed=0, device="cpu"):
-    """Relative errors of (O, dQ, dK, dV) of `impl` against float64 autograd on random inputs.
+def errors_vs_float64(shape, causal, window, impl, dtype=torch.float32, seed=0, device="cpu", deterministic=False):
+    """Relative errors of (O, dQ, dK, dV) of `impl` (with `deterministic` passed on) against float64
+    autograd on random inputs.
 
     The inputs are drawn in float64 on the CPU and rounded to `dtype` on `device`; the reference
     runs in float64 (on `device`) on those rounded values, so only the kernel's arithmetic is measured."""
     gen = torch.Generator().manual_seed(seed)
     q, k, v, do = (torch.randn(shape, generator=gen, dtype=torch.float64).to(device) for _ in range(4))  # (B, H, T, D)
     ins = [x.to(dtype).requires_grad_() for x in (q, k, v)]
-    out = attention(*ins, causal=causal, window=window, impl=impl)
+    out = attention(*ins, causal=causal, window=window, impl=impl, deterministic=deterministic)
     grads = torch.autograd.grad(out, ins, do.to(dtype))
     ref_ins = [x.detach().double().requires_grad_() for x in ins]
     ref = float64_attention(*ref_ins, causal, window)
@@ -50,7 +51,8 @@ def errors_vs_float64(shape, causal, window, impl, dtype=torch.float32, seed=0, 
     return [rel_err(x, r) for x, r in zip((out, *grads), (ref, *ref_grads))]
 
 
-def packed_errors_vs_float64(b, t, h, d, causal, window, impl, dtype=torch.float32, seed=0, device="cpu"):
+def packed_errors_vs_float64(b, t, h, d, causal, window, impl, dtype=torch.float32, seed=0, device="cpu",
+                             deterministic=False):
     """Relative errors of O and of the fused projection's gradient when q, k, v are the three
     slices of one (B, T, H, 3, D) tensor, as model.layers.SelfAttention cuts them, against float64
     autograd on the same (rounded) values. Returns (errors, output, input) for further checks."""
@@ -58,7 +60,7 @@ def packed_errors_vs_float64(b, t, h, d, causal, window, impl, dtype=torch.float
     qkv = torch.randn(b, t, h * 3 * d, generator=gen, dtype=torch.float64)  # (B, T, H·3·D)
     do = torch.randn(b, h, t, d, generator=gen, dtype=torch.float64)  # (B, H, T, D)
     qkv = qkv.to(device=device, dtype=dtype).requires_grad_()
-    out = attention(*split_heads(qkv, h, d), causal=causal, window=window, impl=impl)
+    out = attention(*split_heads(qkv, h, d), causal=causal, window=window, impl=impl, deterministic=deterministic)
     (grad,) = torch.autograd.grad(out, qkv, do.to(device=device, dtype=dtype), retain_graph=True)
     ref_qkv = qkv.detach().double().requires_grad_()
     ref = float64_attention(*split_heads(ref_qkv, h, d), causal, window)

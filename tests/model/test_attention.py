@@ -89,3 +89,30 @@ def test_torch_never_touches_keys_outside_the_band():
     for name, x in (("O", out), ("dQ", q.grad), ("dK", k.grad), ("dV", v.grad)):
         assert torch.isfinite(x[:, :, late]).all(), name
     assert torch.isnan(out[:, :, :block]).all()  # and the poison does reach the queries that see it
+
+
+def test_deterministic_flag_on_the_cpu_paths():
+    """impl="torch" and "reference" are deterministic already: with the flag they stay exact against
+    float64 and give the same bits twice. "sdpa" refuses the flag instead of ignoring it."""
+    for impl in ("torch", "reference"):
+        errs = errors_vs_float64((2, 3, 100, 64), True, 37, impl, deterministic=True)
+        assert max(errs) < TOL, f"{impl}: (O, dQ, dK, dV) relative errors {errs}"
+        runs = []
+        for _ in range(2):
+            gen = torch.Generator().manual_seed(1)
+            q, k, v = (x.requires_grad_() for x in torch.randn(3, 2, 3, 100, 64, generator=gen))  # each (B, H, T, D)
+            out = attention(q, k, v, causal=True, window=37, impl=impl, deterministic=True)
+            runs.append((out, *torch.autograd.grad(out, (q, k, v), torch.ones_like(out))))
+        assert all(torch.equal(a, b) for a, b in zip(*runs)), impl
+    q = torch.randn(1, 1, 4, 8)
+    with pytest.raises(ValueError, match="deterministic=True with impl='sdpa'"):
+        attention(q, q, q, impl="sdpa", deterministic=True)
+
+
+def test_deterministic_attention_config_key():
+    assert GPTConfig().deterministic_attention is False
+    assert GPTConfig(deterministic_attention=True, attention_impl="triton").deterministic_attention
+    with pytest.raises(ValueError, match="model.deterministic_attention='yes'"):
+        GPTConfig(deterministic_attention="yes")
+    with pytest.raises(ValueError, match="model.attention_impl='sdpa'"):
+        GPTConfig(deterministic_attention=True, attention_impl="sdpa")

@@ -1,11 +1,17 @@
 """The attention kernels compiled ahead of time for sm_80 (A100) and sm_90 (H100), on the CPU:
-head dims 64/80/96/128, each with every autotune config it tunes over and the pinned config, bf16
-and fp16, with no register spills, shared
-memory within the architecture's per-block limit, and Hopper's `wgmma` tensor-core instructions
-in the sm_90 code. tests/helpers/attention_compile.py does the compiling, in a subprocess without
-TRITON_INTERPRET=1 (which the interpreter tests set for this whole pytest process).
+every kernel of the forward and of both backwards (the default one with atomic dQ adds, the
+deterministic one with its dK/dV pass and dQ pass), head dims 64/80/96/128, each with every
+autotune config it tunes over and the pinned config, bf16 and fp16, with no register spills,
+shared memory within the architecture's per-block limit, Hopper's `wgmma` tensor-core
+instructions in the sm_90 code, and no atomic instruction in the deterministic kernels.
+tests/helpers/attention_compile.py does the compiling, in a subprocess without TRITON_INTERPRET=1 (which
+the interpreter tests set for this whole pytest process).
 
-About two minutes on 2 cores when Triton's cache is cold, seconds when it is warm.
+The kernels load through pointers (tl.load), not TMA tensor descriptors, so no PTX may hold a
+Hopper bulk-tensor copy (cp.async.bulk.tensor); a kernel moved to descriptors must flip that check
+for itself.
+
+About five minutes on 2 cores when Triton's cache is cold, seconds when it is warm.
 """
 
 import itertools
@@ -23,6 +29,8 @@ HALF_DTYPES = ("bf16", "fp16")
 ARCHS = (80, 90)
 # Largest dynamic shared memory one block may use: 163 KiB on A100 (sm_80), 227 KiB on H100 (sm_90).
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
+# The deterministic backward's kernels; the default backward's "backward" adds dQ atomically.
+DETERMINISTIC_KERNELS = ("det-preprocess", "det-backward-dkdv", "det-backward-dq")
 
 
 @pytest.fixture(scope="module")
@@ -49,12 +57,14 @@ def _expected_cases():
     def items(entry, mask):
         return tuple(zip(("BLOCK_M", "BLOCK_N", mask, "num_warps", "num_stages"), entry))
 
+    tuned = (("forward", at.FWD_TUNING, "MASK_N"), ("backward", at.BWD_TUNING, "MASK_M"),
+             ("det-backward-dkdv", at.BWD_TUNING, "MASK_M"), ("det-backward-dq", at.DQ_TUNING, "MASK_N"))
     cases = set()
     for d, dtype, arch in itertools.product(HEAD_DIMS, HALF_DTYPES, ARCHS):
-        for kernel, tuning, mask in (("forward", at.FWD_TUNING, "MASK_N"), ("backward", at.BWD_TUNING, "MASK_M")):
+        for kernel, tuning, mask in tuned:
             cases |= {(kernel, items(e, mask), d, dtype, arch) for e in [*at.candidates(tuning, d), at.pinned(tuning)]}
         preprocess = (("BLOCK_M", at.PREPROCESS_BLOCK), ("num_warps", 4), ("num_stages", 3))
-        cases.add(("preprocess", preprocess, d, dtype, arch))
+        cases |= {(kernel, preprocess, d, dtype, arch) for kernel in ("preprocess", "det-preprocess")}
     return cases
 
 
@@ -83,8 +93,27 @@ def test_shared_memory_fits_each_architecture(compiled):
 
 def test_hopper_code_uses_wgmma_and_ampere_code_cannot(compiled):
     records, _ = compiled
-    matmul_kernels = [r for r in records if r["kernel"] != "preprocess"]
+    matmul_kernels = [r for r in records if not r["kernel"].endswith("preprocess")]
     assert matmul_kernels
     assert all(r["wgmma"] > 0 for r in matmul_kernels if r["arch"] == 90), \
         [_name(r) for r in matmul_kernels if r["arch"] == 90 and not r["wgmma"]]
     assert all(r["wgmma"] == 0 for r in records if r["arch"] == 80)
+
+
+def test_deterministic_kernels_have_no_atomics(compiled):
+    """The deterministic backward's PTX holds no atom./red. instruction: no sum depends on the order
+    programs finish. The default backward's dQ adds are found, so the count can see atomics."""
+    records, _ = compiled
+    with_atomics = [f"{_name(r)}: {r['atomics']}" for r in records
+                    if r["kernel"] in DETERMINISTIC_KERNELS and r["atomics"]]
+    assert not with_atomics, "deterministic kernels with atomic instructions:\n" + "\n".join(with_atomics)
+    assert {r["kernel"] for r in records} >= set(DETERMINISTIC_KERNELS)
+    assert all(r["atomics"] > 0 for r in records if r["kernel"] == "backward")
+    assert all(r["atomics"] == 0 for r in records if r["kernel"] == "forward")
+
+
+def test_no_tensor_descriptor_loads_anywhere(compiled):
+    """No kernel uses TMA tensor descriptors (see the module docstring), so none may compile to
+    cp.async.bulk.tensor; this test is where a kernel that adopts them must be listed."""
+    records, _ = compiled
+    assert not [_name(r) for r in records if r["bulk_tensor"]]

@@ -41,9 +41,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_autotuning_is_pinned_here():
-    from model import attention_triton
+    from model import attention_triton as at
 
-    assert not attention_triton.AUTOTUNE and len(attention_triton._bwd_kernel.configs) == 1
+    assert not at.AUTOTUNE
+    assert all(len(kernel.configs) == 1 for kernel in (at._fwd_kernel, at._bwd_kernel, at._bwd_kv_kernel,
+                                                       at._bwd_dq_kernel))
 
 
 @pytest.mark.parametrize("mask", CUDA_MASKS)
@@ -54,6 +56,28 @@ def test_kernel_matches_float64_on_gpu(dtype, d, t, mask):
     causal, window = CUDA_MASKS[mask]
     errs = errors_vs_float64((2, 3, t, d), causal, window, "triton", dtype=dtype, device="cuda", seed=t + d)
     assert max(errs) < TOLERANCE[dtype], f"(O, dQ, dK, dV) relative errors {errs}"
+
+
+@pytest.mark.parametrize("mask", CUDA_MASKS)
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_deterministic_kernel_matches_float64_and_repeats_its_bits(dtype, d, mask):
+    """deterministic=True on the GPU: exact against float64, and a second run gives the same bits (the
+    default backward's atomic dQ adds need not: on a GPU programs finish in any order)."""
+    causal, window = CUDA_MASKS[mask]
+    errs = errors_vs_float64((2, 3, 1025, d), causal, window, "triton", dtype=dtype, device="cuda", seed=d,
+                             deterministic=True)
+    assert max(errs) < TOLERANCE[dtype], f"(O, dQ, dK, dV) relative errors {errs}"
+    from model.attention import attention
+
+    gen = torch.Generator(device="cuda").manual_seed(d)
+    q, k, v, do = (torch.randn(4, 8, 1025, d, generator=gen, device="cuda", dtype=dtype) for _ in range(4))
+    runs = []
+    for _ in range(2):
+        ins = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = attention(*ins, causal=causal, window=window, impl="triton", deterministic=True)
+        runs.append(torch.autograd.grad(out, ins, do))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
 @pytest.mark.parametrize("mask", ["causal", "band"])
@@ -120,22 +144,28 @@ def test_many_heads_times_batch_beyond_grid_limit():
 
 
 def test_every_tuning_config_matches_float64(monkeypatch):
-    """Each config of FWD_TUNING and BWD_TUNING, forced one at a time, at a head dim it serves (64
-    for the 64 list, 128 for the 128 list: the most registers), causal and banded, bf16."""
+    """Each config of FWD_TUNING, BWD_TUNING and DQ_TUNING, forced one at a time, at a head dim it
+    serves (64 for the 64 lists, 128 for the 128 lists: the most registers), causal and banded, bf16,
+    with both backwards."""
     from model import attention_triton as at
 
     failures = []
     for d in (64, 128):
         fwds, bwds = at.candidates(at.FWD_TUNING, d), at.candidates(at.BWD_TUNING, d)
-        for i in range(max(len(fwds), len(bwds))):
-            fwd, bwd = fwds[min(i, len(fwds) - 1)], bwds[min(i, len(bwds) - 1)]
+        dqs = at.candidates(at.DQ_TUNING, d)
+        for i in range(max(len(fwds), len(bwds), len(dqs))):
+            fwd, bwd, dq = fwds[min(i, len(fwds) - 1)], bwds[min(i, len(bwds) - 1)], dqs[min(i, len(dqs) - 1)]
             monkeypatch.setattr(at._fwd_kernel, "configs", at.triton_configs([fwd], "MASK_N"))
             monkeypatch.setattr(at._bwd_kernel, "configs", at.triton_configs([bwd], "MASK_M"))
+            monkeypatch.setattr(at._bwd_kv_kernel, "configs", at.triton_configs([bwd], "MASK_M"))
+            monkeypatch.setattr(at._bwd_dq_kernel, "configs", at.triton_configs([dq], "MASK_N"))
             for causal, window in ((True, None), (True, 256), (False, 37)):
-                errs = errors_vs_float64((2, 3, 1000, d), causal, window, "triton", torch.bfloat16, seed=i,
-                                         device="cuda")
-                if max(errs) >= TOLERANCE[torch.bfloat16]:
-                    failures.append(f"forward {fwd} backward {bwd} d={d} causal={causal} window={window}: {errs}")
+                for deterministic in (False, True):
+                    errs = errors_vs_float64((2, 3, 1000, d), causal, window, "triton", torch.bfloat16, seed=i,
+                                             device="cuda", deterministic=deterministic)
+                    if max(errs) >= TOLERANCE[torch.bfloat16]:
+                        failures.append(f"forward {fwd} backward {bwd} dQ pass {dq} deterministic={deterministic} "
+                                        f"d={d} causal={causal} window={window}: {errs}")
     assert not failures, "\n".join(failures)
 
 

@@ -1,6 +1,8 @@
 """Invariant 2 for the Triton kernel (impl="triton"), run on CPU through TRITON_INTERPRET=1: the very
 kernels that run on the GPU, with small blocks (outer 16, inner 32, masked sub-blocks of 16), so
 every case crosses several blocks, ragged last blocks, and masked and unmasked blocks of the band.
+Each feature is checked with the default backward (dQ added atomically) and the deterministic one
+(dQ in a pass of its own), which must also give the same bits twice.
 
 The interpreter's tl.dot does not handle bfloat16, so low precision is covered by float16 here
 (same code path, other dtype); bfloat16 needs a GPU.
@@ -36,17 +38,23 @@ def test_kernels_are_interpreted():
     assert attention_triton.INTERPRET
 
 
+BACKWARDS = {"atomic": False, "deterministic": True}  # id → the `deterministic` argument
+
+
+@pytest.mark.parametrize("backward", BACKWARDS)
 @pytest.mark.parametrize("mask", MASKS)
 @pytest.mark.parametrize("t", LENGTHS)
 @pytest.mark.parametrize("d", HEAD_DIMS)
-def test_triton_matches_float64(d, t, mask):
+def test_triton_matches_float64(d, t, mask, backward):
     causal, window = MASKS[mask]
-    errs = errors_vs_float64((1, 1, t, d), causal, window, "triton")
+    errs = errors_vs_float64((1, 1, t, d), causal, window, "triton", deterministic=BACKWARDS[backward])
     assert max(errs) < TOL, f"(O, dQ, dK, dV) relative errors {errs}"
 
 
-def test_triton_float16_and_batch_heads():
-    errs = errors_vs_float64((2, 2, 40, 80), True, 20, "triton", dtype=torch.float16)
+@pytest.mark.parametrize("backward", BACKWARDS)
+def test_triton_float16_and_batch_heads(backward):
+    errs = errors_vs_float64((2, 2, 40, 80), True, 20, "triton", dtype=torch.float16,
+                             deterministic=BACKWARDS[backward])
     assert max(errs) < 2e-3, f"(O, dQ, dK, dV) relative errors {errs}"
 
 
@@ -71,31 +79,33 @@ def test_block_gradients_match_reference(layer_index):
         assert rel_err(grads["triton"][name], ref.double()) < TOL, name
 
 
-def poisoned_run(t, poisoned, causal, window):
+def poisoned_run(t, poisoned, causal, window, deterministic):
     """Forward and backward with NaN keys and values at positions `poisoned`. A kernel that loads
     a block, even to mask it, turns 0·NaN into NaN; only a block skipped by the loop bounds stays clean."""
     q, k, v = (torch.randn(1, 1, t, 64) for _ in range(3))
     k[:, :, poisoned] = float("nan")
     v[:, :, poisoned] = float("nan")
     q, k, v = (x.requires_grad_() for x in (q, k, v))
-    out = attention(q, k, v, causal=causal, window=window, impl="triton")
+    out = attention(q, k, v, causal=causal, window=window, impl="triton", deterministic=deterministic)
     out.backward(torch.randn_like(out))
     return out, q.grad, k.grad, v.grad
 
 
+@pytest.mark.parametrize("backward", BACKWARDS)
 @pytest.mark.filterwarnings("ignore:All-NaN slice")
-def test_window_skips_blocks_outside_the_band():
+def test_window_skips_blocks_outside_the_band(backward):
     # window 16, blocks of 16: query blocks from 32 on (and key blocks from 32 on, in dK/dV) never
     # reach the first key block, nor any query that sees it.
-    out, dq, dk, dv = poisoned_run(128, slice(0, 16), causal=True, window=16)
+    out, dq, dk, dv = poisoned_run(128, slice(0, 16), causal=True, window=16, deterministic=BACKWARDS[backward])
     for name, x in (("O", out), ("dQ", dq), ("dK", dk), ("dV", dv)):
         assert torch.isfinite(x[:, :, 32:]).all(), name
     assert torch.isnan(out[:, :, :16]).all()  # the poison does reach the queries that see it
 
 
+@pytest.mark.parametrize("backward", BACKWARDS)
 @pytest.mark.filterwarnings("ignore:All-NaN slice")
-def test_causal_skips_blocks_above_the_diagonal():
-    out, dq, _, _ = poisoned_run(128, slice(112, 128), causal=True, window=None)
+def test_causal_skips_blocks_above_the_diagonal(backward):
+    out, dq, _, _ = poisoned_run(128, slice(112, 128), causal=True, window=None, deterministic=BACKWARDS[backward])
     assert torch.isfinite(out[:, :, :112]).all() and torch.isfinite(dq[:, :, :112]).all()
     assert torch.isnan(out[:, :, 112:]).all()
 
@@ -111,12 +121,13 @@ def _graph_nodes(grad_fn):
     return {type(node).__name__ for node in seen}
 
 
+@pytest.mark.parametrize("backward", BACKWARDS)
 @pytest.mark.parametrize("mask", ["causal", "band"])
-def test_fused_qkv_gradient_is_written_as_one_buffer(mask):
+def test_fused_qkv_gradient_is_written_as_one_buffer(mask, backward):
     """q, k, v cut from one projection: the kernel's backward returns the projection's gradient
     itself, so autograd never stacks three gradients (UnbindBackward) and the result stays exact."""
     causal, window = MASKS[mask]
-    errs, out, _ = packed_errors_vs_float64(2, 45, 3, 80, causal, window, "triton")
+    errs, out, _ = packed_errors_vs_float64(2, 45, 3, 80, causal, window, "triton", deterministic=BACKWARDS[backward])
     assert max(errs) < TOL, f"(O, dQKV) relative errors {errs}"
     assert "UnbindBackward0" not in _graph_nodes(out.grad_fn)
     assert out.transpose(1, 2).is_contiguous()  # (B, T, H, D) in memory: merging heads is a view
@@ -150,3 +161,81 @@ def test_tuning_key_buckets_lengths_and_keys_on_the_band():
     assert {key(t, True, 256) for t in (1025, 2048)} == {(2048, 256)}  # the window, not lo = −255
     assert key(2048, False, None) == (2048, 4097) and key(2048, False, 37) == (2048, 73)
     assert key(100, True, 256) == (128, 129)  # a window longer than the sequence is no window
+
+
+def _gradients(packed, causal, window, deterministic, dtype=torch.float32):
+    """Output and input gradients of one forward and backward on fixed inputs (seed 0): (B=2, H=3,
+    T=77, D=96) as three tensors, or as slices of one fused projection when `packed`."""
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(2, 77, 3 * 3 * 96, generator=gen).to(dtype).requires_grad_()  # (B, T, H·3·D)
+    do = torch.randn(2, 3, 77, 96, generator=gen).to(dtype)  # (B, H, T, D)
+    q, k, v = split_heads(qkv, 3, 96)  # each (B, H, T, D)
+    ins = (qkv,) if packed else tuple(x.detach().contiguous().requires_grad_() for x in (q, k, v))
+    if not packed:
+        q, k, v = ins
+    out = attention(q, k, v, causal=causal, window=window, impl="triton", deterministic=deterministic)
+    return (out, *torch.autograd.grad(out, ins, do))
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["separate", "packed"])
+@pytest.mark.parametrize("mask", MASKS)
+def test_deterministic_backward_gives_the_same_bits_twice(mask, packed):
+    """Two runs of the deterministic backward on the same inputs agree bit for bit, and agree with the
+    atomic backward to float32 rounding (the same gradients, summed in another order)."""
+    causal, window = MASKS[mask]
+    first = _gradients(packed, causal, window, deterministic=True)
+    second = _gradients(packed, causal, window, deterministic=True)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    atomic = _gradients(packed, causal, window, deterministic=False)
+    assert torch.equal(first[0], atomic[0])  # the forward is the same code
+    assert all(rel_err(a, b.double()) < 1e-5 for a, b in zip(first[1:], atomic[1:]))
+
+
+def test_deterministic_float16_gives_the_same_bits_twice():
+    first, second = (_gradients(True, True, 37, deterministic=True, dtype=torch.float16) for _ in range(2))
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert all(x.dtype == torch.float16 for x in first)
+
+
+class _Forbidden:
+    """Stands in for a kernel that must not be launched: indexing it (kernel[grid]) fails the test."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __getitem__(self, grid):
+        raise AssertionError(f"{self.name} was launched")
+
+
+@pytest.mark.parametrize("backward", BACKWARDS)
+def test_each_backward_launches_only_its_own_kernels(backward, monkeypatch):
+    """deterministic=True never launches the kernel with atomic dQ adds; the default never launches the
+    separate dQ pass (so the exactness tests above do test two different backwards)."""
+    from model import attention_triton as at
+
+    unused = ("_bwd_kernel",) if BACKWARDS[backward] else ("_bwd_kv_kernel", "_bwd_dq_kernel")
+    for name in unused:
+        monkeypatch.setattr(at, name, _Forbidden(name))
+    errs = errors_vs_float64((1, 2, 50, 64), True, None, "triton", deterministic=BACKWARDS[backward])
+    assert max(errs) < TOL, f"(O, dQ, dK, dV) relative errors {errs}"
+
+
+def test_model_deterministic_attention_reaches_the_kernel(monkeypatch):
+    """model.deterministic_attention=true makes the model's blocks use the deterministic backward: with
+    the atomic-dQ kernel forbidden, a GPT's backward still runs, and gives the same bits twice."""
+    from model import GPTConfig, build
+    from model import attention_triton as at
+
+    monkeypatch.setattr(at, "_bwd_kernel", _Forbidden("_bwd_kernel"))
+    config = GPTConfig(name="det", n_layer=2, n_head=2, d_model=64, seq_len=40, vocab_size=128,
+                       attention_impl="triton", deterministic_attention=True)
+    tokens = torch.randint(0, 128, (2, 41), generator=torch.Generator().manual_seed(0))  # (B, T+1)
+    grads = []
+    for _ in range(2):
+        model = build(config, "cpu", 0)
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    with pytest.raises(AssertionError):  # the default backward is the forbidden kernel: the spy has teeth
+        model = build(GPTConfig(**{**vars(config), "deterministic_attention": False}), "cpu", 0)
+        model(tokens[:, :-1], tokens[:, 1:]).backward()

@@ -40,7 +40,7 @@ from train.engine import ENGINE_COUNTERS
 FORMAT, FORMAT_VERSION = "gpt3d-checkpoint", 1
 LOAD_BATCH_BYTES = 1 << 30  # fp32 state read per DCP load call on one rank
 # Model config keys that do not change what the weights mean: a checkpoint need not match them.
-RUN_ONLY_KEYS = ("name", "attention_impl", "dropout", "init_std")
+RUN_ONLY_KEYS = ("name", "attention_impl", "deterministic_attention", "dropout", "init_std")
 
 
 class CheckpointError(ValueError):
