@@ -58,7 +58,7 @@ step_tag = files.step_tag
 def find_resume_path(resume, run_dir: Path) -> Path | None:
     """train.resume: 'auto' → the run dir's checkpoints/ folder when it holds any checkpoint (or a
     `latest`), else None (a fresh start); 'none'/null → None; else a path: a run directory, its
-    checkpoints/ folder, or one step folder. Cheap: nothing is verified yet (`load` does that)."""
+    checkpoints/ folder, or one step folder. Cheap: nothing is verified yet (`select` does that)."""
     if resume in (None, "none", "null", False):
         return None
     if resume == "auto":

@@ -92,6 +92,8 @@ def _state(state, step) -> None:
         raise Invalid(f"{f}: step={state['step']}, but its folder is named for step {step}: a checkpoint's folder "
                       f"must be step<its step, 8 digits>")
     _int(state["tokens"], f, "tokens", 0)
+    if state["tokens"] < state["step"]:
+        raise Invalid(f"{f}: tokens={state['tokens']} at step {state['step']}: every step trains on at least one token")
     _data(state["data"], f)
     _keys(state["lr_scheduler"], f, "lr_scheduler", required={"tokens"})
     _int(state["lr_scheduler"]["tokens"], f, "lr_scheduler.tokens", 0)
