@@ -115,11 +115,30 @@ def select(path: Path, verify=None, warn=None) -> Path:
     )
 
 
+def verified(path: Path, warn=None) -> tuple[Path, dict]:
+    """`select` in this process (no process group needed), and the chosen folder's state.json as its
+    verification read it: each file is read once."""
+    states = {}
+
+    def verify(folder: Path) -> list[str]:
+        problems, states[folder] = _checked_here(folder)
+        return problems
+
+    folder = select(path, verify=verify, warn=warn)
+    return folder, states[folder]
+
+
 def _verify_here(folder: Path) -> list[str]:
+    return _checked_here(folder)[0]
+
+
+def _checked_here(folder: Path) -> tuple[list[str], dict | None]:
+    """(problems, state.json when there are none) of a folder, checked in this process."""
     manifest, problems = files.structure_problems(folder)
     if problems:
-        return problems
-    return files.digest_problems(folder, manifest, sorted(manifest["files"])) or _content_problems(folder, manifest)
+        return problems, None
+    problems = files.digest_problems(folder, manifest, sorted(manifest["files"]))
+    return (problems, None) if problems else _content_problems(folder, manifest)
 
 
 def _verify_together(folder: Path) -> list[str]:
@@ -134,31 +153,32 @@ def _verify_together(folder: Path) -> list[str]:
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, problems)
     problems = sorted({p for ps in gathered for p in ps})
-    return problems or _content_problems(folder, manifest)
+    return problems or _content_problems(folder, manifest)[0]
 
 
-def _content_problems(folder: Path, manifest: dict) -> list[str]:
-    """What is wrong with what an intact folder's files say (train/checkpoint/schema.py): state.json
-    and rng.json, and the tensors of the model state.json describes, from the shard headers (each
-    present, fp32, its chunks tiling it exactly once). Cheap: no tensor data is read."""
+def _content_problems(folder: Path, manifest: dict) -> tuple[list[str], dict | None]:
+    """(problems, state.json when there are none) of what an intact folder's files say
+    (train/checkpoint/schema.py): state.json and rng.json, and the tensors of the model state.json
+    describes, from the shard headers (each present, fp32, its chunks tiling it exactly once). Cheap:
+    no tensor data is read."""
     from model import GPTConfig
 
     try:
         state = files.read_json(folder / files.STATE)
         rng = files.read_json(folder / files.RNG)
     except (OSError, ValueError):
-        return ["state.json or rng.json is not valid JSON"]
+        return ["state.json or rng.json is not valid JSON"], None
     problem = (schema.state_problem(state, files.step_of(folder))
                or schema.rng_problem(rng, torch.get_rng_state().numel()))
     if problem:
-        return [problem]
+        return [problem], None
     try:
-        model_cfg = GPTConfig.from_dict(state["model"])
+        model_cfg = GPTConfig(**state["model"])  # its keys are GPTConfig's fields (schema)
     except (TypeError, ValueError) as err:
-        return [f"state.json: model describes no valid model ({err})"]
+        return [f"state.json: model describes no valid model ({err})"], None
     shard_files = sorted(name for name in manifest["files"] if name.endswith(files.SHARD_SUFFIX))
     problems = tensors.layout_problems(folder, shard_files, saved_shapes(model_cfg))
-    return [f"tensors: {'; '.join(problems[:3])}"] if problems else []
+    return ([f"tensors: {'; '.join(problems[:3])}"], None) if problems else ([], state)
 
 
 def checked_state(folder: Path) -> dict:

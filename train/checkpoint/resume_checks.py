@@ -76,8 +76,7 @@ def resume_point(resume, run_dir: Path, model_cfg) -> ResumePoint | None:
     path = manager.find_resume_path(resume, run_dir)
     if path is None:
         return None
-    folder = manager.select(path, warn=manager.print_warning if is_rank_zero() else lambda text: None)
-    state = manager.checked_state(folder)
+    folder, state = manager.verified(path, warn=manager.print_warning if is_rank_zero() else lambda text: None)
     manager.check_model(state["model"], model_cfg, folder)
     return ResumePoint(path, folder, state)
 
