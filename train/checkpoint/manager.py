@@ -353,7 +353,8 @@ def load(engine, topology, model_cfg, path: Path, parts: CheckpointParts, known:
     if known is not None:
         folder, state = known
     else:
-        folder = select(path, verify=_verify_together, warn=print_warning if dist.get_rank() == 0 else lambda text: None)
+        quiet = dist.get_rank() != 0
+        folder = select(path, verify=_verify_together, warn=(lambda text: None) if quiet else print_warning)
         state = checked_state(folder)
     check_model(state["model"], model_cfg, folder)
     reader = tensors.ShardReader(folder)

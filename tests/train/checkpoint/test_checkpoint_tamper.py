@@ -11,7 +11,6 @@ which checkpoint `select` (what a resume uses) takes.
 
 from __future__ import annotations
 
-import base64
 import json
 import shutil
 import struct
@@ -23,8 +22,7 @@ from cli import metrics, train
 from train.checkpoint import files
 from train.checkpoint import manager as checkpoint
 
-RUN = ["train.eval_interval=0", "logging.wandb.mode=disabled", "train.checkpoint_interval=2",
-       "train.keep_checkpoints=3"]
+RUN = ["train.eval_interval=0", "logging.wandb.mode=disabled", "train.checkpoint_interval=2"]  # keeps 3
 KEYS = ("step", "train/loss", "train/lr", "train/grad_norm")
 
 
@@ -104,12 +102,12 @@ def choose(run_dir: Path) -> tuple[str, list[str]]:
 
 
 WPE = "model/layers.0.wpe.weight"
+BATCH = ("extra", "schedule", "config", "train.global_batch_size")
 # (name, tamper(step 4 folder), words the one warning must hold): the manifest recomputed unless said
 CASES = [
     ("peak-lr-stale-manifest", lambda f: edit_json(f, "state.json", put("extra.schedule.resolved.peak_lr", 50.0),
                                                    forge=False), "state.json"),
-    ("batch-stale-manifest", lambda f: edit_json(f, "state.json", put(("extra", "schedule", "config",
-                                                                       "train.global_batch_size"), 8), forge=False), "state.json"),
+    ("batch-stale-manifest", lambda f: edit_json(f, "state.json", put(BATCH, 8), forge=False), "state.json"),
     ("negative-step", lambda f: edit_json(f, "state.json", put("step", -5)), "step=-5"),
     ("boolean-step", lambda f: edit_json(f, "state.json", put("step", True)), "step=True"),
     ("float-step", lambda f: edit_json(f, "state.json", put("step", 1e12)), "step=1000000000000.0"),
@@ -177,9 +175,11 @@ def resumed(run_dir: Path, corpus, *overrides) -> tuple[list[str], str]:
     return [line for line in proc.stderr.splitlines() if line.startswith("gpt3d: warning:")], proc.stdout
 
 
-@pytest.mark.parametrize("tamper", [c[1] for c in CASES if c[0] in ("peak-lr-stale-manifest", "batch-stale-manifest",
-                                                                     "negative-step", "chunk-outside")],
-                         ids=["peak-lr", "global-batch", "negative-step", "chunk-outside"])
+THROUGH_CLI = ("peak-lr-stale-manifest", "batch-stale-manifest", "negative-step", "boolean-step", "chunk-outside",
+               "int-dtype", "no-sharding-entry", "rng-truncated")
+
+
+@pytest.mark.parametrize("tamper", [c[1] for c in CASES if c[0] in THROUGH_CLI], ids=THROUGH_CLI)
 def test_the_run_continues_exactly_as_from_the_previous_checkpoint(run, corpus, tamper, trained):
     """Through the CLI: one warning, resumed at step 2, steps 3 and 4 logged as the run that never
     stopped logged them (so nothing of the rejected checkpoint's schedule or batch is used)."""
@@ -190,6 +190,17 @@ def test_the_run_continues_exactly_as_from_the_previous_checkpoint(run, corpus, 
     rows = [[r[k] for k in KEYS] for r in metrics(run)]
     assert rows == [[r[k] for k in KEYS] for r in metrics(trained)]
     assert checkpoint.select(run / "checkpoints", warn=pytest.fail).name == "step00000004"  # saved anew, intact
+
+
+def test_a_misnamed_copy_never_displaces_a_real_checkpoint(run, corpus, trained):
+    """step 4 renamed step 99: passed over (the run resumes at step 2 and logs steps 3 and 4 as the run
+    that never stopped), and retention, keeping two, keeps step 2 beside the new step 4."""
+    step_folder(run, 4).rename(step_folder(run, 99))
+    warnings, stdout = resumed(run, corpus, "train.keep_checkpoints=2")
+    assert len(warnings) == 1 and "named for step 99" in warnings[0] and "step00000002 at step 2" in stdout
+    assert [[r[k] for k in KEYS] for r in metrics(run)] == [[r[k] for k in KEYS] for r in metrics(trained)]
+    assert sorted(p.name for p in (run / "checkpoints").glob("step*")) == ["step00000002", "step00000004",
+                                                                          "step00000099"]
 
 
 def test_a_step_folder_linked_elsewhere_is_never_followed(run, corpus, tmp_path, trained):
@@ -268,7 +279,8 @@ def hf_folder(folder: Path, tensors=None, config=None) -> Path:
     (None, [1, 2], "holds a list"),
     (None, {"model_type": "gpt2", "n_layer": "2"}, "n_layer='2'"),
     (lambda w: w.pop("transformer.wpe.weight"), None, "has no tensor 'transformer.wpe.weight'"),
-    (lambda w: w.update({"transformer.wpe.weight": w["transformer.wpe.weight"][:8]}), None, "transformer.wpe.weight is"),
+    (lambda w: w.update({"transformer.wpe.weight": w["transformer.wpe.weight"][:8]}), None,
+     "transformer.wpe.weight is"),
     (lambda w: w.update({"transformer.ln_f.bias": w["transformer.ln_f.bias"].long()}), None, "I64"),
 ], ids=["config-list", "config-type", "missing-tensor", "wrong-shape", "int-tensor"])
 def test_init_from_refuses_bad_folders_in_one_line(tmp_path, tensors, config, words):
@@ -276,9 +288,17 @@ def test_init_from_refuses_bad_folders_in_one_line(tmp_path, tensors, config, wo
     from train.checkpoint.hugging_face import ExportError, check_init_from
 
     folder = hf_folder(tmp_path / "hf", tensors, config)
-    with pytest.raises(ExportError, match=None) as err:
+    with pytest.raises(ExportError) as err:
         check_init_from(folder, GPTConfig(**TOY))
     assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_init_from_a_bad_folder_is_one_line_through_the_cli(tmp_path, corpus):
+    folder = hf_folder(tmp_path / "hf", config=[1, 2])
+    proc = train(tmp_path / "run", corpus, f"train.init_from={folder}", check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("gpt3d: error:")]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and len(errors) == 1
+    assert "config.json: holds a list" in errors[0] and not (tmp_path / "run").exists()
 
 
 def test_init_from_refuses_a_huge_header(tmp_path):
