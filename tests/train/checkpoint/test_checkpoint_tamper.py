@@ -193,9 +193,10 @@ def test_the_run_continues_exactly_as_from_the_previous_checkpoint(run, corpus, 
 
 
 def test_a_misnamed_copy_never_displaces_a_real_checkpoint(run, corpus, trained):
-    """step 4 renamed step 99: passed over (the run resumes at step 2 and logs steps 3 and 4 as the run
+    """step 4 renamed step 99 (and `latest` pointed at it): passed over (the run resumes at step 2 and logs steps 3 and 4 as the run
     that never stopped), and retention, keeping two, keeps step 2 beside the new step 4."""
     step_folder(run, 4).rename(step_folder(run, 99))
+    (run / "checkpoints" / "latest").write_text("step00000099\n")
     warnings, stdout = resumed(run, corpus, "train.keep_checkpoints=2")
     assert len(warnings) == 1 and "named for step 99" in warnings[0] and "step00000002 at step 2" in stdout
     assert [[r[k] for k in KEYS] for r in metrics(run)] == [[r[k] for k in KEYS] for r in metrics(trained)]
