@@ -143,6 +143,10 @@ def _data(data, f: str) -> None:
             raise Invalid(f"{f}: {where}: a lane is named <source>/<stream> (two integers)")
         _keys(lane, f, where, required={"served", "cursor", "counts"})
         _int(lane["served"], f, f"{where}.served", 0)
+        if lane["cursor"] is not None:  # train/data/records.py's: None (the start) or where a stream stands
+            _keys(lane["cursor"], f, f"{where}.cursor", required={"epoch", "at", "offset"})
+            _int(lane["cursor"]["epoch"], f, f"{where}.cursor.epoch", 0)
+            _int(lane["cursor"]["offset"], f, f"{where}.cursor.offset", 0)
         _keys(lane["counts"], f, f"{where}.counts", optional=lane["counts"] if isinstance(lane["counts"], dict) else ())
         for key, value in lane["counts"].items():
             _int(value, f, f"{where}.counts.{key}", 0)

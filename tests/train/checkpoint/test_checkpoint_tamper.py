@@ -118,6 +118,8 @@ CASES = [
     ("lr-scheduler-without-tokens", lambda f: edit_json(f, "state.json", put("lr_scheduler", {})),
      "lr_scheduler lacks ['tokens']"),
     ("negative-windows", lambda f: edit_json(f, "state.json", put("data.windows_served", -4)), "windows_served=-4"),
+    ("lane-cursor", lambda f: edit_json(f, "state.json", put(("data", "lanes", "0/0", "cursor"), {"epoch": -1})),
+     "cursor lacks"),
     ("data-not-a-dict", lambda f: edit_json(f, "state.json", put("data", [1, 2])), "data is [1, 2]"),
     ("extra-schedule-key", lambda f: edit_json(f, "state.json", put("extra.schedule.resolved.warmup", 3)),
      "unknown keys ['warmup']"),
