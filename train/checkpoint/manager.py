@@ -18,7 +18,7 @@ batches of about LOAD_BATCH_BYTES, and writes them back through DeepSpeed's safe
 into the torch AdamW at ZeRO-0). So (tp, pp, dp, ZeRO stage, offload) may all differ between the
 run that saved and the one that resumes.
 
-The entry points of the training loop: `find_resume_path`, `load`, `save`.
+The entry points: `find_resume_path` and `verified` (the resume checks), `load` and `save` (the loop).
 """
 
 from __future__ import annotations
