@@ -49,8 +49,17 @@ def step_folders(root: Path) -> list[Path]:
     """The step folders of a checkpoints/ folder, newest first."""
     if not Path(root).is_dir():
         return []
-    found = [p for p in Path(root).iterdir() if p.is_dir() and step_of(p) is not None]
+    found = [p for p in Path(root).iterdir() if (p.is_dir() or p.is_symlink()) and step_of(p) is not None]
     return sorted(found, key=step_of, reverse=True)
+
+
+def remove(path: Path) -> None:
+    """Delete a folder, a file or a symbolic link (the link only, never what it points to)."""
+    path = Path(path)
+    if path.is_symlink() or not path.is_dir():
+        path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(path)
 
 
 def sha256(path: Path) -> str:
@@ -89,14 +98,15 @@ def fsync_dir(path: Path) -> None:
 
 def publish(tmp: Path, final: Path) -> None:
     """Rename a finished temporary folder into place (an older folder of the same name, e.g. the
-    step re-saved after resuming from an earlier checkpoint, is replaced)."""
+    step re-saved after resuming from an earlier checkpoint, or a symbolic link of that name, is replaced)."""
     fsync_dir(tmp)
-    if final.exists():
+    if final.exists() or final.is_symlink():
         old = final.with_name(f"{TMP_PREFIX}old-{final.name}")
-        shutil.rmtree(old, ignore_errors=True)
+        if old.exists() or old.is_symlink():
+            remove(old)
         os.replace(final, old)
         os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
+        remove(old)
     else:
         os.replace(tmp, final)
     fsync_dir(final.parent)
@@ -135,44 +145,54 @@ def remove_leftovers(root: Path) -> list[str]:
         return []
     removed = []
     for path in sorted(Path(root).glob(f"{TMP_PREFIX}*")):
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
+        remove(path)
         removed.append(path.name)
     return removed
 
 
-def prune(root: Path, keep: int, keep_every: int) -> list[str]:
-    """Delete step folders beyond the newest `keep`, except steps that are multiples of `keep_every`
-    (> 0); returns the names removed."""
+def prune(root: Path, keep: int, keep_every: int, saved: int) -> list[str]:
+    """Delete step folders beyond the newest `keep` up to step `saved` (the one just saved), except
+    steps that are multiples of `keep_every` (> 0); returns the names removed. Folders named for a later
+    step (left by a run resumed from an earlier checkpoint, or misnamed) neither count nor go."""
     removed = []
-    for folder in step_folders(root)[keep:]:
+    for folder in [f for f in step_folders(root) if step_of(f) <= saved][keep:]:
         if keep_every > 0 and step_of(folder) % keep_every == 0:
             continue
-        shutil.rmtree(folder)
+        remove(folder)
         removed.append(folder.name)
     return removed
 
 
 def structure_problems(folder: Path) -> tuple[dict | None, list[str]]:
-    """(manifest, problems) from the cheap checks: the manifest parses and lists exactly the files
-    present, with their sizes. Hashes are `digest_problems`'."""
+    """(manifest, problems) from the cheap checks: the folder is a real folder named for a step, its
+    manifest is valid (train/checkpoint/schema.py) for that step and lists exactly the files present,
+    each a regular file (no symbolic link) of the listed size. Hashes are `digest_problems`'."""
+    from train.checkpoint.schema import manifest_problem
+
     folder = Path(folder)
+    if folder.is_symlink():
+        return None, [f"{folder.name} is a symbolic link; a checkpoint is a real folder (copy it, do not link it)"]
     if not folder.is_dir():
         return None, [f"{folder.name} is missing"]
+    if step_of(folder) is None:
+        return None, [f"{folder.name} is not named step<8 digits>, as a checkpoint's folder is"]
     path = folder / MANIFEST
-    if not path.is_file():
+    if path.is_symlink() or not path.is_file():
         return None, [f"no {MANIFEST} (an interrupted save, or not a gpt3d checkpoint)"]
     try:
         manifest = read_json(path)
-        files = manifest["files"]
-        if not isinstance(files, dict) or not all(isinstance(e, dict) and "bytes" in e and "sha256" in e
-                                                  for e in files.values()):
-            raise ValueError
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
-        return None, [f"{MANIFEST} is not a valid manifest"]
+    except (OSError, ValueError):
+        return None, [f"{MANIFEST} is not a valid manifest (not JSON)"]
+    problem = manifest_problem(manifest, step_of(folder))
+    if problem:
+        return None, [problem]
+    files = manifest["files"]
     problems = []
     for name, entry in sorted(files.items()):
         file = folder / name
-        if Path(name).name != name or not file.is_file():
+        if file.is_symlink():
+            problems.append(f"{name} is a symbolic link, not a file of the checkpoint")
+        elif not file.is_file():
             problems.append(f"{name} is missing")
         elif file.stat().st_size != entry["bytes"]:
             problems.append(f"{name} has {file.stat().st_size} bytes, the manifest says {entry['bytes']}")
@@ -203,10 +223,6 @@ def digest_problems(folder: Path, manifest: dict, names: list[str]) -> list[str]
 
 def _check_header(file: Path) -> None:
     """Parse a safetensors header (JSON) without reading tensor data."""
-    from safetensors import safe_open
+    from train.checkpoint.safetensors_header import read_header
 
-    try:
-        with safe_open(str(file), framework="pt") as f:
-            f.keys()
-    except Exception as err:  # safetensors raises its own error types for a bad header
-        raise ValueError(str(err).splitlines()[0][:120]) from None
+    read_header(file)

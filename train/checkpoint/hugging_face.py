@@ -141,8 +141,7 @@ def export(checkpoint: Path, out_dir: Path) -> Path:
     from train.checkpoint import manager as ckpt
 
     out_dir = Path(out_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise ExportError(f"{out_dir} already exists and is not an empty folder; choose a new one")
+    check_target(out_dir)
     try:
         folder = ckpt.tag_folder(Path(checkpoint))
         config = GPTConfig.from_dict(ckpt.saved_model_config(folder))
@@ -166,6 +165,23 @@ def export(checkpoint: Path, out_dir: Path) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+def check_target(out_dir: Path) -> None:
+    """An export target is a new path or an empty real folder, outside any run's checkpoints/ folder
+    (retention there would delete a checkpoint for it, or it would pass for one); ExportError otherwise."""
+    from train.checkpoint import files
+
+    if out_dir.is_symlink():
+        raise ExportError(f"{out_dir} is a symbolic link (to {os.readlink(out_dir)}); give a new path or an empty "
+                          "real folder")
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ExportError(f"{out_dir} already exists and is not an empty folder; choose a new one")
+    for folder in (out_dir.absolute(), *out_dir.absolute().parents):
+        if (files.step_of(folder) is not None or folder.name.startswith(files.TMP_PREFIX)
+                or (folder / files.LATEST).is_file() or files.step_folders(folder)):
+            raise ExportError(f"{out_dir} is inside a checkpoints folder ({folder}); export outside a run's "
+                              "checkpoints/ folder")
 
 
 def _permissions_as_umask(folder: Path) -> None:
@@ -197,8 +213,11 @@ def write_tokenizer(folder: Path, max_length: int) -> None:
 
 
 def check_init_from(folder: Path, config: GPTConfig) -> dict:
-    """The folder's config.json, checked to describe `config`'s model; ExportError naming every
-    difference (and what to set) otherwise."""
+    """The folder's config.json (valid by train/checkpoint/schema.py), checked to describe `config`'s
+    model, and its model.safetensors header, checked to hold every tensor of that model in its shape,
+    as floating point; ExportError naming the file and the field (and what to set) otherwise."""
+    from train.checkpoint.schema import hf_config_problem
+
     folder = Path(folder)
     path = folder / "config.json"
     if not path.is_file():
@@ -208,6 +227,9 @@ def check_init_from(folder: Path, config: GPTConfig) -> dict:
         hf = json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError):
         raise ExportError(f"train.init_from: {path} is not valid JSON") from None
+    problem = hf_config_problem(hf, str(path))
+    if problem:
+        raise ExportError(f"train.init_from: {problem}")
     if hf.get("model_type") != "gpt2":
         raise ExportError(f"train.init_from: {path} describes a {hf.get('model_type')!r} model; only GPT-2 folders import")
     if not (folder / WEIGHTS).is_file():
@@ -215,9 +237,9 @@ def check_init_from(folder: Path, config: GPTConfig) -> dict:
                           "pytorch_model.bin would have to be unpickled)")
     activation = IMPORTABLE_ACTIVATIONS.get(hf.get("activation_function", "gelu_new"))
     theirs = {
-        "n_layer": hf.get("n_layer"), "n_head": hf.get("n_head"), "d_model": hf.get("n_embd"),
-        "d_ff": hf.get("n_inner") or 4 * (hf.get("n_embd") or 0), "seq_len": hf.get("n_positions"),
-        "vocab_size": hf.get("vocab_size"), "activation": activation, "ln_eps": hf.get("layer_norm_epsilon", 1e-5),
+        "n_layer": hf["n_layer"], "n_head": hf["n_head"], "d_model": hf["n_embd"],
+        "d_ff": hf.get("n_inner") or 4 * hf["n_embd"], "seq_len": hf["n_positions"],
+        "vocab_size": hf["vocab_size"], "activation": activation, "ln_eps": hf.get("layer_norm_epsilon", 1e-5),
     }
     differing = {k: v for k, v in theirs.items() if getattr(config, k) != v}
     if config.attention_pattern != "dense" and config.local_window < config.seq_len:
@@ -232,11 +254,38 @@ def check_init_from(folder: Path, config: GPTConfig) -> dict:
     if not hf.get("scale_attn_weights", True) or unsupported:
         raise ExportError(f"train.init_from: {path} sets {unsupported or ['scale_attn_weights=false']}, which gpt3d's "
                           "attention does not compute")
+    _check_init_tensors(folder / WEIGHTS, config)
     return hf
 
 
+FLOAT_DTYPES = ("F32", "F16", "BF16")  # converted to fp32 exactly
+
+
+def _check_init_tensors(file: Path, config: GPTConfig) -> None:
+    """Every GPT-2 tensor of `config`'s model in `file`'s header, in its shape and a float dtype."""
+    from parallel.naming import full_shapes
+    from train.checkpoint.safetensors_header import read_header
+
+    try:
+        entries, _ = read_header(file)
+    except (OSError, ValueError) as err:
+        raise ExportError(f"train.init_from: {file} is not a valid safetensors file ({err})") from None
+    entries = {(k if k.startswith(("transformer.", "lm_head.")) else f"transformer.{k}"): v for k, v in entries.items()}
+    shapes = full_shapes(config)
+    for ours, theirs, kind in _names(config):
+        shape = tuple(shapes[ours])
+        expected = shape[::-1] if kind != "plain" and len(shape) == 2 else shape  # Conv1D stores (in, out)
+        entry = entries.get(theirs)
+        if entry is None:
+            raise ExportError(f"train.init_from: {file} has no tensor {theirs!r}")
+        if entry.shape != expected or entry.dtype not in FLOAT_DTYPES:
+            raise ExportError(f"train.init_from: {file}: {theirs} is {entry.dtype} {list(entry.shape)}; this model "
+                              f"needs {list(expected)} in one of {list(FLOAT_DTYPES)}")
+
+
 def read_init_weights(folder: Path, config: GPTConfig) -> dict[str, torch.Tensor]:
-    """gpt3d's full tensors from a GPT-2 folder (safetensors only: nothing is unpickled)."""
+    """gpt3d's full tensors from a GPT-2 folder (safetensors only: nothing is unpickled), checked
+    first by `check_init_from`."""
     from safetensors.torch import load_file
 
     check_init_from(folder, config)

@@ -18,7 +18,7 @@ batches of about LOAD_BATCH_BYTES, and writes them back through DeepSpeed's safe
 into the torch AdamW at ZeRO-0). So (tp, pp, dp, ZeRO stage, offload) may all differ between the
 run that saved and the one that resumes.
 
-The entry points of the training loop: `find_resume_path`, `load`, `save`.
+The entry points: `find_resume_path` and `verified` (the resume checks), `load` and `save` (the loop).
 """
 
 from __future__ import annotations
@@ -31,13 +31,10 @@ from pathlib import Path
 
 import torch
 
-from train.checkpoint import files
-from train.checkpoint import tensors
+from train.checkpoint import files, schema, tensors
 from train.checkpoint.optimizer_state import KINDS, ParameterState
 from train.checkpoint.parts import CheckpointParts
-from train.engine import ENGINE_COUNTERS
-
-FORMAT, FORMAT_VERSION = "gpt3d-checkpoint", 1
+from train.checkpoint.schema import FORMAT, FORMAT_VERSION
 LOAD_BATCH_BYTES = 1 << 30  # fp32 state read per DCP load call on one rank
 # Model config keys that do not change what the weights mean: a checkpoint need not match them.
 RUN_ONLY_KEYS = ("name", "attention_impl", "deterministic_attention", "dropout", "init_std")
@@ -61,7 +58,7 @@ step_tag = files.step_tag
 def find_resume_path(resume, run_dir: Path) -> Path | None:
     """train.resume: 'auto' → the run dir's checkpoints/ folder when it holds any checkpoint (or a
     `latest`), else None (a fresh start); 'none'/null → None; else a path: a run directory, its
-    checkpoints/ folder, or one step folder. Cheap: nothing is verified yet (`load` does that)."""
+    checkpoints/ folder, or one step folder. Cheap: nothing is verified yet (`select` does that)."""
     if resume in (None, "none", "null", False):
         return None
     if resume == "auto":
@@ -85,27 +82,12 @@ def _is_step_folder(path: Path) -> bool:
     return path.is_dir() and ((path / files.MANIFEST).exists() or files.step_of(path) is not None)
 
 
-def saved_state(path: Path) -> tuple[Path, dict] | None:
-    """(folder, its state.json) of the newest checkpoint under `path` (find_resume_path's answer) whose
-    state is readable, or None. Unverified and cheap (`load` verifies): for the checks made before any
-    build (train/checkpoint/resume_checks.py)."""
-    folders = [path] if _is_step_folder(path) else files.step_folders(path)
-    for folder in folders:
-        try:
-            state = files.read_json(folder / files.STATE)
-        except (OSError, ValueError):
-            continue  # damaged: `load` reports it and takes an older one
-        if isinstance(state, dict) and isinstance(state.get("model"), dict):
-            return folder, state
-    return None
-
-
 def select(path: Path, verify=None, warn=None) -> Path:
     """The checkpoint folder to use: `path` itself if it is a step folder, else the newest intact
     step folder under it; each damaged or incomplete one on the way is reported in one line (`warn`),
     and none intact is a CheckpointError. `verify(folder) → problems` defaults to a one-process check."""
     verify = verify or _verify_here
-    warn = warn or _warn
+    warn = warn or print_warning
     path = Path(path)
     if _is_step_folder(path) and not _holds_checkpoints(path):
         problems = verify(path)
@@ -133,42 +115,35 @@ def select(path: Path, verify=None, warn=None) -> Path:
     )
 
 
+def verified(path: Path, warn=None) -> tuple[Path, dict]:
+    """`select` in this process (no process group needed), and the chosen folder's state.json as its
+    verification read it: each file is read once."""
+    states = {}
+
+    def verify(folder: Path) -> list[str]:
+        problems, states[folder] = _checked_here(folder)
+        return problems
+
+    folder = select(path, verify=verify, warn=warn)
+    return folder, states[folder]
+
+
 def _verify_here(folder: Path) -> list[str]:
+    return _checked_here(folder)[0]
+
+
+def _checked_here(folder: Path) -> tuple[list[str], dict | None]:
+    """(problems, state.json when there are none) of a folder, checked in this process."""
     manifest, problems = files.structure_problems(folder)
     if problems:
-        return problems
-    return files.digest_problems(folder, manifest, sorted(manifest["files"])) or _state_problems(folder)
+        return problems, None
+    problems = files.digest_problems(folder, manifest, sorted(manifest["files"]))
+    return (problems, None) if problems else _content_problems(folder, manifest)
 
 
-def _state_problems(folder: Path, state: dict | None = None) -> list[str]:
-    """What is wrong with an (intact) folder's state.json and rng.json, as this gpt3d reads them;
-    `state`: state.json as already parsed (its bytes were just checked against the manifest)."""
-    try:
-        state = files.read_json(folder / files.STATE) if state is None else state
-        rng = files.read_json(folder / files.RNG)
-    except (OSError, ValueError):
-        return ["state.json or rng.json is not valid JSON"]
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        return [f"state.json is not a {FORMAT} state"]
-    if state.get("format_version") != FORMAT_VERSION:
-        return [f"format version {state.get('format_version')!r} (written by gpt3d {state.get('gpt3d')}); this gpt3d "
-                f"reads version {FORMAT_VERSION}"]
-    expected = {"step": int, "tokens": int, "layout": dict, "model": dict, "optimizer": dict, "engine": dict}
-    wrong = [key for key, kind in expected.items() if not isinstance(state.get(key), kind)]
-    if wrong or not isinstance(state["optimizer"].get("adam_step"), int):
-        return [f"state.json lacks {wrong or ['optimizer.adam_step']}"]
-    odd = [key for key, value in state["engine"].items()
-           if key not in ENGINE_COUNTERS or not isinstance(value, int) or isinstance(value, bool) or value < 0]
-    if odd:
-        return [f"state.json's engine holds {odd}; only non-negative integer {list(ENGINE_COUNTERS)}"]
-    if not isinstance(rng, dict) or not isinstance(rng.get("ranks"), list) or not rng["ranks"]:
-        return ["rng.json holds no RNG states"]
-    return []
-
-
-def _verify_together(folder: Path, state: dict | None = None) -> list[str]:
+def _verify_together(folder: Path) -> list[str]:
     """`_verify_here` with the hashing shared by all ranks (each hashes every world-th file); every
-    rank returns the same problems. `state`: as for `_state_problems`."""
+    rank returns the same problems."""
     import torch.distributed as dist
 
     manifest, problems = files.structure_problems(folder)
@@ -178,10 +153,48 @@ def _verify_together(folder: Path, state: dict | None = None) -> list[str]:
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, problems)
     problems = sorted({p for ps in gathered for p in ps})
-    return problems or _state_problems(folder, state)
+    return problems or _content_problems(folder, manifest)[0]
 
 
-def _warn(text: str) -> None:
+def _content_problems(folder: Path, manifest: dict) -> tuple[list[str], dict | None]:
+    """(problems, state.json when there are none) of what an intact folder's files say
+    (train/checkpoint/schema.py): state.json and rng.json, and the tensors of the model state.json
+    describes, from the shard headers (each present, fp32, its chunks tiling it exactly once). Cheap:
+    no tensor data is read."""
+    from model import GPTConfig
+
+    try:
+        state = files.read_json(folder / files.STATE)
+        rng = files.read_json(folder / files.RNG)
+    except (OSError, ValueError):
+        return ["state.json or rng.json is not valid JSON"], None
+    problem = (schema.state_problem(state, files.step_of(folder))
+               or schema.rng_problem(rng, torch.get_rng_state().numel()))
+    if problem:
+        return [problem], None
+    try:
+        model_cfg = GPTConfig(**state["model"])  # its keys are GPTConfig's fields (schema)
+    except (TypeError, ValueError) as err:
+        return [f"state.json: model describes no valid model ({err})"], None
+    shard_files = sorted(name for name in manifest["files"] if name.endswith(files.SHARD_SUFFIX))
+    problems = tensors.layout_problems(folder, shard_files, saved_shapes(model_cfg))
+    return ([f"tensors: {'; '.join(problems[:3])}"], None) if problems else ([], state)
+
+
+def checked_state(folder: Path) -> dict:
+    """state.json of a checkpoint folder that `select` chose (so verified), checked again against the
+    schema as it is read; CheckpointError naming the field otherwise."""
+    try:
+        state = files.read_json(Path(folder) / files.STATE)
+    except (OSError, ValueError):
+        raise CheckpointError(f"{Path(folder) / files.STATE} is not valid JSON") from None
+    problem = schema.state_problem(state, files.step_of(folder))
+    if problem:
+        raise CheckpointError(f"checkpoint {folder}: {problem}")
+    return state
+
+
+def print_warning(text: str) -> None:
     print(f"gpt3d: warning: {text}", file=sys.stderr, flush=True)
 
 
@@ -242,7 +255,7 @@ def save(engine, topology, model_cfg, run_dir: Path, parts: CheckpointParts, *, 
         _write_state(tmp, state, {"ranks": per_rank}, {k: v for d in described for k, v in d.items()})
         files.publish(tmp, root / tag)
         files.set_latest(root, tag)
-        files.prune(root, keep, keep_every)
+        files.prune(root, keep, keep_every, step)
     dist.barrier()
     return root / tag
 
@@ -331,24 +344,20 @@ def load(engine, topology, model_cfg, path: Path, parts: CheckpointParts, known:
          ) -> tuple[Path, dict]:
     """Resume from `path` (find_resume_path's answer) at this run's layout, whatever layout saved it
     (every rank calls it): model, fp32 master weights, Adam moments and step count, then every
-    registered part (this rank's per-rank ones last). The checkpoint is verified first; a damaged one
-    is reported and the previous intact one used. `known`: a (folder, state.json) already parsed
-    (train/checkpoint/resume_checks.py), used as is when that folder is the one loaded. Returns (the
-    folder used, its state.json)."""
+    registered part (this rank's per-rank ones last). `known`: the (folder, state.json) that the
+    resume checks chose under `path` and verified in every process (train/checkpoint/resume_checks.py):
+    that folder is loaded. Without it, the checkpoint is verified here first, a damaged one reported
+    and the previous intact one used. Returns (the folder used, its state.json)."""
     import torch.distributed as dist
 
-    known_folder, known_state = known or (None, None)
-
-    def verify(folder: Path) -> list[str]:
-        return _verify_together(folder, known_state if folder == known_folder else None)
-
-    folder = select(path, verify=verify, warn=_warn if dist.get_rank() == 0 else lambda text: None)
-    state = known_state if folder == known_folder else files.read_json(folder / files.STATE)
-    check_model(state.get("model", {}), model_cfg, folder)
+    if known is not None:
+        folder, state = known
+    else:
+        quiet = dist.get_rank() != 0
+        folder = select(path, verify=_verify_together, warn=(lambda text: None) if quiet else print_warning)
+        state = checked_state(folder)
+    check_model(state["model"], model_cfg, folder)
     reader = tensors.ShardReader(folder)
-    problems = tensors.mismatched(reader, saved_shapes(model_cfg))
-    if problems:
-        raise CheckpointError(f"checkpoint {folder} does not hold this model's tensors: {'; '.join(problems[:5])}")
     params = ParameterState(engine)
     params.ensure_state()
     _restore(engine.module, model_cfg, topology, params, reader)
@@ -430,21 +439,18 @@ def _restore(part, model_cfg, topology, params: ParameterState, reader: tensors.
 # reading in one process (generation, export)
 
 
-def saved_model_config(folder: Path) -> dict | None:
-    """The model config a checkpoint folder was saved with."""
-    return files.read_json(Path(folder) / files.STATE).get("model")
+def saved_model_config(folder: Path) -> dict:
+    """The model config a (verified) checkpoint folder was saved with."""
+    return checked_state(folder)["model"]
 
 
 def read_model_weights(folder: Path, config) -> dict[str, torch.Tensor]:
-    """{full parameter name: fp32 tensor} of the whole model from an intact checkpoint folder
-    written at any layout, in this process (no process group needed)."""
+    """{full parameter name: fp32 tensor} of the whole model from a checkpoint folder that `select`
+    verified (so its tensors tile this model exactly), written at any layout, in this process (no
+    process group needed)."""
     from parallel.naming import full_shapes
 
     reader = tensors.ShardReader(folder)
-    problems = tensors.mismatched(reader, {f"model/{n}": s for n, s in full_shapes(config).items()})
-    if problems:
-        raise ValueError(f"checkpoint {folder} does not fit the configured model: {'; '.join(problems[:5])}; "
-                         "use the model.* settings of the run that saved it")
     requests = {f"model/{name}": torch.empty(shape) for name, shape in full_shapes(config).items()}
     with warnings.catch_warnings():  # DCP's note that it reads in one process: that is the point here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")

@@ -15,7 +15,10 @@ started with (or was last reset to), however often the run is resumed.
 
 These functions only read: the batch settings a kept schedule brings back are returned
 (`KeptSchedule.batch`), and train/config/spec.py applies them to its own copy of the config. The
-checkpoint's state.json is read once per run (`resume_point`).
+checkpoint is chosen and verified once per run, in every process alike (`resume_point`): the newest
+intact one, each damaged one on the way reported in one warning (by rank 0). Its state.json, checked
+against train/checkpoint/schema.py, is what these checks read and exactly what loading restores, so
+nothing of a checkpoint the run passed over is ever used.
 """
 
 from __future__ import annotations
@@ -39,8 +42,8 @@ SCHEDULE_KEYS = ("train.max_steps", *BATCH_KEYS, "optim.lr", "optim.warmup_token
 @dataclass(frozen=True)
 class ResumePoint:
     """Where a resume starts: `path` as train.resume names it (a checkpoints/ folder or one step
-    folder; loading selects the newest intact one under it) and the newest checkpoint there whose
-    state.json is readable, with that state (unverified: loading verifies)."""
+    folder), the checkpoint folder under it that the run loads (the newest intact one, verified) and
+    its state.json (valid by train/checkpoint/schema.py)."""
 
     path: Path
     folder: Path
@@ -65,15 +68,15 @@ class RunSchedule:
 
 
 def resume_point(resume, run_dir: Path, model_cfg) -> ResumePoint | None:
-    """The checkpoint train.resume names for a run in `run_dir` (None: a fresh start), checked to hold
-    this model. ValueError (a path with no checkpoint) or CheckpointError (another model)."""
+    """The checkpoint train.resume names for a run in `run_dir` (None: a fresh start): the newest
+    intact one, verified here in this process, checked to hold this model. ValueError (a path with no
+    checkpoint) or CheckpointError (none intact, or another model), each one line."""
+    from train.config.launch import is_rank_zero
+
     path = manager.find_resume_path(resume, run_dir)
     if path is None:
         return None
-    found = manager.saved_state(path)
-    if found is None:
-        return ResumePoint(path, None, None)  # nothing readable: loading reports each damaged folder
-    folder, state = found
+    folder, state = manager.verified(path, warn=manager.print_warning if is_rank_zero() else lambda text: None)
     manager.check_model(state["model"], model_cfg, folder)
     return ResumePoint(path, folder, state)
 

@@ -17,7 +17,7 @@ would unpickle; the safetensors backend writes no such file).
 
 from __future__ import annotations
 
-import math
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +26,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from train.checkpoint.safetensors_header import read_header
+from train.checkpoint.schema import sharding_problem
+from train.checkpoint.tiling import tiling_problem
+
+SHARDING_KEY = "DCP_SHARDING_INFO"  # DCP's safetensors backend: {tensor: {"saved_offsets": [...]}} per file
 
 if not hasattr(dcp, "HuggingFaceStorageReader"):
     raise ImportError(f"gpt3d's checkpoints need PyTorch 2.9 or newer (torch.distributed.checkpoint's safetensors "
@@ -113,13 +119,6 @@ class ShardReader(dcp.HuggingFaceStorageReader):
             self._metadata = super().read_metadata()
         return self._metadata
 
-    def chunks(self) -> dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]]:
-        """{tensor name: [(offsets, sizes) of each saved chunk]}."""
-        return {name: [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks]
-                for name, md in self.read_metadata().state_dict_metadata.items()}
-
-    def full_shapes(self) -> dict[str, tuple[int, ...]]:
-        return {name: tuple(md.size) for name, md in self.read_metadata().state_dict_metadata.items()}
 
 
 def write(slices: dict[str, FullSlice], folder: Path, distributed: bool = True) -> None:
@@ -135,16 +134,33 @@ def read(requests: dict, reader: ShardReader, distributed: bool = True) -> None:
     dcp.load(requests, storage_reader=reader, planner=_SliceLoadPlanner(), no_dist=not distributed)
 
 
-def mismatched(reader: ShardReader, expected: dict[str, tuple[int, ...]]) -> list[str]:
-    """What differs between the saved tensors and `expected` {name: full shape}: a tensor missing, of
-    another shape, or whose chunks do not add up to the whole (the reader infers a full shape from
-    the chunks it finds, so a lost file could otherwise pass as a smaller tensor)."""
-    shapes, chunks, problems = reader.full_shapes(), reader.chunks(), []
+def layout_problems(folder: Path, shard_files: list[str], expected: dict[str, tuple[int, ...]]) -> list[str]:
+    """What is wrong with the tensors the safetensors files of `folder` hold, from their headers alone
+    (no tensor data is read): each file's header is well-formed and has a sharding entry for every
+    tensor in it, every tensor of `expected` {name: full shape} is there, fp32, and its chunks tile
+    its full shape exactly once, and nothing else is saved. Empty: DCP may read them."""
+    chunks: dict[str, list] = {}
+    for file in shard_files:
+        try:
+            entries, metadata = read_header(Path(folder) / file)
+        except (OSError, ValueError) as err:
+            return [str(err)]
+        try:
+            info = json.loads(metadata.get(SHARDING_KEY, "null"))
+        except ValueError:
+            return [f"{file}: its {SHARDING_KEY} is not JSON"]
+        problem = sharding_problem(info, sorted(entries), file)
+        if problem:
+            return [problem]
+        for name, entry in entries.items():
+            if entry.dtype != "F32":
+                return [f"{file}: {name} is {entry.dtype}; a checkpoint holds F32 (fp32) tensors only"]
+            offsets = tuple(info[name]["saved_offsets"])
+            chunks.setdefault(name, []).append((offsets, entry.shape))
+    problems = [f"{name}: not saved" for name in expected if name not in chunks]
+    problems += [f"{name}: saved, but no part of this model" for name in sorted(set(chunks) - set(expected))]
     for name, shape in expected.items():
-        if name not in shapes:
-            problems.append(f"{name}: not saved")
-        elif shapes[name] != tuple(shape):
-            problems.append(f"{name}: saved shape {shapes[name]}, expected {tuple(shape)}")
-        elif sum(math.prod(sizes) for _, sizes in chunks[name]) != math.prod(shape):
-            problems.append(f"{name}: its saved chunks do not cover it")
+        problem = tiling_problem(shape, chunks.get(name, [])) if name in chunks else None
+        if problem:
+            problems.append(f"{name} (shape {list(shape)}): {problem}")
     return problems

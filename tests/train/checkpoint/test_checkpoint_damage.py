@@ -175,7 +175,7 @@ def test_no_intact_checkpoint_is_one_clear_error_never_a_fresh_start(run, corpus
         shard(run, step).unlink()
     before = (run / "metrics.jsonl").read_text()
     proc = train(run, corpus, *RUN, "train.max_steps=8", check=False)
-    assert proc.returncode == 1
+    assert proc.returncode == 2  # refused before the run starts
     errors = [line for line in proc.stderr.splitlines() if line.startswith("gpt3d: error:")]
     assert len(errors) == 1 and "no intact checkpoint in" in errors[0] and "Traceback" not in proc.stderr
     assert (run / "metrics.jsonl").read_text() == before  # nothing trained, nothing logged
