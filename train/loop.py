@@ -228,7 +228,7 @@ def resume(trainer: Trainer) -> Path | None:
     if point is None:
         return None
     folder, state = checkpoint.load(trainer.engine, trainer.topology, trainer.model_cfg, point.path, trainer.parts,
-                                    known=(point.folder, point.state) if point.state is not None else None)
+                                    known=(point.folder, point.state))
     trainer.batches.start()  # background workers (data.workers) begin packing from the restored position
     saved, now = state["layout"], checkpoint.layout_of(trainer.engine, trainer.topology)
     moved = "" if saved == now else f" (saved at {_layout_text(saved)}, now {_layout_text(now)})"

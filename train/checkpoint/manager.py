@@ -82,10 +82,11 @@ def _is_step_folder(path: Path) -> bool:
     return path.is_dir() and ((path / files.MANIFEST).exists() or files.step_of(path) is not None)
 
 
-def select(path: Path, verify=None, warn=None) -> Path:
+def select(path: Path, verify=None, warn=None, before: Path | None = None) -> Path:
     """The checkpoint folder to use: `path` itself if it is a step folder, else the newest intact
-    step folder under it; each damaged or incomplete one on the way is reported in one line (`warn`),
-    and none intact is a CheckpointError. `verify(folder) → problems` defaults to a one-process check."""
+    step folder under it (older than the step folder `before`, if given: one found damaged already);
+    each damaged or incomplete one on the way is reported in one line (`warn`), and none intact is a
+    CheckpointError. `verify(folder) → problems` defaults to a one-process check."""
     verify = verify or _verify_here
     warn = warn or print_warning
     path = Path(path)
@@ -96,6 +97,8 @@ def select(path: Path, verify=None, warn=None) -> Path:
         return path
     latest, latest_problem = files.read_latest(path)
     candidates = files.step_folders(path)
+    if before is not None:  # `latest` was looked at when `before` was chosen
+        candidates, latest, latest_problem = [f for f in candidates if files.step_of(f) < files.step_of(before)], None, None
     if latest_problem and candidates:
         warn(f"{path / files.LATEST} {latest_problem}; looking for the newest intact checkpoint in {path}")
     elif latest and not (path / latest).is_dir() and candidates:
@@ -116,12 +119,15 @@ def select(path: Path, verify=None, warn=None) -> Path:
 
 
 def verified(path: Path, warn=None) -> tuple[Path, dict]:
-    """`select` in this process (no process group needed), and the chosen folder's state.json as its
-    verification read it: each file is read once."""
+    """`select` in this process (no process group needed) on everything but the tensor shards' bytes:
+    structure, the checksums of state.json and rng.json, the schema, the shard headers and their
+    tiling; returns the chosen folder and its state.json as that check read it. The shards' checksums
+    are checked by `load`, shared by all ranks: hashing them here would read the whole checkpoint in
+    every process."""
     states = {}
 
     def verify(folder: Path) -> list[str]:
-        problems, states[folder] = _checked_here(folder)
+        problems, states[folder] = _checked_here(folder, hash_shards=False)
         return problems
 
     folder = select(path, verify=verify, warn=warn)
@@ -132,13 +138,25 @@ def _verify_here(folder: Path) -> list[str]:
     return _checked_here(folder)[0]
 
 
-def _checked_here(folder: Path) -> tuple[list[str], dict | None]:
+def _checked_here(folder: Path, hash_shards: bool = True) -> tuple[list[str], dict | None]:
     """(problems, state.json when there are none) of a folder, checked in this process."""
     manifest, problems = files.structure_problems(folder)
     if problems:
         return problems, None
-    problems = files.digest_problems(folder, manifest, sorted(manifest["files"]))
+    problems = files.digest_problems(folder, manifest, sorted(manifest["files"]), hash_shards)
     return (problems, None) if problems else _content_problems(folder, manifest)
+
+
+def _shards_together(folder: Path) -> list[str]:
+    """The shard files' checksums, the hashing shared by all ranks; every rank returns the same problems."""
+    import torch.distributed as dist
+
+    manifest, _ = files.structure_problems(folder)
+    shards = sorted(name for name in manifest["files"] if name.endswith(files.SHARD_SUFFIX))
+    problems = files.digest_problems(folder, manifest, shards[dist.get_rank()::dist.get_world_size()])
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, problems)
+    return sorted({p for ps in gathered for p in ps})
 
 
 def _verify_together(folder: Path) -> list[str]:
@@ -345,17 +363,31 @@ def load(engine, topology, model_cfg, path: Path, parts: CheckpointParts, known:
     """Resume from `path` (find_resume_path's answer) at this run's layout, whatever layout saved it
     (every rank calls it): model, fp32 master weights, Adam moments and step count, then every
     registered part (this rank's per-rank ones last). `known`: the (folder, state.json) that the
-    resume checks chose under `path` and verified in every process (train/checkpoint/resume_checks.py):
-    that folder is loaded. Without it, the checkpoint is verified here first, a damaged one reported
-    and the previous intact one used. Returns (the folder used, its state.json)."""
+    resume checks chose under `path` and verified in every process but for the shards' checksums
+    (`verified`): those are checked here by all ranks together, and that folder is loaded. Without
+    it, or when its shards are damaged, the checkpoint is verified here, a damaged one reported and
+    the previous intact one used; a previous one that records another schedule than `known`'s (which
+    the run was resolved from) is a CheckpointError. Returns (the folder used, its state.json)."""
     import torch.distributed as dist
 
-    if known is not None:
+    quiet = dist.get_rank() != 0
+    warn = (lambda text: None) if quiet else print_warning
+    problems = _shards_together(known[0]) if known is not None else []
+    if known is not None and not problems:
         folder, state = known
     else:
-        quiet = dist.get_rank() != 0
-        folder = select(path, verify=_verify_together, warn=(lambda text: None) if quiet else print_warning)
+        before = None
+        if known is not None:
+            before = known[0]
+            warn(f"checkpoint {before} is damaged or incomplete ({'; '.join(problems)}); trying the previous one")
+            if not _holds_checkpoints(Path(path)):  # train.resume named that one step folder
+                raise CheckpointError(f"checkpoint {before} is damaged or incomplete: {'; '.join(problems)}")
+        folder = select(path, verify=_verify_together, warn=warn, before=before)
         state = checked_state(folder)
+        if known is not None and state.get("extra") != known[1].get("extra"):
+            raise CheckpointError(
+                f"checkpoint {known[0]} passed the checks before the build but its tensor files are damaged, and "
+                f"the previous intact one, {folder}, records another schedule; move {known[0]} away and start again")
     check_model(state["model"], model_cfg, folder)
     reader = tensors.ShardReader(folder)
     params = ParameterState(engine)

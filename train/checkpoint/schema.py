@@ -119,7 +119,9 @@ def _model(model, f: str) -> None:
     _keys(model, f, "model", optional=fields)
     for key, value in model.items():
         default = fields[key]
-        if isinstance(default, str):
+        if isinstance(default, bool):  # before int: a bool is an int to isinstance
+            _bool(value, f, f"model.{key}")
+        elif isinstance(default, str):
             _str(value, f, f"model.{key}")
         elif isinstance(default, float):
             _number(value, f, f"model.{key}", 0)
