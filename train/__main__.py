@@ -31,13 +31,17 @@ def main(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     try:
-        check_keys(cfg, hydra_cfg.job.config_name, list(hydra_cfg.overrides.task))
-        spec = resolve(cfg, run_dir)  # on CUDA also pre-flight: stop before building what cannot fit
+        overrides = list(hydra_cfg.overrides.task)
+        check_keys(cfg, hydra_cfg.job.config_name, overrides)
+        spec = resolve(cfg, run_dir, overrides)  # on CUDA also pre-flight: stop before building what cannot fit
     except ConfigError as err:
         _discard_if_empty(run_dir)
-        print(f"gpt3d: error: {err}", file=sys.stderr)
-        raise SystemExit(EXIT_BAD_INPUT) from None
+        _refuse(err)
 
+    if is_rank_zero():
+        from train.config.run_folder import set_aside
+
+        set_aside(spec.folder)  # train.resume=overwrite: the old run's files into <run dir>.replaced-<time>
     from train.checkpoint import CheckpointError
     from train.data.sources import DataError
     from train.engine import shutdown_distributed
@@ -57,6 +61,24 @@ def main(cfg: DictConfig) -> None:
         raise SystemExit(EXIT_FAILED) from None
 
 
+def _refuse(err: Exception) -> None:
+    """Bad input: one line on rank 0 (every rank finds the same), exit EXIT_BAD_INPUT on every rank."""
+    if is_rank_zero():
+        print(f"gpt3d: error: {err}", file=sys.stderr, flush=True)
+    raise SystemExit(EXIT_BAD_INPUT) from None
+
+
+def _check_command_line(arguments: list[str]) -> None:
+    """Overrides that name no setting or config, a run folder that cannot be made: refused before Hydra runs."""
+    from train.config.checks import ConfigError
+    from train.config.command_line import check_command_line
+
+    try:
+        check_command_line(arguments)
+    except ConfigError as err:
+        _refuse(err)
+
+
 def _discard_if_empty(run_dir: Path) -> None:
     """Remove a run directory that holds nothing but Hydra's own bookkeeping (a run that never started)."""
     if run_dir.is_dir() and all(p.name == ".hydra" or p.suffix == ".log" for p in run_dir.iterdir()):
@@ -66,4 +88,5 @@ def _discard_if_empty(run_dir: Path) -> None:
 if __name__ == "__main__":
     sys.argv = drop_launcher_arguments(sys.argv)
     register_resolvers()
+    _check_command_line(sys.argv[1:])
     main()
