@@ -1,0 +1,96 @@
+"""The one attention entry point of the model.
+
+attention(q, k, v) = softmax(q kᵀ / √D + mask) v on (B, H, T, D) tensors, where the mask is
+−∞ above the diagonal when causal and, with window=w, also for keys more than w−1 positions
+behind the query (query t sees keys in (t−w, t]).
+
+Every mask used here is a band on the offset j − i between key j and query i:
+key j is visible to query i iff lo ≤ j − i ≤ hi (see `band_limits`). The fused implementations
+take (lo, hi) and nothing else, so causal, banded and dense attention are one code path.
+
+Implementations (`impl`):
+  "triton"     the fused FlashAttention-2 kernel, forward and backward (model/attention_triton.py)
+  "torch"      the same tiled math in torch ops, for CPU (model/attention_torch.py)
+  "sdpa"       torch.nn.functional.scaled_dot_product_attention: is_causal for dense causal
+               layers, the band as a boolean mask otherwise; PyTorch picks its backend (FlashAttention,
+               cuDNN, memory-efficient, math). A fallback, and the baseline the kernel is measured against.
+  "reference"  plain softmax(QKᵀ/√D)V with autograd; materialises the (T, T) scores
+  "auto"       "triton" for bf16/fp16 CUDA tensors, "sdpa" for other CUDA tensors (float32: the
+               kernel takes half precision only), "torch" on the CPU
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from model import attention_torch
+from model.config import ATTENTION_IMPLS
+
+
+def attention(q, k, v, causal: bool = True, window: int | None = None, impl: str = "auto"):
+    """Scaled dot-product attention; q, k, v: (B, H, T, D). Returns (B, H, T, D)."""
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention impl={impl!r}: must be one of {list(ATTENTION_IMPLS)}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"attention window={window!r}: must be None or a positive integer")
+    if impl == "auto":
+        impl = "torch" if not q.is_cuda else "triton" if q.dtype in (torch.bfloat16, torch.float16) else "sdpa"
+    if impl == "reference":
+        return reference_attention(q, k, v, causal=causal, window=window)
+    if impl == "sdpa":
+        return sdpa_attention(q, k, v, causal=causal, window=window)
+    lo, hi = band_limits(q.shape[-2], causal, window)
+    if impl == "torch":
+        return attention_torch.banded_attention(q, k, v, lo, hi)
+    from model import attention_triton  # triton is imported only when the kernel is used
+
+    return attention_triton.banded_attention(q, k, v, lo, hi)
+
+
+def band_limits(t: int, causal: bool, window: int | None) -> tuple[int, int]:
+    """(lo, hi) such that key j is visible to query i iff lo ≤ j − i ≤ hi, in sequences of length ≤ t.
+
+    causal → hi = 0; window w → lo = −(w−1) (and hi = w−1 when not causal); otherwise ±t, which
+    no offset in a length-t sequence reaches.
+    """
+    lo = -(window - 1) if window is not None else -t
+    if causal:
+        hi = 0
+    else:
+        hi = window - 1 if window is not None else t
+    return lo, hi
+
+
+def band_mask(t_q: int, t_k: int, causal: bool, window: int | None, device) -> torch.Tensor | None:
+    """Boolean (t_q, t_k) mask, True where a query may attend; None when nothing is masked."""
+    if not causal and window is None:
+        return None
+    lo, hi = band_limits(max(t_q, t_k), causal, window)
+    qi = torch.arange(t_q, device=device)[:, None]  # (Tq, 1)
+    kj = torch.arange(t_k, device=device)[None, :]  # (1, Tk)
+    offset = kj - qi  # (Tq, Tk)
+    return (offset >= lo) & (offset <= hi)
+
+
+def sdpa_attention(q, k, v, causal: bool = True, window: int | None = None):
+    """PyTorch's fused attention with the same mask: is_causal when only causal, else the band as a
+    boolean (T, T) mask (True = attend), which rules out the FlashAttention backend."""
+    t = q.shape[-2]
+    if window is None or window >= t:  # a window as long as the sequence masks nothing more
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # (B, H, T, D)
+    mask = band_mask(t, t, causal, window, q.device)  # (T, T)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, T, D)
+
+
+def reference_attention(q, k, v, causal: bool = True, window: int | None = None):
+    """Plain softmax(QKᵀ/√D)V with autograd: materialises the (T, T) scores."""
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, H, T, T)
+    mask = band_mask(q.shape[-2], k.shape[-2], causal, window, q.device)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    softmax_dtype = torch.promote_types(q.dtype, torch.float32)  # half precision upcast, float64 kept
+    probs = torch.softmax(scores.to(softmax_dtype), dim=-1).to(q.dtype)  # (B, H, T, T)
+    return probs @ v  # (B, H, T, D)

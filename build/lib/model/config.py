@@ -1,0 +1,83 @@
+"""Model hyper-parameters: one dataclass whose fields are exactly the keys of configs/model/*.yaml."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+ACTIVATIONS = ("gelu", "relu")
+ATTENTION_PATTERNS = ("dense", "alternating")
+ATTENTION_IMPLS = ("auto", "triton", "torch", "sdpa", "reference")
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Shape of a GPT-3-style decoder.
+
+    d_head = d_model / n_head; d_ff defaults to 4·d_model. With attention_pattern="alternating",
+    odd layers (1, 3, 5, ...) attend only to the last `local_window` positions (GPT-3's locally
+    banded layers); even layers stay dense.
+    """
+
+    name: str = "toy"
+    n_layer: int = 4
+    n_head: int = 4
+    d_model: int = 128
+    d_ff: int | None = None
+    seq_len: int = 256
+    vocab_size: int = 50257
+    activation: str = "gelu"
+    attention_pattern: str = "dense"
+    local_window: int = 256
+    attention_impl: str = "auto"
+    dropout: float = 0.0
+    init_std: float = 0.02
+    ln_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        if self.d_ff is None:
+            object.__setattr__(self, "d_ff", 4 * self.d_model)
+        for key in ("n_layer", "n_head", "d_model", "d_ff", "seq_len", "vocab_size", "local_window"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"model.{key}={value!r}: must be a positive integer")
+        if self.d_model % self.n_head:
+            raise ValueError(
+                f"model.d_model={self.d_model} is not divisible by model.n_head={self.n_head}: "
+                f"d_head must be a whole number (divisors of {self.d_model} near {self.n_head}: "
+                f"{_nearby_divisors(self.d_model, self.n_head)})"
+            )
+        _check_choice("activation", self.activation, ACTIVATIONS)
+        _check_choice("attention_pattern", self.attention_pattern, ATTENTION_PATTERNS)
+        _check_choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.dropout={self.dropout!r}: must be in [0, 1)")
+
+    @property
+    def d_head(self) -> int:
+        return self.d_model // self.n_head
+
+    def window_of(self, layer_index: int) -> int | None:
+        """Attention window of one layer: None for dense, `local_window` for GPT-3's banded layers."""
+        if self.attention_pattern == "alternating" and layer_index % 2 == 1:
+            return self.local_window
+        return None
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "GPTConfig":
+        """Build from a config mapping, naming any unknown key and the valid ones."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown model key(s) {unknown}; valid keys: {sorted(known)}")
+        return cls(**values)
+
+
+def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"model.{key}={value!r}: must be one of {list(choices)}")
+
+
+def _nearby_divisors(n: int, near: int) -> list[int]:
+    divisors = [k for k in range(1, n + 1) if n % k == 0]
+    return sorted(divisors, key=lambda k: abs(k - near))[:3]

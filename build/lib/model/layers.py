@@ -1,0 +1,109 @@
+"""The three kinds of layer a GPT is a flat sequence of: Embedding, Block, Head.
+
+Each maps one tensor to one tensor, so a pipeline can cut the sequence anywhere between layers:
+  Embedding: token ids (B, T) → hidden (B, T, d)
+  Block:     hidden → hidden, h + Attn(LN(h)) then h + MLP(LN(h))   (pre-LayerNorm)
+  Head:      hidden → logits (B, T, V) = LN(h) Wᵀ, W tied to the token embedding
+Attention reshapes heads with −1, so a column-sharded QKV projection just yields fewer local heads.
+Each layer also takes an optional KVCache (model/kv_cache.py): the Embedding then numbers the new
+tokens after those already seen, and attention attends to the cached keys and values as well.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.attention import attention
+from model.config import GPTConfig
+
+
+class Embedding(nn.Module):
+    """Token embedding plus learned absolute position embedding."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.wte = nn.Embedding(config.vocab_size, config.d_model)
+        self.wpe = nn.Embedding(config.seq_len, config.d_model)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, idx: torch.Tensor, cache=None) -> torch.Tensor:
+        start = 0 if cache is None else cache.seen
+        positions = torch.arange(start, start + idx.shape[1], device=idx.device)  # (T,)
+        return self.drop(self.wte(idx) + self.wpe(positions))  # (B, T, d)
+
+
+class SelfAttention(nn.Module):
+    """Multi-head causal self-attention with one fused QKV projection.
+
+    The QKV weight's output rows are ordered (head, {q, k, v}, d_head), so any contiguous slice of
+    whole heads holds those heads' q, k and v together: that is what column parallelism cuts.
+    """
+
+    def __init__(self, config: GPTConfig, layer_index: int):
+        super().__init__()
+        self.layer_index = layer_index  # the block's index: its entry in a KVCache
+        self.d_head = config.d_head
+        self.window = config.window_of(layer_index)
+        self.impl = config.attention_impl
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
+        self.proj = nn.Linear(config.d_model, config.d_model)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
+        b, t, _ = x.shape
+        qkv = self.qkv(x).view(b, t, -1, 3, self.d_head)  # (B, T, nh, 3, hd)
+        q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each (B, nh, T, hd)
+        if cache is None:
+            y = attention(q, k, v, causal=True, window=self.window, impl=self.impl)  # (B, nh, T, hd)
+        else:  # the new queries against the cached keys and the new ones
+            y = cache.attend(self.layer_index, q, k, v, window=self.window, impl=self.impl)  # (B, nh, T, hd)
+        y = y.transpose(1, 2).reshape(b, t, -1)  # (B, T, nh·hd)
+        return self.drop(self.proj(y))  # (B, T, d)
+
+
+class MLP(nn.Module):
+    """d → d_ff → d with GELU (tanh approximation, as GPT-2/3) or ReLU."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(config.d_model, config.d_ff)
+        self.proj = nn.Linear(config.d_ff, config.d_model)
+        self.act = nn.GELU(approximate="tanh") if config.activation == "gelu" else nn.ReLU()
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.proj(self.act(self.fc(x))))  # (B, T, d)
+
+
+class Block(nn.Module):
+    """One pre-LayerNorm transformer block."""
+
+    def __init__(self, config: GPTConfig, layer_index: int):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.d_model, eps=config.ln_eps)
+        self.attn = SelfAttention(config, layer_index)
+        self.ln_2 = nn.LayerNorm(config.d_model, eps=config.ln_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, h: torch.Tensor, cache=None) -> torch.Tensor:
+        h = h + self.attn(self.ln_1(h), cache)  # (B, T, d)
+        return h + self.mlp(self.ln_2(h))  # (B, T, d)
+
+
+class Head(nn.Module):
+    """Final LayerNorm and the unembedding; `lm_head.weight` is tied to `Embedding.wte.weight`."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln_f = nn.LayerNorm(config.d_model, eps=config.ln_eps)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+
+    def forward(self, h: torch.Tensor, cache=None) -> torch.Tensor:
+        return self.lm_head(self.ln_f(h))  # (B, T, V); nothing of the head is cached
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy; logits (B, T, V), targets (B, T)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())

@@ -1,0 +1,194 @@
+"""Collectives over the tensor-parallel group that autograd can differentiate through.
+
+With p ranks in the group, each pair below is one function and its adjoint:
+
+  copy_to_tp_region           forward: y = x                   backward: dx = Σ_ranks dy   (all-reduce)
+  reduce_from_tp_region       forward: y = Σ_ranks x           backward: dx = dy
+  gather_from_tp_region       forward: y = [x_0 | … | x_{p-1}] backward: dx_i = dy_i       (take own slice)
+  scatter_to_tp_region        forward: y = x_i (own slice)     backward: dx = [dy_0 | … | dy_{p-1}]
+  gather_from_sequence_parallel_region
+                              forward: y = [x_0 | … | x_{p-1}] backward: dx_i = (Σ_ranks dy)_i (reduce-scatter)
+  reduce_scatter_to_sequence_parallel_region
+                              forward: y_i = (Σ_ranks x)_i     backward: dx = [dy_0 | … | dy_{p-1}]
+
+"|" is concatenation along `dim`, x_i is rank i's piece. The first two are Megatron-LM's f and g:
+a column-parallel layer starts with f (its input is replicated, its input gradient is a sum of the
+ranks' partial gradients), a row-parallel layer ends with g (each rank holds a partial sum of the
+output). The two sequence-parallel ones replace f and g when activations outside the
+column/row pair are split along the sequence.
+
+Every collective can be recorded: inside `with record_comm() as events:` each one appends a
+CommEvent(op, tag, phase, nbytes), where nbytes is the size of the full tensor involved (the
+all-reduced tensor; the gathered output; the reduce-scattered input). On a ring, a rank sends
+2(p−1)/p·nbytes for an all-reduce and (p−1)/p·nbytes for an all-gather or a reduce-scatter, so
+sequence parallelism's all-gather + reduce-scatter pair sends what the all-reduce it replaces did.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+_RECORDERS: list[list["CommEvent"]] = []
+
+
+@dataclass(frozen=True)
+class CommEvent:
+    """One collective: op is "all_reduce" | "all_gather" | "reduce_scatter"; phase "forward" | "backward";
+    tag names who called it (a module's qualified name such as "layers.1.attn.proj", or "loss")."""
+
+    op: str
+    tag: str
+    phase: str
+    nbytes: int
+
+
+@contextlib.contextmanager
+def record_comm() -> Iterator[list[CommEvent]]:
+    """Collect every tensor-parallel collective this process runs inside the block."""
+    events: list[CommEvent] = []
+    _RECORDERS.append(events)
+    try:
+        yield events
+    finally:
+        _RECORDERS.remove(events)
+
+
+def _record(op: str, tag: str, phase: str, full: torch.Tensor) -> None:
+    for events in _RECORDERS:
+        events.append(CommEvent(op, tag, phase, full.numel() * full.element_size()))
+
+
+def all_reduce(x: torch.Tensor, group, tag: str, phase: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """In-place all-reduce of x over `group`, recorded; returns x."""
+    _record("all_reduce", tag, phase, x)
+    dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+def _all_gather(x: torch.Tensor, group, dim: int, tag: str, phase: str) -> torch.Tensor:
+    pieces = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(pieces, x.contiguous(), group=group)
+    full = torch.cat(pieces, dim=dim)
+    _record("all_gather", tag, phase, full)
+    return full
+
+
+def _reduce_scatter(x: torch.Tensor, group, dim: int, tag: str, phase: str) -> torch.Tensor:
+    _record("reduce_scatter", tag, phase, x)
+    pieces = [piece.contiguous() for piece in _split(x, group, dim, all_pieces=True)]
+    out = torch.empty_like(pieces[0])
+    dist.reduce_scatter(out, pieces, group=group)
+    return out
+
+
+def _split(x: torch.Tensor, group, dim: int, all_pieces: bool = False):
+    """x cut into p equal pieces along dim: this rank's piece, or the list of all of them."""
+    size = dist.get_world_size(group)
+    if x.shape[dim] % size:
+        raise ValueError(
+            f"cannot split dimension {dim} of a tensor of shape {tuple(x.shape)} into {size} equal "
+            f"tensor-parallel pieces (with sequence parallelism the sequence length must be a multiple of tp)"
+        )
+    pieces = x.chunk(size, dim=dim)
+    return pieces if all_pieces else pieces[dist.get_rank(group)].contiguous()
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, tag):
+        ctx.group, ctx.tag = group, tag
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone(memory_format=torch.contiguous_format)  # autograd may share grad with other inputs
+        return all_reduce(grad, ctx.group, ctx.tag, "backward"), None, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, tag):
+        return all_reduce(x.clone(memory_format=torch.contiguous_format), group, tag, "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim, tag):
+        ctx.group, ctx.dim = group, dim
+        return _all_gather(x, group, dim, tag, "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split(grad, ctx.group, ctx.dim), None, None, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim, tag):
+        ctx.group, ctx.dim, ctx.tag = group, dim, tag
+        return _split(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.group, ctx.dim, ctx.tag, "backward"), None, None, None
+
+
+class _GatherFromSequenceParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim, tag):
+        ctx.group, ctx.dim, ctx.tag = group, dim, tag
+        return _all_gather(x, group, dim, tag, "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.group, ctx.dim, ctx.tag, "backward"), None, None, None
+
+
+class _ReduceScatterToSequenceParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim, tag):
+        ctx.group, ctx.dim, ctx.tag = group, dim, tag
+        return _reduce_scatter(x, group, dim, tag, "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.group, ctx.dim, ctx.tag, "backward"), None, None, None
+
+
+def copy_to_tp_region(x: torch.Tensor, group, tag: str = "") -> torch.Tensor:
+    """Identity forward; all-reduce of the gradient backward (Megatron's f)."""
+    return _CopyToTP.apply(x, group, tag)
+
+
+def reduce_from_tp_region(x: torch.Tensor, group, tag: str = "") -> torch.Tensor:
+    """All-reduce forward; identity backward (Megatron's g)."""
+    return _ReduceFromTP.apply(x, group, tag)
+
+
+def gather_from_tp_region(x: torch.Tensor, group, dim: int = -1, tag: str = "") -> torch.Tensor:
+    """Concatenate the ranks' pieces along dim; backward keeps this rank's slice of the gradient."""
+    return _GatherFromTP.apply(x, group, dim, tag)
+
+
+def scatter_to_tp_region(x: torch.Tensor, group, dim: int = -1, tag: str = "") -> torch.Tensor:
+    """Keep this rank's 1/p slice along dim; backward all-gathers the gradient."""
+    return _ScatterToTP.apply(x, group, dim, tag)
+
+
+def gather_from_sequence_parallel_region(x: torch.Tensor, group, dim: int = 1, tag: str = "") -> torch.Tensor:
+    """All-gather along dim (the sequence); backward reduce-scatters the gradient along dim."""
+    return _GatherFromSequenceParallel.apply(x, group, dim, tag)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group, dim: int = 1, tag: str = "") -> torch.Tensor:
+    """Sum over ranks, keeping this rank's 1/p slice along dim; backward all-gathers the gradient."""
+    return _ReduceScatterToSequenceParallel.apply(x, group, dim, tag)

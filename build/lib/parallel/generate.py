@@ -1,0 +1,72 @@
+"""Generation at any layout: one decoding step over this rank's part of the model.
+
+Every rank runs the same loop (model.generate.generate) with a LayoutDecoder, and every rank
+ends each step knowing the next token:
+
+  stage 0             embeds the unseen tokens, runs its blocks, sends the activations on
+  stage s             receives them from stage s − 1, runs its blocks, sends them on
+  last stage          runs its blocks, then the head on the last position only, gathers the
+                      vocabulary shards of those logits (tp > 1), picks the token
+  all stages          the last stage's token is broadcast over the pipeline group
+
+Each rank's KVCache holds only its own blocks' keys and values (of its own heads under tensor
+parallelism). Sequence parallelism is switched off while decoding (a step of one token cannot be
+split over ranks): the same weights then compute as plain tensor parallelism. A one-process
+model is a pipeline of one stage, so every layout runs this same code.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from model import GPTConfig
+from model.generate import Decoder
+from model.gpt import run_layers
+from model.kv_cache import KVCache
+from parallel.build import local_layers
+from parallel.tensor import VocabParallelUnembedding, gather_logits, sequence_parallel_disabled
+
+
+class LayoutDecoder(Decoder):
+    """Decoder over this rank's part (a GPT or PipelineStages from parallel.build) of a model split
+    by `topology`; see the module docstring."""
+
+    def __init__(self, part: nn.Module, config: GPTConfig, topology):
+        self.part, self.config, self.topology = part, config, topology
+        self.layers = list(local_layers(part).values())
+        parameter = next(part.parameters())
+        self.dtype, self.device = parameter.dtype, parameter.device
+        self.first, self.last = topology.pp_rank == 0, topology.pp_rank == topology.pp_size - 1
+        if topology.pp_size > 1:
+            stages = dist.get_process_group_ranks(topology.pp_group)  # global ranks, by stage
+            self.previous = stages[topology.pp_rank - 1] if not self.first else None
+            self.next = stages[topology.pp_rank + 1] if not self.last else None
+            self.last_rank = stages[-1]
+
+    def next_token(self, tokens: torch.Tensor, cache: KVCache | None, pick) -> torch.Tensor:
+        b, t = tokens.shape
+        with sequence_parallel_disabled(self.part):
+            if self.first:
+                x = tokens  # (B, t)
+            else:
+                x = torch.empty(b, t, self.config.d_model, dtype=self.dtype, device=self.device)
+                dist.recv(x, src=self.previous)  # (B, t, d)
+            body = self.layers[:-1] if self.last else self.layers
+            x = run_layers(body, x, cache)  # (B, t, d)
+            if self.last:  # only the last position reaches the head
+                token = pick(self._full_vocabulary(self.layers[-1](x[:, -1:])).float())  # (B, 1)
+            else:
+                dist.send(x.to(self.dtype).contiguous(), dst=self.next)
+                token = torch.empty(b, 1, dtype=torch.long, device=self.device)
+        if self.topology.pp_size > 1:
+            dist.broadcast(token, src=self.last_rank, group=self.topology.pp_group)
+        return token
+
+    def _full_vocabulary(self, logits: torch.Tensor) -> torch.Tensor:
+        """(B, V) logits over the whole vocabulary from the head's (B, 1, V or Vp/p)."""
+        unembedding = self.layers[-1].lm_head
+        if isinstance(unembedding, VocabParallelUnembedding):
+            logits = gather_logits(logits, unembedding.group, unembedding.vocab_size)  # (B, 1, V)
+        return logits[:, 0]  # (B, V)

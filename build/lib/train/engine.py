@@ -1,0 +1,170 @@
+"""From the Hydra config to a running DeepSpeed engine: device, process group, DeepSpeed's config.
+
+A one-process CPU run and a 1,000-GPU run share this code: `resolve_device` reads train.device,
+`init_distributed` joins the launcher's process group (or makes a one-process one),
+`deepspeed_config` turns train.* / parallel.* / optim.* / deepspeed.* into DeepSpeed's JSON, and
+`create_engine` wraps this rank's model (parallel.build) with optimizer and LR schedule: a
+DeepSpeedEngine (ZeRO 0–3, optional optimizer offload) or, for a pipeline, a PipelineEngine.
+`counters` / `restore_counters` are the engine's checkpoint part: DeepSpeed's step counters, by name.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from datetime import timedelta
+
+import torch
+from omegaconf import OmegaConf
+
+DEVICES = ("auto", "cpu", "cuda")
+# DeepSpeed's step counters a checkpoint keeps (the engine's attributes of these names, all ints)
+ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
+
+
+def resolve_device(requested: str) -> torch.device:
+    """train.device: auto → cuda if available else cpu."""
+    if requested not in DEVICES:
+        raise ValueError(f"train.device={requested!r}: must be one of {list(DEVICES)}")
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ValueError("train.device=cuda but no CUDA device is visible; use train.device=cpu or auto")
+    return torch.device(requested)
+
+
+def init_distributed(device: torch.device, timeout_s: float = 1800.0) -> None:
+    """Join the launcher's process group (torchrun / deepspeed / srun), or make a one-process one.
+
+    DeepSpeed picks gloo on CPU and nccl on CUDA; DS_ACCELERATOR is pinned so a CPU run on a
+    GPU machine stays on the CPU. A collective that waits longer than `timeout_s`
+    (train.collective_timeout_s) fails instead of waiting forever.
+    """
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if device.type == "cuda" else "cpu")
+    if "RANK" not in os.environ:
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
+        )
+    import deepspeed
+
+    _quiet_deepspeed()
+    skip_shared_memory_op()
+    _default_group_timeout(timedelta(seconds=timeout_s))
+    if device.type == "cuda":
+        local = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(local)
+        # Bound to its GPU from the start (NCCL otherwise guesses the device from the global rank);
+        # DeepSpeed then adopts this group.
+        import torch.distributed as dist
+
+        dist.init_process_group("nccl", device_id=local, timeout=timedelta(seconds=timeout_s))
+    deepspeed.init_distributed(verbose=False, timeout=timedelta(seconds=timeout_s))
+
+
+def shutdown_distributed() -> None:
+    """End a finished run's process group on every rank together: a barrier, then the group's
+    teardown, so no rank exits while a peer's communication threads still talk to it (left to the
+    interpreter's exit, gloo pipelines now and then aborted one rank after a run had finished)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _default_group_timeout(timeout: timedelta) -> None:
+    """The timeout of the groups made later (tp, pp, dp: DeepSpeed's and ours), which torch's
+    new_group takes from these module defaults, not from the world group: set once, at start."""
+    import torch.distributed.distributed_c10d as c10d
+
+    c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timeout
+
+
+def skip_shared_memory_op() -> None:
+    """Keep DeepSpeed from compiling its shared-memory all-reduce op, which gpt3d never calls.
+
+    When its communication layer starts, DeepSpeed JIT-compiles `deepspeed_shm_comm` (C++, into
+    the shared torch extension cache) for `inference_all_reduce`, an inference-only collective;
+    training goes through torch.distributed. The build takes 40–70 s on 2 cores, and two
+    environments sharing the cache (other compiler flags or include paths) rebuild it in turn at
+    every launch. DeepSpeed builds only ops marked compatible in `deepspeed.ops.__compatible_ops__`,
+    a table it keeps as one editable dict; marking this op incompatible skips the build.
+    """
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def deepspeed_config(cfg, dp_size: int, device: torch.device) -> dict:
+    """DeepSpeed's config from ours: batch geometry, ZeRO stage and offload, clipping, mixed
+    precision, pipeline activation transfer, then any `deepspeed.*` extras (already validated) on top."""
+    train, parallel = cfg.train, cfg.parallel
+    accumulation = train.global_batch_size // (train.micro_batch_size * dp_size)
+    zero = {"stage": int(parallel.zero_stage)}
+    if parallel.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": device.type == "cuda"}
+    config = {
+        "train_batch_size": train.global_batch_size,
+        "train_micro_batch_size_per_gpu": train.micro_batch_size,
+        "gradient_accumulation_steps": accumulation,
+        # ZeRO ≥ 1: DeepSpeed's ZeRO optimizer clips. ZeRO-0: our ClippingAdamW does (train/optimizer.py),
+        # since DeepSpeed's own ZeRO-0 clipping neither reports the norm nor counts pipeline stages right.
+        "gradient_clipping": float(cfg.optim.grad_clip) if int(parallel.zero_stage) > 0 else 0.0,
+        "zero_optimization": zero,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+        "zero_allow_untested_optimizer": True,
+        # our AdamW (GPT-3 settings, exact one-process equivalence) also when its state is offloaded
+        "zero_force_ds_cpu_optimizer": False,
+    }
+    if parallel.sequence_parallel and parallel.pp > 1:
+        # The pipeline engine would send each stage's output cut into tp pieces and gather them on the
+        # next stage, which assumes every tp rank holds the same activations. Under sequence
+        # parallelism each holds its own part of the sequence, so each sends its part whole.
+        config["pipeline"] = {"pipe_partitioned": False, "grad_partitioned": False}
+    if device.type == "cuda":
+        config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
+    return _merge(config, OmegaConf.to_container(cfg.deepspeed, resolve=True) if "deepspeed" in cfg else {})
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    """base with extra's keys laid over it, recursively."""
+    merged = dict(base)
+    for key, value in extra.items():
+        merged[key] = _merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
+    return merged
+
+
+def create_engine(model, optimizer, lr_scheduler, ds_config: dict, mpu=None):
+    """deepspeed.initialize with our optimizer and scheduler; a PipelineModule gives a PipelineEngine."""
+    import deepspeed
+
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=ds_config, mpu=mpu
+    )
+    return engine
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _quiet_deepspeed() -> None:
+    from deepspeed.utils import logger
+
+    logger.setLevel(logging.WARNING)
+
+
+def counters(engine) -> dict:
+    """The engine's checkpoint entries: {"engine": {counter: value}} for each of ENGINE_COUNTERS it has."""
+    return {"engine": {key: int(getattr(engine, key)) for key in ENGINE_COUNTERS if hasattr(engine, key)}}
+
+
+def restore_counters(engine, state: dict) -> None:
+    """Set the saved counters back (only ENGINE_COUNTERS: the checkpoint's verification refuses others)."""
+    for key in ENGINE_COUNTERS:
+        if key in state["engine"]:
+            setattr(engine, key, int(state["engine"][key]))

@@ -1,0 +1,346 @@
+"""What one run does: build, resume, then step, log, evaluate and checkpoint until max_steps, finish.
+
+One optimizer step = one global batch of `train.global_batch_size` windows, or, under a batch-size
+ramp (`train.batch_ramp`, train/batch_ramp.py), of the ramp's size at the tokens seen so far. This
+rank takes its data-parallel slice (global / dp windows) and runs it as micro batches of
+`train.micro_batch_size` (train/step.py); DeepSpeed accumulates and steps at the boundary. The
+learning rate follows the tokens seen (train/optimizer.py: TokenLR).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from model import GPTConfig, count_parameters
+from train import batch_ramp, checkpoint, data, engine as engines, metrics
+from train.checkpoint.parts import CheckpointParts
+from train.checkpoint.resume_checks import RunSchedule
+from train.checkpoint.rng import rng_state, set_rng_state
+from train.config.spec import RunSpec
+from train.guard.safeguards import Safeguards
+from train.metrics import Meter, full_shapes_model, mean_over_ranks
+from train.optimizer import TokenLR, make_optimizer
+from train.step import TrainStep
+
+
+@dataclass
+class Progress:
+    """Loop counters that survive a resume."""
+
+    step: int = 0
+    tokens: int = 0
+
+    def advance(self, tokens: int) -> None:
+        self.step += 1
+        self.tokens += tokens
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "tokens": self.tokens}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.tokens = state["step"], state["tokens"]
+
+
+@dataclass
+class Trainer:
+    """Everything a built run holds: its specification, where it runs, this rank's engine and step,
+    its data, and the parts its checkpoints save and load (train/checkpoint/parts.py)."""
+
+    spec: RunSpec
+    device: torch.device
+    topology: object
+    engine: object
+    step: TrainStep
+    batches: data.TrainBatches
+    val_batches: list[torch.Tensor]
+    lr: TokenLR  # the learning rate by tokens seen
+    progress: Progress
+    parts: CheckpointParts
+
+    @property
+    def cfg(self):
+        return self.spec.cfg
+
+    @property
+    def run_dir(self) -> Path:
+        return self.spec.run_dir
+
+    @property
+    def model_cfg(self) -> GPTConfig:
+        return self.spec.model
+
+    @property
+    def ramp(self) -> batch_ramp.BatchRamp:  # global batch size (sequences) by tokens seen
+        return self.spec.ramp
+
+    @property
+    def plan(self):  # the planner's prediction for this run (train/plan/), on CUDA
+        return self.spec.plan
+
+    @property
+    def schedule(self) -> RunSchedule:  # the LR schedule, and what checkpoints record of it
+        return self.spec.schedule
+
+
+def run(spec: RunSpec) -> Progress:
+    """Train per `spec` (train/config/spec.py: resolve); returns the final step and token count."""
+    trainer = build(spec)
+    resumed_from = resume(trainer)
+    progress = trainer.progress
+    # rows after the step this run starts from (0: none) are from a run killed before its next checkpoint
+    logger = open_logger(trainer, progress.step)
+    meter = Meter(trainer.device, trainer.topology.world_size, spec.model, metrics.peak_tflops(trainer.device, spec.cfg.logging.peak_tflops),
+                  trainer.batches, spec.plan, spec.run_tokens)
+    guard = Safeguards(spec.cfg, spec.run_dir, trainer.engine, trainer.topology.rank, lambda text: _say(trainer, text),
+                       resumed_from)
+    try:
+        stopped = loop(trainer, progress, logger, meter, guard)
+    except BaseException:
+        trainer.batches.close()
+        logger.close()
+        raise
+    finally:
+        guard.close()
+    finish(trainer, logger, sample=not stopped)
+    return progress
+
+
+def loop(trainer: Trainer, progress: Progress, logger: metrics.MetricsLogger, meter: Meter, guard: Safeguards) -> bool:
+    """Step, log (+ evaluate), checkpoint until train.max_steps; True when a signal stopped it early.
+
+    Faults (train/guard/safeguards.py): a step skipped for a non-finite loss or gradient is counted, and too
+    many in a row raise NonFiniteError; SIGTERM / SIGINT / SIGUSR1 on any rank end the loop on every
+    rank after the step with a checkpoint; a step that hangs ends the process from the watchdog's thread."""
+    cfg, last = trainer.cfg, trainer.cfg.train.max_steps
+    while progress.step < last:
+        guard.step_begins(progress.step + 1)
+        windows, size = next_batch(trainer, progress)
+        result = trainer.step(windows)
+        progress.advance(size * trainer.model_cfg.seq_len)
+        meter.add(result.loss, size, result.skipped)
+        guard.after_step(progress.step, result)  # a skipped step: say so
+        if _due(progress.step, cfg.logging.log_interval, last):
+            record = meter.take(progress, result, guard.skips.total)
+            if trainer.val_batches and _due(progress.step, cfg.train.eval_interval, last):
+                guard.phase(f"evaluation after step {progress.step}")
+                record["val/loss"] = evaluate(trainer)
+            logger.log(record)
+            _say(trainer, _progress_line(record, last, meter.eta_s))
+            meter.restart()
+        guard.check_skips(progress.step, trainer.device)  # too many skipped in a row: NonFiniteError
+        saved = None
+        if _due(progress.step, cfg.train.checkpoint_interval, last):
+            with meter.paused():  # saving time is not training throughput
+                saved = save_checkpoint(trainer, guard)
+                logger.checkpoint(saved, progress.step)
+        verdict = guard.agree(progress.step, result)  # the step's one collective: a stop signal on any rank?
+        if verdict.signal:
+            saved = saved or save_checkpoint(trainer, guard)
+            guard.stopped(progress.step, verdict, saved, finished=progress.step == last)
+            return progress.step < last
+    return False
+
+
+def build(spec: RunSpec) -> Trainer:
+    """Device, process group, layout, this rank's model in a DeepSpeed engine, its data, and the parts
+    its checkpoints hold."""
+    from parallel.build import BuildOptions, build_model
+    from parallel.topology import Topology
+
+    cfg, model_cfg, ramp = spec.cfg, spec.model, spec.ramp
+    device = engines.resolve_device(cfg.train.device)
+    engines.init_distributed(device, cfg.train.collective_timeout_s)
+    topology = Topology.create(cfg.parallel.tp, cfg.parallel.pp)
+
+    torch.manual_seed(cfg.train.seed)
+    options = BuildOptions(cfg.parallel.sequence_parallel, cfg.parallel.activation_checkpointing)
+    model = build_model(model_cfg, topology, cfg.train.seed, device, options)
+    if cfg.train.init_from is not None:  # a Hugging Face GPT-2 folder (train/checkpoint/hugging_face.py): its weights, sliced
+        from parallel.naming import load_full_
+        from train.checkpoint.hugging_face import read_init_weights
+
+        load_full_(model, read_init_weights(Path(cfg.train.init_from), model_cfg), model_cfg, topology)
+    pipelined = topology.pp_size > 1
+    # A PipelineModule brings its own grid (same topology) and DeepSpeed then wants no mpu of ours.
+    mpu = model.mpu() if pipelined else topology.mpu
+    schedule = spec.schedule.schedule  # a resume keeps its checkpoint's (train/checkpoint/resume_checks.py)
+    optimizer = make_optimizer(model, cfg.optim, schedule.peak_lr, clip=cfg.parallel.zero_stage == 0, mpu=mpu)
+    lr = TokenLR(optimizer, schedule, ramp.size_at(0) * model_cfg.seq_len)
+    engine = engines.create_engine(
+        model,
+        optimizer,
+        lr,
+        engines.deepspeed_config(cfg, topology.dp_size, device),
+        mpu=None if pipelined else mpu,
+    )
+    # Ranks of one data-parallel replica (its tp and pp ranks) read the same windows.
+    train, dp = cfg.train, (topology.dp_rank, topology.dp_size)
+    speaks = topology.tp_rank == 0 and topology.pp_rank == 0  # one warning per data-parallel replica
+    batches = data.TrainBatches(cfg.data, model_cfg.seq_len, train.global_batch_size, *dp, train.seed, warn=speaks)
+    val_batches = []
+    if train.eval_interval > 0 and train.eval_batches > 0:
+        val_batches = data.validation_batches(cfg.data, model_cfg.seq_len, train.global_batch_size, train.eval_batches, *dp)
+    step = TrainStep(engine, train.micro_batch_size, device)
+    progress = Progress()
+    trainer = Trainer(spec, device, topology, engine, step, batches, val_batches, lr, progress,
+                      checkpoint_parts(progress, batches, lr, engine, spec.schedule))
+    if spec.plan is not None and topology.rank == 0:
+        metrics.write_atomically(spec.run_dir / "plan.json", json.dumps(spec.plan.to_json(), indent=2) + "\n")
+    _say(
+        trainer,
+        f"model {model_cfg.name}: {count_parameters(full_shapes_model(model_cfg)) / 1e6:.2f}M parameters | "
+        f"{topology.world_size} process(es) on {device} (tp={topology.tp_size} pp={topology.pp_size} "
+        f"dp={topology.dp_size} zero={cfg.parallel.zero_stage}) | {_batch_line(ramp)} | run dir {spec.run_dir}",
+    )
+    return trainer
+
+
+def checkpoint_parts(progress: Progress, batches: data.TrainBatches, lr: TokenLR, engine, schedule: RunSchedule
+                     ) -> CheckpointParts:
+    """What a checkpoint of this run holds besides the tensors, each part registered once."""
+    parts = CheckpointParts()
+    parts.add("progress", progress.state_dict, progress.load_state_dict)
+    parts.add("data", lambda: {"data": batches.state_dict()}, lambda state: batches.load_state_dict(state["data"]))
+    parts.add("lr schedule", lambda: {"lr_scheduler": lr.state_dict()}, lambda state: lr.load_state_dict(state["lr_scheduler"]))
+    parts.add("engine counters", lambda: engines.counters(engine), lambda state: engines.restore_counters(engine, state))
+    parts.add("schedule record", lambda: {"extra": {"schedule": schedule.state}}, None)  # read back by the config checks
+    parts.add("rng", rng_state, set_rng_state, per_rank=True)
+    return parts
+
+
+def _batch_line(ramp: batch_ramp.BatchRamp) -> str:
+    tokens = ramp.full * ramp.seq_len
+    if not ramp.enabled:
+        return f"{tokens} tokens/step"
+    return (f"batch ramp {ramp.start} → {ramp.full} sequences by {ramp.increment} over {ramp.ramp_tokens:,} tokens, "
+            f"then {tokens} tokens/step")
+
+
+def resume(trainer: Trainer) -> Path | None:
+    """Load the checkpoint the run specification names, if any, at this run's layout (whatever layout
+    saved it): weights, optimizer, and every registered part; returns the step folder loaded or None."""
+    point = trainer.spec.resume
+    if point is None:
+        return None
+    folder, state = checkpoint.load(trainer.engine, trainer.topology, trainer.model_cfg, point.path, trainer.parts,
+                                    known=(point.folder, point.state) if point.state is not None else None)
+    trainer.batches.start()  # background workers (data.workers) begin packing from the restored position
+    saved, now = state["layout"], checkpoint.layout_of(trainer.engine, trainer.topology)
+    moved = "" if saved == now else f" (saved at {_layout_text(saved)}, now {_layout_text(now)})"
+    _say(trainer, f"resumed from {folder} at step {trainer.progress.step}{moved}")
+    return folder
+
+
+def _layout_text(layout: dict) -> str:
+    offload = " offload" if layout["offload_optimizer"] else ""
+    return f"tp={layout['tp']} pp={layout['pp']} dp={layout['dp']} zero={layout['zero_stage']}{offload}"
+
+
+def next_batch(trainer: Trainer, progress: Progress) -> tuple[torch.Tensor, int]:
+    """This rank's windows of the next global batch and that batch's size in sequences: the ramp's
+    size at the tokens consumed so far (train.batch_ramp; else train.global_batch_size). The learning
+    rate is set for the tokens trained on once this batch is (TokenLR.next_step)."""
+    size = trainer.ramp.size_at(progress.tokens)
+    trainer.lr.next_step(size * trainer.model_cfg.seq_len)
+    return trainer.batches.next_batch(size), size
+
+
+def open_logger(trainer: Trainer, resumed_step: int | None) -> metrics.MetricsLogger:
+    """metrics.jsonl and W&B, on rank 0 only; records after `resumed_step` are dropped (see MetricsLogger).
+    W&B gets the resolved config (metrics.run_record) and, by default, a name saying model and layout."""
+    topo, spec = trainer.topology, trainer.spec
+    layout = {"tp": topo.tp_size, "pp": topo.pp_size, "dp": topo.dp_size, "zero_stage": trainer.cfg.parallel.zero_stage}
+    run_config = metrics.run_record(OmegaConf.to_container(trainer.cfg, resolve=True), spec.schedule.schedule, layout,
+                                    trainer.ramp.full, spec.model.seq_len, trainer.plan)
+    name = f"{spec.model.name}-tp{topo.tp_size}pp{topo.pp_size}dp{topo.dp_size}-{trainer.run_dir.name}"
+    return metrics.MetricsLogger(trainer.run_dir, trainer.cfg.logging, run_config, active=topo.rank == 0,
+                                 resumed_step=resumed_step, resumed=spec.resume is not None, default_name=name)
+
+
+def evaluate(trainer: Trainer) -> float:
+    """Mean next-token loss over the held-out windows, averaged over all ranks."""
+    return mean_over_ranks(_mean(trainer.step.evaluate(trainer.val_batches)))
+
+
+def save_checkpoint(trainer: Trainer, guard: Safeguards) -> Path:
+    """A checkpoint of the run as it stands (train/checkpoint/), then retention; never one of non-finite
+    weights (NonFiniteError instead)."""
+    train, step = trainer.cfg.train, trainer.progress.step
+    guard.phase(f"checkpoint at step {step}")
+    guard.before_saving(step, trainer.device)
+    path = checkpoint.save(trainer.engine, trainer.topology, trainer.model_cfg, trainer.run_dir, trainer.parts,
+                           keep=train.keep_checkpoints, keep_every=train.keep_every)
+    guard.saved(path)
+    _say(trainer, f"checkpoint {path}")
+    return path
+
+
+def finish(trainer: Trainer, logger: metrics.MetricsLogger, sample: bool = True) -> None:
+    """The data summary (bad records skipped, per file), the end-of-run sample (every rank takes
+    part: stages pass activations, tp ranks share logits; none after a stop on a signal), then the
+    data workers and the logger stop."""
+    train = trainer.cfg.train
+    bad = trainer.batches.bad_records(gather=True)  # a collective when ranks read different streams
+    if bad:
+        total = sum(n for reasons in bad.values() for n in reasons.values())
+        lines = [f"  {file}: " + ", ".join(f"{n} {reason}" for reason, n in sorted(reasons.items()))
+                 for file, reasons in sorted(bad.items())]
+        _say(trainer, f"data: {total} bad record(s) skipped (data.on_bad_record=skip):\n" + "\n".join(lines))
+        logger.summary({"data/bad_records": total})
+    if sample and train.sample_tokens > 0:
+        from train.sample import sample_text
+
+        text, _ = sample_text(trainer.engine.module, trainer.model_cfg, trainer.topology, train.sample_prompt,
+                              train.sample_tokens, trainer.device, train.seed)
+        _say(trainer, "sample:\n" + text)
+        logger.sample(trainer.progress.step, train.sample_prompt, text)
+    trainer.batches.close()
+    logger.close()
+
+
+def _due(step: int, interval: int, last: int) -> bool:
+    return step == last or (interval > 0 and step % interval == 0)
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / max(len(values), 1)
+
+
+def _progress_line(record: dict, max_steps: int, eta: float) -> str:
+    loss = record["train/loss"]
+    parts = [
+        f"step {record['step']:>{len(str(max_steps))}}/{max_steps}",
+        f"loss {loss:.4f}" if loss is not None else "loss -",
+        f"lr {record['train/lr']:.2e}",
+    ]
+    if record["train/grad_norm"] is not None:
+        parts.append(f"grad {record['train/grad_norm']:.2f}")
+    if record["train/skipped_steps"]:
+        parts.append(f"skipped {record['train/skipped_steps']}")
+    if "val/loss" in record:
+        parts.append(f"val {record['val/loss']:.4f}")
+    parts.append(f"{record['perf/tokens_per_s']:,.0f} tok/s")
+    if record["perf/mfu"] is not None:
+        predicted = record.get("perf/mfu_predicted")
+        plan = f" (plan {100 * predicted:.1f}%)" if predicted is not None else ""
+        parts.append(f"mfu {100 * record['perf/mfu']:.1f}%{plan}")
+    parts.append(f"eta {_duration(eta)}")
+    return " | ".join(parts)
+
+
+def _duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+def _say(trainer: Trainer, text: str) -> None:
+    if trainer.topology.rank == 0:
+        print(text, flush=True)

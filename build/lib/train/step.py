@@ -1,0 +1,100 @@
+"""One training step, whatever the engine: the loop calls `step(window)` and never asks whether
+the model is pipelined.
+
+A step is one optimizer update on this rank's share of one global batch, windows (n, T + 1) cut
+into micro batches of `micro_batch_size` (inputs = window[:, :-1], targets = window[:, 1:]):
+
+  DeepSpeedEngine (pp = 1)   forward, backward and engine.step() per micro batch; DeepSpeed
+                             accumulates and updates at the last one
+  PipelineEngine  (pp > 1)   train_batch over all micro batches (1F1B schedule, one update)
+
+The number of micro batches may change from step to step (a batch-size ramp, train/batch_ramp.py):
+the engine's gradient accumulation follows it (`set_train_batch_size`: DeepSpeed divides each micro
+batch's loss by its accumulation steps, and the pipeline runs that many micro batches), and the
+last micro batch is marked as the accumulation boundary, since DeepSpeed's own boundary counts
+micro batches since the start of the run.
+
+Both return the mean loss over the micro batches, on the device (no host sync), the pre-clip
+global gradient norm, the learning rate the update used and whether the update was skipped. Every
+loss goes through `faults.flag_non_finite` before backward, so a non-finite loss on any rank makes
+every rank's optimizer skip the update (train/guard/nonfinite.py); DeepSpeed counts the skip in
+`engine.skipped_steps`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from train.guard.nonfinite import flag_non_finite, flagging
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor  # mean loss over this rank's micro batches: a float32 scalar on the device
+    grad_norm: float | None  # global L2 norm of the gradient before clipping (None if the engine gives none)
+    lr: float  # the learning rate of this update
+    skipped: bool = False  # the optimizer skipped the update (a non-finite loss or gradient on some rank)
+
+
+class TrainStep:
+    """Runs training and evaluation steps on a DeepSpeed engine (pipelined or not)."""
+
+    def __init__(self, engine, micro_batch_size: int, device: torch.device):
+        from deepspeed.runtime.pipe.engine import PipelineEngine
+
+        self.engine, self.micro_batch_size, self.device = engine, micro_batch_size, device
+        self.pipelined = isinstance(engine, PipelineEngine)
+        if self.pipelined:  # the last stage's loss, computed inside DeepSpeed's schedule
+            engine.module.loss_fn = flagging(engine.module.loss_fn)
+
+    def __call__(self, windows: torch.Tensor) -> StepResult:
+        """One optimizer step on this rank's windows (n, T + 1) of the global batch."""
+        engine = self.engine
+        micro_batches = micro_batch_split(windows.to(self.device), self.micro_batch_size)
+        self._accumulate(len(micro_batches))
+        engine.train()
+        lr = engine.get_lr()[0]  # the rate this step uses (train/optimizer.py: TokenLR)
+        skipped_before = engine.skipped_steps
+        if self.pipelined:
+            loss = engine.train_batch(data_iter=iter(micro_batches))  # 1F1B over all micro batches
+        else:
+            loss = 0.0
+            for k, (inputs, targets) in enumerate(micro_batches):
+                engine.set_gradient_accumulation_boundary(k == len(micro_batches) - 1)
+                micro_loss = engine(inputs, targets)
+                engine.backward(flag_non_finite(micro_loss))
+                engine.step()
+                loss += micro_loss.detach().float() / len(micro_batches)
+        grad_norm = engine.get_global_grad_norm()
+        return StepResult(loss, None if grad_norm is None else float(grad_norm), lr, engine.skipped_steps > skipped_before)
+
+    def _accumulate(self, micro_batches: int) -> None:
+        """Make the engine accumulate `micro_batches` micro batches per update (the global batch is
+        micro_batches × micro_batch_size × dp sequences)."""
+        engine = self.engine
+        if engine.gradient_accumulation_steps() != micro_batches:
+            engine.set_train_batch_size(micro_batches * self.micro_batch_size * engine.dp_world_size)
+
+    @torch.no_grad()
+    def evaluate(self, val_batches: list[torch.Tensor]) -> list[float]:
+        """This rank's mean loss of each micro batch (pp = 1) or each batch (pp > 1) of held-out windows."""
+        engine, device = self.engine, self.device
+        engine.eval()
+        losses = []
+        for windows in val_batches:
+            micro_batches = micro_batch_split(windows.to(device), self.micro_batch_size)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                if self.pipelined:
+                    n = len(micro_batches)
+                    losses.append(float(engine.eval_batch(data_iter=iter(micro_batches), num_micro_batches=n)))
+                else:
+                    losses += [float(engine(inputs, targets)) for inputs, targets in micro_batches]
+        engine.train()
+        return losses
+
+
+def micro_batch_split(windows: torch.Tensor, size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(inputs, targets) pairs of `size` sequences from windows (n, T+1): inputs (size, T), targets shifted by one."""
+    return [(m[:, :-1], m[:, 1:]) for m in windows.split(size)]
