@@ -17,6 +17,7 @@ from model import GPTConfig
 
 
 GPT2_VOCAB = 50257  # token ids reach 50256 (<|endoftext|>)
+OVERWRITE = "overwrite"  # train.resume: move an earlier run in the run folder aside (train/config/run_folder.py)
 
 
 class ConfigError(ValueError):
@@ -235,8 +236,6 @@ def check_train(cfg) -> None:
         raise ConfigError(f"logging.wandb.tags={tags!r}: must be a list of words, e.g. 'logging.wandb.tags=[baseline,125m]'")
     if not isinstance(wandb.log_checkpoints, bool):
         raise ConfigError(f"logging.wandb.log_checkpoints={wandb.log_checkpoints!r}: must be true or false")
-    from train.config.run_folder import OVERWRITE
-
     resume = cfg.train.resume
     if not isinstance(resume, str) and resume is not None:
         raise ConfigError(f"train.resume={resume!r}: must be auto, none, {OVERWRITE}, or a checkpoint path")
@@ -246,7 +245,6 @@ def check_resume(cfg, run_dir: Path, model_cfg: GPTConfig):
     """The checkpoint train.resume names for a run in `run_dir`: None (a fresh start) or its ResumePoint
     (train/checkpoint/resume_checks.py), whose state.json holds this model (ConfigError otherwise)."""
     from train.checkpoint.resume_checks import resume_point
-    from train.config.run_folder import OVERWRITE
 
     resume = "none" if cfg.train.resume == OVERWRITE else cfg.train.resume  # a fresh start in a cleared folder
     try:

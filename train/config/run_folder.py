@@ -19,9 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from train.checkpoint import checkpoint_dir, find_resume_path
-from train.config.checks import ConfigError
+from train.config.checks import OVERWRITE, ConfigError
 
-OVERWRITE = "overwrite"
 KEPT = (".hydra",)  # Hydra's record of this very launch, written before any check
 
 
