@@ -14,6 +14,7 @@ refused too. `check_run_folder` only looks; `set_aside` (rank 0, after every che
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,15 +62,20 @@ def set_aside(folder: RunFolder) -> None:
 
 
 def check_usable(run_dir: Path) -> None:
-    """The run folder exists or can be made: no file on its path, and its nearest existing folder writable."""
+    """The run folder exists or can be made: no file on its path, and its nearest existing folder takes a new
+    folder (tried with a temporary one, removed at once: permission bits do not tell for root or /proc)."""
     for parent in [run_dir, *run_dir.parents]:
         if parent.exists() and not parent.is_dir():
             raise ConfigError(f"run folder {run_dir}: {parent} is a file, not a folder; choose hydra.run.dir=PATH "
                               "under a folder")
+        if parent == run_dir and parent.is_dir():
+            return  # there already (Hydra makes it before the checks of train/config/spec.py)
         if parent.is_dir():
-            if not os.access(parent, os.W_OK | os.X_OK):
-                raise ConfigError(f"run folder {run_dir}: {parent} is not writable by this user; choose "
-                                  "hydra.run.dir=PATH in a writable folder")
+            try:
+                os.rmdir(tempfile.mkdtemp(prefix=".gpt3d-probe-", dir=parent))
+            except OSError as err:
+                raise ConfigError(f"run folder {run_dir}: cannot create folders in {parent} ({err.strerror}); choose "
+                                  "hydra.run.dir=PATH in a writable folder") from None
             return
 
 
