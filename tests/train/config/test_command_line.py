@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from cli import train
@@ -40,3 +42,10 @@ def test_under_torchrun_only_rank_0_prints_the_error(tmp_path):
     proc = train(tmp_path / "run", None, "data.paths=[none.txt]", "train.max_step=5", kind="torchrun", nproc=2, check=False)
     assert proc.returncode != 0
     assert proc.stderr.count("gpt3d: error:") == 1 and "exitcode  : 2" in proc.stderr
+
+
+def test_a_run_folder_where_no_folder_can_be_made_is_one_line_and_exit_2():
+    proc = train(Path("/proc/gpt3d-run"), None, "data.paths=[none.txt]", check=False)
+    assert proc.returncode == 2
+    assert proc.stderr == ("gpt3d: error: run folder /proc/gpt3d-run: cannot create folders in /proc (No such file or "
+                           "directory); choose hydra.run.dir=PATH in a writable folder\n")
