@@ -11,6 +11,7 @@ value exits with EXIT_BAD_INPUT (2), a run that started and cannot go on with EX
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -31,13 +32,17 @@ def main(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     try:
-        check_keys(cfg, hydra_cfg.job.config_name, list(hydra_cfg.overrides.task))
-        spec = resolve(cfg, run_dir)  # on CUDA also pre-flight: stop before building what cannot fit
+        overrides = list(hydra_cfg.overrides.task)
+        check_keys(cfg, hydra_cfg.job.config_name, overrides)
+        spec = resolve(cfg, run_dir, overrides)  # on CUDA also pre-flight: stop before building what cannot fit
     except ConfigError as err:
         _discard_if_empty(run_dir)
-        print(f"gpt3d: error: {err}", file=sys.stderr)
-        raise SystemExit(EXIT_BAD_INPUT) from None
+        _refuse(err)
 
+    if is_rank_zero():
+        from train.config.run_folder import set_aside
+
+        set_aside(spec.folder)  # train.resume=overwrite: the old run's files into <run dir>.replaced-<time>
     from train.checkpoint import CheckpointError
     from train.data.sources import DataError
     from train.engine import shutdown_distributed
@@ -57,6 +62,34 @@ def main(cfg: DictConfig) -> None:
         raise SystemExit(EXIT_FAILED) from None
 
 
+def _refuse(err: Exception) -> None:
+    """Bad input: one line on rank 0 (every rank finds the same), exit EXIT_BAD_INPUT on every rank."""
+    if is_rank_zero():
+        print(f"gpt3d: error: {err}", file=sys.stderr, flush=True)
+    raise SystemExit(EXIT_BAD_INPUT) from None
+
+
+def _check_command_line(arguments: list[str]) -> None:
+    """Overrides that name no setting or config, a run folder that cannot be made: refused before Hydra runs."""
+    from train.config.checks import ConfigError
+    from train.config.command_line import check_command_line
+
+    try:
+        check_command_line(arguments)
+    except ConfigError as err:
+        _refuse(err)
+
+
+def _quiet_libraries() -> None:
+    """On a machine without a GPU DeepSpeed warns "Setting accelerator to CPU. If you have GPU ..." each time it
+    is imported; naming its accelerator (DS_ACCELERATOR=cpu, DeepSpeed's own setting, unless the user set one)
+    says the same thing to DeepSpeed without the warning."""
+    import torch
+
+    if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
+
+
 def _discard_if_empty(run_dir: Path) -> None:
     """Remove a run directory that holds nothing but Hydra's own bookkeeping (a run that never started)."""
     if run_dir.is_dir() and all(p.name == ".hydra" or p.suffix == ".log" for p in run_dir.iterdir()):
@@ -66,4 +99,6 @@ def _discard_if_empty(run_dir: Path) -> None:
 if __name__ == "__main__":
     sys.argv = drop_launcher_arguments(sys.argv)
     register_resolvers()
+    _check_command_line(sys.argv[1:])
+    _quiet_libraries()
     main()

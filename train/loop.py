@@ -138,6 +138,7 @@ def loop(trainer: Trainer, progress: Progress, logger: metrics.MetricsLogger, me
         if _due(progress.step, cfg.train.checkpoint_interval, last):
             with meter.paused():  # saving time is not training throughput
                 saved = save_checkpoint(trainer, guard)
+                logger.checkpoint(saved, progress.step)
         verdict = guard.agree(progress.step, result)  # the step's one collective: a stop signal on any rank?
         if verdict.signal:
             saved = saved or save_checkpoint(trainer, guard)
@@ -251,12 +252,15 @@ def next_batch(trainer: Trainer, progress: Progress) -> tuple[torch.Tensor, int]
 
 
 def open_logger(trainer: Trainer, resumed_step: int | None) -> metrics.MetricsLogger:
-    """metrics.jsonl and W&B, on rank 0 only; records after `resumed_step` are dropped (see MetricsLogger)."""
-    run_config = OmegaConf.to_container(trainer.cfg, resolve=True)
-    if trainer.plan is not None:
-        run_config["plan"] = trainer.plan.to_json()
-    return metrics.MetricsLogger(trainer.run_dir, trainer.cfg.logging, run_config, active=trainer.topology.rank == 0,
-                                 resumed_step=resumed_step)
+    """metrics.jsonl and W&B, on rank 0 only; records after `resumed_step` are dropped (see MetricsLogger).
+    W&B gets the resolved config (metrics.run_record) and, by default, a name saying model and layout."""
+    topo, spec = trainer.topology, trainer.spec
+    layout = {"tp": topo.tp_size, "pp": topo.pp_size, "dp": topo.dp_size, "zero_stage": trainer.cfg.parallel.zero_stage}
+    run_config = metrics.run_record(OmegaConf.to_container(trainer.cfg, resolve=True), spec.schedule.schedule, layout,
+                                    trainer.ramp.full, spec.model.seq_len, trainer.plan)
+    name = f"{spec.model.name}-tp{topo.tp_size}pp{topo.pp_size}dp{topo.dp_size}-{trainer.run_dir.name}"
+    return metrics.MetricsLogger(trainer.run_dir, trainer.cfg.logging, run_config, active=topo.rank == 0,
+                                 resumed_step=resumed_step, resumed=spec.resume is not None, default_name=name)
 
 
 def evaluate(trainer: Trainer) -> float:
@@ -295,6 +299,7 @@ def finish(trainer: Trainer, logger: metrics.MetricsLogger, sample: bool = True)
         text, _ = sample_text(trainer.engine.module, trainer.model_cfg, trainer.topology, train.sample_prompt,
                               train.sample_tokens, trainer.device, train.seed)
         _say(trainer, "sample:\n" + text)
+        logger.sample(trainer.progress.step, train.sample_prompt, text)
     trainer.batches.close()
     logger.close()
 

@@ -64,32 +64,50 @@ class MetricsLogger:
     Only the process that should log (rank 0) constructs an active logger; others pass active=False.
     """
 
-    def __init__(self, run_dir: Path, logging_cfg, run_config: dict, active: bool, resumed_step: int | None):
-        """resumed_step: the checkpoint's step when resuming; records logged after it by the run that
-        stopped are dropped from metrics.jsonl, since they are about to be logged again."""
+    def __init__(self, run_dir: Path, logging_cfg, run_config: dict, active: bool, resumed_step: int | None,
+                 resumed: bool = False, default_name: str | None = None):
+        """resumed_step: the step this run starts from; records logged after it by a run that stopped are
+        dropped from metrics.jsonl, since they are about to be logged again. resumed: whether the run
+        continues a checkpoint of this run folder; then it continues that run's W&B run (same id, marked
+        resumed), else it is a new W&B run with a new id (wandb_run_id). default_name: the W&B run's name
+        when logging.wandb.name is null (else the run folder's name).
+
+        The W&B summary holds val/loss_final (the last validation loss) and val/loss_best (the lowest),
+        over the records this process logged (a resume starts them again from the run's W&B summary)."""
         self.active = active
         self.run = None
+        self.val_losses: list[float] = []
+        default_name = default_name or Path(run_dir).name
         if not active:
             return
         self.path = Path(run_dir) / "metrics.jsonl"
         if resumed_step is not None and self.path.exists():
             _truncate_after(self.path, resumed_step)
-        resumed = resumed_step is not None
         mode = logging_cfg.wandb.mode  # one of WANDB_MODES (train/config/checks.py)
         if mode != "disabled":
             import wandb
 
             os.environ.setdefault("WANDB_SILENT", "true")
+            w = logging_cfg.wandb
             self.run = wandb.init(
-                project=logging_cfg.wandb.project,
-                entity=logging_cfg.wandb.entity,
-                name=logging_cfg.wandb.name or Path(run_dir).name,
+                project=w.project,
+                entity=w.entity,
+                group=w.group,
+                tags=list(w.tags or []),
+                notes=w.notes,
+                job_type=w.job_type,
+                name=w.name or default_name,
                 dir=str(run_dir),
                 mode=mode,
                 config=run_config,
                 resume="allow" if resumed else None,
-                id=_stable_run_id(run_dir),
+                id=wandb_run_id(run_dir, resumed),
+                settings=wandb.Settings(resumed=resumed),  # offline there is no server to say so
             )
+            self.run.define_metric("tokens")  # every chart can plot against tokens seen
+            for prefix in ("train/*", "val/*", "perf/*", "data/*"):
+                self.run.define_metric(prefix, step_metric="tokens")
+            self.log_checkpoints = bool(w.log_checkpoints)
 
     def log(self, record: dict) -> None:
         if not self.active:
@@ -98,15 +116,76 @@ class MetricsLogger:
             f.write(json.dumps(record) + "\n")
         if self.run is not None:
             self.run.log({k: v for k, v in record.items() if v is not None and k != "step"}, step=record["step"])
+            if record.get("val/loss") is not None:
+                best = self.run.summary.get("val/loss_best")
+                loss = record["val/loss"]
+                self.run.summary.update({"val/loss_final": loss, "val/loss_best": loss if best is None else min(best, loss)})
 
     def summary(self, values: dict) -> None:
         if self.run is not None:
             self.run.summary.update(values)
 
+    def sample(self, step: int, prompt: str, text: str) -> None:
+        """The end-of-run sample, as a W&B table (step, prompt, sample)."""
+        if self.run is not None:
+            import wandb
+
+            self.run.log({"samples": wandb.Table(columns=["step", "prompt", "sample"], data=[[step, prompt, text]])},
+                         step=step)
+
+    def checkpoint(self, path: Path, step: int) -> None:
+        """A checkpoint folder as a W&B artifact (type "checkpoint"), when logging.wandb.log_checkpoints is set."""
+        if self.run is not None and self.log_checkpoints:
+            import wandb
+
+            artifact = wandb.Artifact(f"{self.run.id}-checkpoint", type="checkpoint", metadata={"step": step})
+            artifact.add_dir(str(path))
+            self.run.log_artifact(artifact, aliases=[f"step{step}", "latest"])
+
     def close(self) -> None:
         if self.run is not None:
             self.run.finish()
             self.run = None
+
+
+def run_record(config: dict, schedule, layout: dict, global_batch: int, seq_len: int, plan) -> dict:
+    """The config W&B records for a run: the composed config with every value the run resolved put in place
+    (optim.lr and the schedule as the run follows them, e.g. the capped warmup or a resumed schedule), plus
+    `run`: the layout, the global batch in sequences and tokens, the planner's prediction (CUDA), and which
+    gpt3d (version, git commit) ran."""
+    config = dict(config)
+    config["optim"] = {**config.get("optim", {}), "lr": schedule.peak_lr, "warmup_tokens": schedule.warmup_tokens,
+                       "decay_tokens": schedule.decay_tokens, "min_lr_ratio": schedule.min_lr_ratio}
+    config["run"] = {
+        "layout": layout,
+        "global_batch_sequences": global_batch,
+        "global_batch_tokens": global_batch * seq_len,
+        "plan": plan.to_json() if plan is not None else None,
+        "gpt3d_version": _version(),
+        "git_commit": _git_commit(),
+    }
+    return config
+
+
+def _version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("gpt3d")
+    except PackageNotFoundError:
+        return None
+
+
+def _git_commit() -> str | None:
+    """The commit of the checkout this code runs from (None outside a git checkout)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
 
 
 def _truncate_after(path: Path, step: int) -> None:
@@ -124,11 +203,25 @@ def write_atomically(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _stable_run_id(run_dir: Path) -> str:
-    """One W&B run per run directory, so a resumed run continues its curves."""
-    import hashlib
+WANDB_ID_FILE = "wandb_run_id"
 
-    return hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
+
+def wandb_run_id(run_dir: Path, resumed: bool) -> str:
+    """The W&B run id of a run folder's run: a resume continues the id recorded in <run dir>/wandb_run_id
+    (folders of older versions, without that file: the hash of the folder's path they used); a fresh start
+    draws a new random id and records it, so two runs in one folder are never one W&B run."""
+    path = Path(run_dir) / WANDB_ID_FILE
+    if resumed:
+        if path.exists():
+            return path.read_text().strip()
+        import hashlib
+
+        return hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
+    import secrets
+
+    run_id = secrets.token_hex(8)
+    write_atomically(path, run_id + "\n")
+    return run_id
 
 
 class Meter:

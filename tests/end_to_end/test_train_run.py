@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
 
 import pytest
 
 import wandb_log
-from cli import metrics, write_corpus
+from cli import REPO, TINY, assert_same_losses, clean_env, launcher, metrics, write_corpus
 from cli import train as run_train
 
 # 2 layers, micro batches of 2 (accumulation 2), shorter warmup: the one-process path in detail.
@@ -85,7 +87,116 @@ def test_bad_config_fails_before_work_and_leaves_nothing(tmp_path, corpus, overr
     assert not run_dir.exists()
 
 
-def test_unknown_key_is_rejected_by_hydra(tmp_path, corpus):
-    proc = train(tmp_path / "bad", corpus, "train.max_step=5", check=False)
-    assert proc.returncode != 0
-    assert "train.max_step" in proc.stderr
+# --- one text file with the default data settings (long documents cut into pieces: train/data/pieces.py) ---
+
+BOOK_DEFAULTS = [o for o in TINY if not o.startswith("data.")] + ["data=files"]  # every data.* at its default
+
+
+@pytest.fixture(scope="module")
+def book(tmp_path_factory):
+    """One .txt file of a few hundred KB: the source of seven standard-library modules, one after another."""
+    import argparse, csv, inspect, logging, pathlib, string, textwrap  # noqa: E401
+
+    path = tmp_path_factory.mktemp("book") / "book.txt"
+    path.write_text("".join(inspect.getsource(m) for m in (argparse, csv, logging, pathlib, string, textwrap)))
+    assert 200_000 < path.stat().st_size < 600_000
+    return path
+
+
+def book_run(run_dir, book, *overrides, kind="python", nproc=1, check=True):
+    cmd = [*launcher(kind, nproc), f"hydra.run.dir={run_dir}", *BOOK_DEFAULTS, f"data.paths=[{book}]",
+           "train.eval_interval=2", "train.checkpoint_interval=0", "logging.wandb.mode=disabled", *overrides]
+    proc = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=600)
+    if check:
+        assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc
+
+
+def test_one_text_file_trains_with_default_data_settings_at_dp1_and_dp2_and_resumes_exactly(tmp_path, book):
+    straight = book_run(tmp_path / "dp1", book, "train.max_steps=4")
+    assert "data.streams" not in straight.stderr  # 4 streams fed: nothing lowered, nothing refused
+    one = metrics(tmp_path / "dp1")
+    assert [r["step"] for r in one if "val/loss" in r] == [2, 4]  # validation on the held-out end of the file
+    book_run(tmp_path / "dp2", book, "train.max_steps=4", kind="torchrun", nproc=2)
+    two = metrics(tmp_path / "dp2")
+    assert_same_losses(two, one)  # the same global batches at dp=2
+    assert [r["val/loss"] for r in two if "val/loss" in r] == pytest.approx([r["val/loss"] for r in one if "val/loss" in r], rel=1e-5)
+    book_run(tmp_path / "stopped", book, "train.max_steps=3")  # (2 steps would cap the 32-token warmup at 10%)
+    resumed = book_run(tmp_path / "stopped", book, "train.max_steps=4")
+    assert "resumed from" in resumed.stdout
+    keys = ("step", "train/loss", "train/lr", "train/grad_norm")
+    again = metrics(tmp_path / "stopped")
+    assert [[r[k] for k in keys] for r in again] == [[r[k] for k in keys] for r in one]  # exact
+    assert [again[s - 1]["val/loss"] for s in (2, 4)] == [one[s - 1]["val/loss"] for s in (2, 4)]
+
+
+# --- a run folder holds one run; W&B records what the run really was ---
+
+WANDB = ["logging.wandb.group=ablation", "logging.wandb.tags=[tiny,cpu]", "logging.wandb.notes=a note",
+         "logging.wandb.job_type=pretrain", "train.eval_interval=2", "train.checkpoint_interval=2"]
+
+
+def _wandb_file(run_dir, run_id):
+    (found,) = run_dir.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb")
+    return found
+
+
+def test_a_used_run_folder_is_refused_or_moved_aside_and_wandb_records_each_run(tmp_path, corpus):
+    import subprocess as sp
+
+    run_dir = tmp_path / "run"
+    first = train(run_dir, corpus, "train.max_steps=4", "train.sample_tokens=8", *WANDB)
+    first_id = (run_dir / "wandb_run_id").read_text().strip()
+    first_metrics = (run_dir / "metrics.jsonl").read_bytes()
+    rows = metrics(run_dir)
+    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").glob("step*"))
+    assert checkpoints == ["step00000002", "step00000004"]
+
+    # W&B: the run file, read through W&B's own protobuf messages
+    wandb_file = _wandb_file(run_dir, first_id)
+    got = wandb_log.run_file(wandb_file)
+    assert got["run"] == {"id": first_id, "name": f"toy-tp1pp1dp1-{run_dir.name}", "group": "ablation",
+                          "tags": ["tiny", "cpu"], "notes": "a note", "job_type": "pretrain", "resumed": False}
+    history = [h for h in wandb_log.history(wandb_file) if "train/loss" in h]
+    assert [(h["_step"], h["tokens"], h["train/loss"]) for h in history] == [(r["step"], r["tokens"], r["train/loss"]) for r in rows]
+    assert ("tokens", "") in got["metrics"] and ("train/*", "tokens") in got["metrics"] and ("val/*", "tokens") in got["metrics"]
+    config = got["config"]
+    commit = sp.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    run_info = config["run"]["value"] if "value" in config["run"] else config["run"]
+    assert run_info["git_commit"] == commit and run_info["gpt3d_version"] == "0.1.0"
+    assert run_info["layout"] == {"tp": 1, "pp": 1, "dp": 1, "zero_stage": 0}
+    assert run_info["global_batch_sequences"] == 4 and run_info["global_batch_tokens"] == 128
+    optim = config["optim"]["value"] if "value" in config["optim"] else config["optim"]
+    assert optim["lr"] == 3e-3 and optim["warmup_tokens"] == 32 and optim["decay_tokens"] == 2000
+    val = [r["val/loss"] for r in rows if "val/loss" in r]
+    assert got["summary"]["val/loss_final"] == val[-1] and got["summary"]["val/loss_best"] == min(val)
+    (sample,) = [h for h in wandb_log.history(wandb_file) if "samples/_type" in h]
+    assert sample["_step"] == 4 and sample["samples/_type"] == "table-file" and sample["samples/nrows"] == 1
+    table = json.loads((wandb_file.parent / "files" / sample["samples/path"]).read_text())
+    printed = first.stdout.split("sample:\n", 1)[1].rstrip("\n")
+    assert table["columns"] == ["step", "prompt", "sample"] and table["data"] == [[4, "def ", printed]]
+
+    # a fresh start in the used folder: one line, exit 2, nothing touched
+    refused = train(run_dir, corpus, "train.max_steps=2", "train.resume=none", check=False)
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1
+    assert "train.resume=auto" in refused.stderr and "train.resume=overwrite" in refused.stderr
+    assert (run_dir / "metrics.jsonl").read_bytes() == first_metrics
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step*")) == checkpoints
+
+    # train.resume=overwrite: the old run moves aside whole; the new one starts clean with a new W&B id
+    train(run_dir, corpus, "train.max_steps=2", "train.resume=overwrite", *WANDB)
+    (aside,) = tmp_path.glob("run.replaced-*")
+    assert (aside / "metrics.jsonl").read_bytes() == first_metrics
+    assert sorted(p.name for p in (aside / "checkpoints").glob("step*")) == checkpoints
+    assert (aside / "wandb_run_id").read_text().strip() == first_id and _wandb_file(aside, first_id)
+    second_id = (run_dir / "wandb_run_id").read_text().strip()
+    assert second_id != first_id and not list(run_dir.glob(f"wandb/*{first_id}*"))
+    assert [r["step"] for r in metrics(run_dir)] == [1, 2]
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step*")) == ["step00000002"]
+
+    # the default resume continues the new run (step 2), under its W&B id, marked resumed
+    resumed = train(run_dir, corpus, "train.max_steps=4", *WANDB)
+    assert f"resumed from {run_dir / 'checkpoints' / 'step00000002'}" in resumed.stdout
+    assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3, 4]
+    runs = [wandb_log.run_file(f)["run"] for f in sorted(run_dir.glob(f"wandb/offline-run-*-{second_id}/*.wandb"))]
+    assert [(r["id"], r["resumed"]) for r in runs] == [(second_id, False), (second_id, True)]

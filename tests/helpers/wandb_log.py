@@ -47,3 +47,42 @@ def history(path: Path) -> list[dict]:
         if record.WhichOneof("record_type") == "history":
             rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item})
     return rows
+
+
+def parsed(path: Path) -> list:
+    """Every record of the file as a wandb_internal_pb2.Record (W&B's own message definitions)."""
+    from wandb.proto import wandb_internal_pb2
+
+    out = []
+    for raw in records(path):
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(raw)
+        out.append(record)
+    return out
+
+
+def _items(items) -> dict:
+    return {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in items}
+
+
+def run_file(path: Path) -> dict:
+    """What a run file holds besides the history: the run record (id, name, group, tags, notes, job type,
+    resumed), the config and the summary (the last value of each key), the metric definitions and the
+    artifacts logged."""
+    out = {"run": None, "config": {}, "summary": {}, "metrics": [], "artifacts": []}
+    for record in parsed(path):
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            run = record.run
+            out["run"] = {"id": run.run_id, "name": run.display_name, "group": run.run_group, "tags": list(run.tags),
+                          "notes": run.notes, "job_type": run.job_type, "resumed": run.resumed}
+            out["config"].update(_items(run.config.update))
+        elif kind == "config":
+            out["config"].update(_items(record.config.update))
+        elif kind == "summary":
+            out["summary"].update(_items(record.summary.update))
+        elif kind == "metric":
+            out["metrics"].append((record.metric.name or record.metric.glob_name, record.metric.step_metric))
+        elif kind == "artifact":
+            out["artifacts"].append({"type": record.artifact.type, "name": record.artifact.name})
+    return out

@@ -17,6 +17,7 @@ from model import GPTConfig
 
 
 GPT2_VOCAB = 50257  # token ids reach 50256 (<|endoftext|>)
+OVERWRITE = "overwrite"  # train.resume: move an earlier run in the run folder aside (train/config/run_folder.py)
 
 
 class ConfigError(ValueError):
@@ -33,14 +34,17 @@ def check_keys(cfg, config_name: str, overrides: list[str]) -> None:
         raise ConfigError(str(err)) from None
 
 
-def check_data(cfg, dp: int) -> int:
+def check_data(cfg, dp: int, streams_set: bool = True) -> int:
     """The data config, the batch geometry over streams and ranks, and a cheap probe of the corpus (it must
-    hold training documents for every stream, and validation ones when validation is on); returns data.streams."""
+    hold training documents for every stream, and validation ones when validation is on); returns the
+    data.streams the run uses: the configured one, or, when the user did not set it (`streams_set` False)
+    and the corpus has too few documents for it, a smaller one (train/data/probe.py: check_data)."""
     from train import data
 
     validation = cfg.train.eval_interval > 0 and cfg.train.eval_batches > 0
     try:
-        spec = data.check_data(cfg.data, dp_size=dp, global_batch=cfg.train.global_batch_size, validation=validation)
+        spec = data.check_data(cfg.data, dp_size=dp, global_batch=cfg.train.global_batch_size, validation=validation,
+                               streams_set=streams_set)
         return spec.streams
     except ValueError as err:
         raise ConfigError(str(err)) from None
@@ -221,8 +225,20 @@ def check_train(cfg) -> None:
         raise ConfigError(f"train.reset_schedule={cfg.train.reset_schedule!r}: must be true or false")
     from train.metrics import WANDB_MODES
 
-    if cfg.logging.wandb.mode not in WANDB_MODES:
-        raise ConfigError(f"logging.wandb.mode={cfg.logging.wandb.mode!r}: must be one of {list(WANDB_MODES)}")
+    wandb = cfg.logging.wandb
+    if wandb.mode not in WANDB_MODES:
+        raise ConfigError(f"logging.wandb.mode={wandb.mode!r}: must be one of {list(WANDB_MODES)}")
+    for key in ("project", "entity", "group", "notes", "job_type", "name"):
+        if wandb[key] is not None and not isinstance(wandb[key], str):
+            raise ConfigError(f"logging.wandb.{key}={wandb[key]!r}: must be text (or null)")
+    tags = wandb.tags
+    if tags is not None and (isinstance(tags, str) or not all(isinstance(t, str) and t for t in tags)):
+        raise ConfigError(f"logging.wandb.tags={tags!r}: must be a list of words, e.g. 'logging.wandb.tags=[baseline,125m]'")
+    if not isinstance(wandb.log_checkpoints, bool):
+        raise ConfigError(f"logging.wandb.log_checkpoints={wandb.log_checkpoints!r}: must be true or false")
+    resume = cfg.train.resume
+    if not isinstance(resume, str) and resume is not None:
+        raise ConfigError(f"train.resume={resume!r}: must be auto, none, {OVERWRITE}, or a checkpoint path")
 
 
 def check_resume(cfg, run_dir: Path, model_cfg: GPTConfig):
@@ -230,8 +246,9 @@ def check_resume(cfg, run_dir: Path, model_cfg: GPTConfig):
     (train/checkpoint/resume_checks.py), whose state.json holds this model (ConfigError otherwise)."""
     from train.checkpoint.resume_checks import resume_point
 
+    resume = "none" if cfg.train.resume == OVERWRITE else cfg.train.resume  # a fresh start in a cleared folder
     try:
-        return resume_point(cfg.train.resume, run_dir, model_cfg)
+        return resume_point(resume, run_dir, model_cfg)
     except ValueError as err:
         raise ConfigError(str(err)) from None
 

@@ -5,9 +5,13 @@
   model      the GPTConfig (built once from model.*)
   dp         the data-parallel size of WORLD_SIZE at parallel.tp × parallel.pp
   resume     the checkpoint a resume starts from, with its state.json (read once), or None
+  folder     the run folder, checked to be usable and not another run's (train/config/run_folder.py),
+             with where train.resume=overwrite moves the old run (moved by the entry point, not here)
   cfg        the config the run follows: the composed one, except that a resume keeping its
-             checkpoint's schedule takes back the checkpoint's batch settings (global batch, ramp);
-             a copy, so the caller's config is never changed
+             checkpoint's schedule takes back the checkpoint's batch settings (global batch, ramp),
+             and data.streams, when the user left it at its default and the corpus has too few
+             documents for it, is the smaller value the data probe resolved; a copy, so the
+             caller's config is never changed
   ramp       the batch ramp (global batch size by tokens seen)
   schedule   the LR schedule and what checkpoints record of it
   plan       the planner's prediction for this run on the visible GPU (CUDA only; None on CPU),
@@ -37,6 +41,7 @@ from train.checkpoint.resume_checks import (
 from train.config import checks
 from train.config.checks import ConfigError
 from train.config.launch import is_rank_zero
+from train.config.run_folder import RunFolder, check_run_folder
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,7 @@ class RunSpec:
     model: GPTConfig
     dp: int
     resume: ResumePoint | None
+    folder: RunFolder
     ramp: BatchRamp
     schedule: RunSchedule
     plan: object | None  # train/plan/estimate.py's Plan, on CUDA
@@ -56,13 +62,14 @@ class RunSpec:
         return self.ramp.tokens_after(self.cfg.train.max_steps)
 
 
-def resolve(cfg, run_dir: Path) -> RunSpec:
-    """Check the whole run config for a run in `run_dir` and resolve it (see the module docstring).
-    Raises ConfigError."""
+def resolve(cfg, run_dir: Path, overrides: tuple[str, ...] | list[str] = ()) -> RunSpec:
+    """Check the whole run config for a run in `run_dir` and resolve it (see the module docstring);
+    `overrides` are the command line's, which say what the user set explicitly. Raises ConfigError."""
     run_dir = Path(run_dir)
     model_cfg = checks.check_model(cfg)
     checks.check_train(cfg)
     resume = checks.check_resume(cfg, run_dir, model_cfg)
+    folder = check_run_folder(run_dir, cfg.train.resume, resume.path if resume is not None else None)
     checks.check_checkpoint_settings(cfg, model_cfg)
     saved_schedule = recorded_schedule(resume.state if resume is not None else None)
     kept = kept_schedule(saved_schedule, cfg)
@@ -71,14 +78,15 @@ def resolve(cfg, run_dir: Path) -> RunSpec:
     cfg = _following(cfg, kept)
     dp = checks.check_parallel(cfg, model_cfg)
     checks.check_batches(cfg, dp)
-    streams = checks.check_data(cfg, dp)
+    streams = checks.check_data(cfg, dp, streams_set=_sets(overrides, "data.streams"))
+    cfg = _with_streams(cfg, streams)
     ramp = checks.check_batch_ramp(cfg, model_cfg, dp, streams)
     checks.check_optim(cfg)
     try:
         schedule = schedule_for_run(cfg, model_cfg.name, ramp.tokens_after(cfg.train.max_steps), kept, saved_schedule)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    return RunSpec(cfg, run_dir, model_cfg, dp, resume, ramp, schedule, _plan(cfg, model_cfg))
+    return RunSpec(cfg, run_dir, model_cfg, dp, resume, folder, ramp, schedule, _plan(cfg, model_cfg))
 
 
 def _following(cfg, kept: KeptSchedule):
@@ -88,6 +96,20 @@ def _following(cfg, kept: KeptSchedule):
     cfg = copy.deepcopy(cfg)
     for key, value in kept.batch.items():
         OmegaConf.update(cfg, key, value)
+    return cfg
+
+
+def _sets(overrides, key: str) -> bool:
+    """Whether the command line sets `key` (as key=..., +key=... or ++key=...)."""
+    return any(o.lstrip("+").split("=", 1)[0] == key for o in overrides)
+
+
+def _with_streams(cfg, streams: int):
+    """`cfg`, or a copy of it with the data.streams the data probe resolved."""
+    if cfg.data.get("streams", streams) == streams:
+        return cfg
+    cfg = copy.deepcopy(cfg)
+    OmegaConf.update(cfg, "data.streams", streams)
     return cfg
 
 

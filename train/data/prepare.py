@@ -20,7 +20,7 @@ import os
 import shutil
 from pathlib import Path
 
-from train.data.records import Bad, BadRecords, is_validation, records
+from train.data.records import Bad, BadRecords, in_validation, records
 from train.data.sources import PREPARED_MARK, DataError
 from train.data.tokenizer import EOT, gpt2
 
@@ -33,7 +33,7 @@ def _documents(src, policy: str):
             bad.skip(record)
             yield {"doc": record.index, "text": "", "validation": False, "bad": f"{record.file}\t{text.reason}"}
         else:
-            yield {"doc": record.index, "text": text, "validation": bool(text) and is_validation(text, src.val_permille),
+            yield {"doc": record.index, "text": text, "validation": bool(text) and in_validation(record, src.val_permille),
                    "bad": ""}
 
 

@@ -20,7 +20,7 @@ import sys
 
 import numpy as np
 
-from train.data.records import Bad, BadRecords, by_files, is_validation, open_hub, prepared_split, records
+from train.data.records import Bad, BadRecords, by_files, in_validation, open_hub, prepared_split, records
 from train.data.sources import DataError, DataSpec, SourceSpec, resolve
 
 
@@ -46,9 +46,23 @@ def check_layout(spec: DataSpec, seq_len: int, batch: int, dp_rank: int, dp_size
         )
 
 
-def check_data(data_cfg, dp_size: int = 1, global_batch: int | None = None, validation: bool = False) -> DataSpec:
+class TooFewDocuments(DataError):
+    """Some stream gets no training document; `indices` are the source's training record indices."""
+
+    def __init__(self, message: str, indices: list[int]):
+        super().__init__(message)
+        self.indices = indices
+
+
+def check_data(data_cfg, dp_size: int = 1, global_batch: int | None = None, validation: bool = False,
+               streams_set: bool = True) -> DataSpec:
     """Resolve `data_cfg`, check the batch geometry (when `global_batch` is given) and probe every source:
-    it must hold a training document for every stream, and a validation document if `validation`."""
+    it must hold a training document for every stream, and a validation document if `validation`.
+
+    When some stream would get no training document and data.streams was not set by the user
+    (`streams_set` False), the returned spec has the largest smaller data.streams that feeds every stream
+    and still fits the geometry (divides the shuffle buffer and the global batch; divides dp or dp divides
+    it), with one warning on rank 0; with `streams_set` it is an error."""
     spec = resolve(data_cfg)
     if global_batch is not None:
         check_layout(spec, 1, global_batch, 0, dp_size)
@@ -59,28 +73,65 @@ def check_data(data_cfg, dp_size: int = 1, global_batch: int | None = None, vali
             if validation:
                 _probe_validation(src, spec)
         else:
-            _probe_records(src, spec, validation)
+            try:
+                _probe_records(src, spec, validation)
+            except TooFewDocuments as err:
+                fewer = None if streams_set else _fewer_streams(spec, err.indices, dp_size, global_batch)
+                if fewer is None:
+                    raise DataError(str(err)) from None
+                _warn_fewer(src, spec.streams, fewer, len(err.indices))
+                return check_data({**_plain(data_cfg), "streams": fewer}, dp_size, global_batch, validation, True)
     return spec
+
+
+def _fewer_streams(spec: DataSpec, indices: list[int], dp_size: int, global_batch: int | None) -> int | None:
+    """The largest data.streams below spec.streams that gives every stream a training document (record i goes
+    to stream i mod streams) and fits the geometry; None if there is none."""
+    for streams in range(spec.streams - 1, 0, -1):
+        fits = (spec.shuffle_buffer % streams == 0 and (global_batch is None or global_batch % streams == 0)
+                and (streams % dp_size == 0 or dp_size % streams == 0))
+        if fits and len({i % streams for i in indices}) == streams:
+            return streams
+    return None
+
+
+def _warn_fewer(src: SourceSpec, streams: int, fewer: int, n_train: int) -> None:
+    from train.config.launch import is_rank_zero
+
+    if is_rank_zero():
+        print(f"gpt3d: warning: data: {src.label} has {n_train} training document(s), too few for data.streams={streams}; "
+              f"using data.streams={fewer} (set data.streams on the command line to make this an error)",
+              file=sys.stderr, flush=True)
+
+
+def _plain(data_cfg) -> dict:
+    if isinstance(data_cfg, dict):
+        return dict(data_cfg)
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(data_cfg, resolve=True)
 
 
 def _probe_records(src: SourceSpec, spec: DataSpec, validation: bool) -> None:
     """Read records in order until every stream has a training document and validation one (if asked)."""
     streams, bad = spec.streams, BadRecords(spec.on_bad_record, warn=False)
     missing, found_validation = set(range(streams)), not validation
-    n_records = n_empty = n_train = n_val = 0
+    n_records = n_empty = n_val = 0
+    train_indices = []
     for record in records(src, 0, 1):
         n_records += 1
         if isinstance(record.text, Bad):
             bad.skip(record)  # raises with on_bad_record=error
         elif not record.text:
             n_empty += 1
-        elif is_validation(record.text, src.val_permille):
+        elif in_validation(record, src.val_permille):
             n_val, found_validation = n_val + 1, True
         else:
-            n_train += 1
+            train_indices.append(record.index)
             missing.discard(record.index % streams)
         if not missing and found_validation:
             return
+    n_train = len(train_indices)
     where = f"data: {src.label}"
     if n_train + n_val == 0:
         skipped = "; ".join(f"{f}: {', '.join(f'{r} ×{n}' for r, n in c.items())}" for f, c in bad.counts.items())
@@ -94,10 +145,10 @@ def _probe_records(src: SourceSpec, spec: DataSpec, validation: bool) -> None:
             f"val_permille={src.val_permille}; lower data.val_permille or add documents"
         )
     if missing:
-        raise DataError(
+        raise TooFewDocuments(
             f"{where}: with data.streams={streams}, stream(s) {sorted(missing)[:8]} get no training document (record i "
             f"goes to stream i mod data.streams; the corpus has {n_train} training documents in {n_records} records); "
-            f"lower data.streams"
+            f"lower data.streams", train_indices
         )
     raise DataError(
         f"{where}: the validation split is empty (val_permille={src.val_permille}, {n_train} training documents) but "
@@ -129,7 +180,7 @@ def _probe_validation(src: SourceSpec, spec: DataSpec) -> None:
     for record in records(src, 0, 1):
         if isinstance(record.text, Bad):
             bad.skip(record)
-        elif record.text and is_validation(record.text, src.val_permille):
+        elif record.text and in_validation(record, src.val_permille):
             return
         elif record.text:
             n_train += 1

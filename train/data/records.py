@@ -36,6 +36,7 @@ from typing import Iterator
 
 import numpy as np
 
+from train.data import pieces
 from train.data.sources import DataError, SourceSpec, hub_offline
 from train.data.tokenizer import EOT, gpt2
 
@@ -59,6 +60,7 @@ class Record:
     file: str
     where: str  # "line 12", "row 7", ... for messages
     text: str | Bad
+    held_out: bool | None = None  # a piece of a cut document (train/data/pieces.py): its split; None: by hash
 
 
 class BadRecords:
@@ -136,13 +138,29 @@ def records(src: SourceSpec, stream: int, streams: int, pos: dict | None = None)
 
 
 def _text_records(src, stream, streams, pos):
-    """One document per file: file f is record f; only this stream's files are opened."""
-    first = pos["file"] if pos else stream
-    for f in range(first, len(src.files), streams):
+    """One document per file: file f is record f; only this stream's files are opened. With
+    src.piece_chars > 0 a longer file is cut into pieces (train/data/pieces.py): piece k of file f is
+    record f + k, so every file that may be longer than piece_chars is opened by every stream."""
+    first_file, first_piece = (pos["file"], pos.get("piece", 0)) if pos else (0, 0)
+    for f in range(first_file, len(src.files)):
+        may_cut = src.piece_chars > 0 and os.path.getsize(src.files[f]) > src.piece_chars  # chars ≤ bytes
+        if not may_cut and f % streams != stream:
+            continue
         with open(src.files[f], "rb") as fh:
             raw = fh.read()
         text = decode(raw, src.encoding)
-        yield Record({"file": f}, f, src.files[f], "the file", text if isinstance(text, Bad) else checked_text(text, "text"))
+        if isinstance(text, Bad) or not may_cut:
+            if f % streams == stream and (f, 0) >= (first_file, first_piece):
+                yield Record({"file": f, "piece": 0}, f, src.files[f], "the file",
+                             text if isinstance(text, Bad) else checked_text(text, "text"))
+            continue
+        texts = pieces.cut(text, src.piece_chars)
+        validation_from = len(texts) - pieces.held_out(len(texts), src.val_permille)
+        for k, piece in enumerate(texts):
+            if (f + k) % streams == stream and (f, k) >= (first_file, first_piece):
+                held = validation_from <= k if len(texts) > 1 else None
+                yield Record({"file": f, "piece": k}, f + k, src.files[f], f"piece {k + 1} of {len(texts)}",
+                             checked_text(piece, "text"), held)
 
 
 def _json_records(src, stream, streams, pos):
@@ -297,6 +315,12 @@ def is_validation(text: str, val_permille: int) -> bool:
     return zlib.crc32(text.encode("utf-8", "surrogatepass")) % 1000 < val_permille
 
 
+def in_validation(record: Record, val_permille: int) -> bool:
+    """Whether a record with text is held out: a piece of a cut document by its place (train/data/pieces.py),
+    any other document by is_validation."""
+    return record.held_out if record.held_out is not None else is_validation(record.text, val_permille)
+
+
 def documents(
     src: SourceSpec, stream: int, streams: int, validation: bool, bad: BadRecords,
     cursor: dict | None = None, repeat: bool = False,
@@ -330,7 +354,7 @@ def _text_documents(src, stream, streams, at, validation, bad):
     for record in records(src, stream, streams, at):
         if isinstance(record.text, Bad):
             bad.skip(record)
-        elif record.text and is_validation(record.text, src.val_permille) == validation:
+        elif record.text and in_validation(record, src.val_permille) == validation:
             ids = enc.encode_ordinary(record.text)
             ids.append(EOT)
             yield record.pos, np.array(ids, dtype=np.int32)

@@ -14,7 +14,8 @@ Five kinds of source (``data.source``):
 Pipeline keys (top level only): ``streams`` (documents are dealt to this many streams by their index
 modulo it; global batches are assembled stream by stream), ``shuffle_buffer`` (windows shuffled
 together, over all streams), ``workers`` / ``prefetch`` (background packing), ``on_bad_record``.
-Record keys (top level, or per mixture entry): ``text_field``, ``encoding``, ``val_permille``.
+Record keys (top level, or per mixture entry): ``text_field``, ``encoding``, ``val_permille``,
+``piece_chars`` (a ``.txt`` document longer than this is cut into pieces: train/data/pieces.py).
 
 `resolve()` turns a config into a frozen `DataSpec` and raises `DataError` naming the bad value.
 """
@@ -34,7 +35,7 @@ from urllib.parse import urlparse
 KINDS = ("stdlib", "files", "hub", "prepared")  # what a single source (or a mixture entry) can be
 SOURCES = (*KINDS, "mixture")
 PIPELINE_KEYS = ("streams", "shuffle_buffer", "workers", "prefetch", "on_bad_record")
-RECORD_KEYS = ("text_field", "encoding", "val_permille")
+RECORD_KEYS = ("text_field", "encoding", "val_permille", "piece_chars")
 KIND_KEYS = {"stdlib": (), "files": ("paths",), "hub": ("name", "config_name", "split"), "prepared": ("path",)}
 ENTRY_KEYS = ("label", "weight", "source", *RECORD_KEYS, *(k for keys in KIND_KEYS.values() for k in keys))
 KEYS = ("source", *PIPELINE_KEYS, *RECORD_KEYS, *(k for keys in KIND_KEYS.values() for k in keys), "sources")
@@ -63,13 +64,16 @@ class SourceSpec:
     text_field: str = "text"  # the record field holding a document's text
     encoding: str = "utf-8"
     val_permille: int = 5
+    piece_chars: int = 0  # text files longer than this are cut into pieces (train/data/pieces.py); 0: never
 
     def fingerprint(self) -> dict:
         """What fixes this source's documents; a resume state must come from a source with the same one."""
         names = "\n".join(os.path.basename(f) for f in self.files)
         hub = {"hub_streams": "by file when files >= streams"} if self.kind == "hub" else {}  # earlier: by record
+        pieces = {"piece_chars": self.piece_chars} if self.piece_chars and self.reader == "text" else {}
         return {
             **hub,
+            **pieces,
             "kind": self.kind,
             "reader": self.reader,
             "name": os.path.basename(self.name) if self.name and os.path.isabs(self.name) else self.name,
@@ -252,7 +256,10 @@ def _record_keys(cfg: dict, where: str, defaults: dict) -> dict:
         raise DataError(f"{where}.encoding={encoding!r} is not an encoding Python knows; e.g. utf-8, latin-1, cp1252") from None
     if not isinstance(val_permille, int) or isinstance(val_permille, bool) or not 0 <= val_permille < 1000:
         raise DataError(f"{where}.val_permille={val_permille!r} must be a whole number in [0, 1000)")
-    return dict(text_field=str(text_field), encoding=encoding, val_permille=val_permille)
+    piece_chars = cfg.get("piece_chars", defaults.get("piece_chars", 0))
+    if not isinstance(piece_chars, int) or isinstance(piece_chars, bool) or piece_chars < 0:
+        raise DataError(f"{where}.piece_chars={piece_chars!r} must be a whole number >= 0 (0: never cut a document)")
+    return dict(text_field=str(text_field), encoding=encoding, val_permille=val_permille, piece_chars=piece_chars)
 
 
 def _stdlib_files() -> tuple[str, ...]:

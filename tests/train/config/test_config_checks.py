@@ -28,7 +28,7 @@ def corpus(tmp_path_factory):
         ("+train.max_step=5", "train.max_step is not a setting ('+' adds only keys that configs/ defines); "
                               "did you mean train.max_steps? valid keys of train: ["),
         ("+data.encodng=latin-1", "data.encodng is not a setting"),
-        ("+logging.wandb.tags=[a]", "logging.wandb.tags is not a setting"),
+        ("+logging.wandb.tag=[a]", "did you mean logging.wandb.tags?"),
         ("+seed=3", "seed is not a setting ('+' adds only keys that configs/ defines); valid keys of the top level: "
                     "['data', 'deepspeed', 'logging', 'model', 'optim', 'parallel', 'train']"),
     ],

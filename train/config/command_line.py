@@ -1,0 +1,103 @@
+"""The command line checked before Hydra runs the job: every override must name a setting or a config
+that exists, and the run folder must be usable, else one line and EXIT_BAD_INPUT (2).
+
+Hydra reports a misspelled key (`train.max_step=5`) by advising `+` to add it, an unknown config
+(`model=doesnotexist`) with a traceback-like block, and a run folder under a file with a raw
+NotADirectoryError, all with exit code 1. `check_command_line` composes the same config first with
+Hydra's compose API (milliseconds); only when that fails does it look at each override to name the
+bad one: the nearest existing key (difflib over every dotted key of the config), or the group's
+configs. Command lines with Hydra's own flags (--help, --cfg, -m, ...) are left to Hydra.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from train.config.checks import ConfigError
+from train.config.entry import CONFIG_DIR
+
+SKIPPED_ROOTS = ("hydra", "deepspeed")  # Hydra's own settings; DeepSpeed's pass-through (checked later)
+
+
+def check_command_line(arguments: list[str], config_name: str = "config") -> None:
+    """Raise ConfigError naming the first bad override, or a run folder that cannot be created."""
+    if any(a.startswith("-") for a in arguments):
+        return
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    with initialize_config_dir(str(CONFIG_DIR), version_base=None):
+        try:
+            cfg = compose(config_name, overrides=arguments, return_hydra_config=True)
+        except (HydraException, OmegaConfBaseException) as err:
+            raise ConfigError(_explain(arguments, config_name, err)) from None
+        run_dir = Path(str(cfg.hydra.run.dir))
+    from train.config.run_folder import check_usable
+
+    check_usable(run_dir)
+
+
+def _explain(arguments: list[str], config_name: str, err: Exception) -> str:
+    """One line naming the override Hydra refused and what would be valid."""
+    from hydra import compose
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    parsed = []
+    for text in arguments:
+        try:
+            parsed.append((text, parser.parse_override(text)))
+        except HydraException as bad:
+            return f"cannot read the command-line argument {text!r} ({_first_line(bad)}); write key=value, quoting values with spaces or brackets"
+    groups = [(text, o) for text, o in parsed if _is_group(o.key_or_group)]
+    for text, o in groups:
+        options = _options(o.key_or_group)
+        value = o.value()
+        if not o.is_delete() and isinstance(value, str) and value not in options:
+            near = difflib.get_close_matches(value, options, n=1, cutoff=0.6)
+            guess = f"did you mean {o.key_or_group}={near[0]}? " if near else ""
+            return f"{text}: there is no {o.key_or_group} config {value!r}; {guess}{o.key_or_group} is one of {options}"
+    try:
+        reference = compose(config_name, overrides=[text for text, _ in groups])
+    except HydraException:
+        return _first_line(err)
+    keys = _dotted_keys(reference)
+    for text, o in parsed:
+        key = o.key_or_group
+        if _is_group(key) or key.split(".")[0] in SKIPPED_ROOTS or o.is_add() or o.is_force_add():
+            continue
+        if key not in keys:
+            near = difflib.get_close_matches(key, sorted(keys), n=1, cutoff=0.75)
+            parent = key.rpartition(".")[0]
+            siblings = sorted(k.rpartition(".")[2] for k in keys if k.rpartition(".")[0] == parent)
+            guess = f"did you mean {near[0]}? " if near else ""
+            return f"{key} is not a setting; {guess}valid keys of {parent or 'the top level'}: {siblings}"
+    return _first_line(err)
+
+
+def _is_group(name: str) -> bool:
+    return (CONFIG_DIR / name.replace(".", "/")).is_dir()
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONFIG_DIR / group.replace(".", "/")).glob("*.yaml"))
+
+
+def _dotted_keys(cfg, prefix: str = "") -> set[str]:
+    """Every key of `cfg` as a dotted path, inner nodes included."""
+    keys = set()
+    for key in cfg:
+        path = f"{prefix}{key}"
+        keys.add(path)
+        if not OmegaConf.is_missing(cfg, key) and isinstance(cfg[key], DictConfig):
+            keys |= _dotted_keys(cfg[key], f"{path}.")
+    return keys
+
+
+def _first_line(err: Exception) -> str:
+    return next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
