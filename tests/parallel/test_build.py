@@ -37,6 +37,7 @@ def part_worker(tp: int, pp: int, sequence_parallel: bool, save_dir: str) -> dic
     from parallel.topology import Topology
     from train.checkpoint import save
     from train.checkpoint.parts import CheckpointParts
+    from train.checkpoint.rng import rng_state
     from train.engine import counters, create_engine
 
     topology = Topology.create(tp=tp, pp=pp)
@@ -50,9 +51,10 @@ def part_worker(tp: int, pp: int, sequence_parallel: bool, save_dir: str) -> dic
     }
     ds_config = {"train_batch_size": topology.dp_size, "train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**9}
     engine = create_engine(part, torch.optim.AdamW(part.parameters()), None, ds_config, mpu=None if pp > 1 else topology.mpu)
-    parts = CheckpointParts()  # what every checkpoint holds: progress and DeepSpeed's step counters
+    parts = CheckpointParts()  # what every checkpoint holds: progress, DeepSpeed's step counters, the RNG
     parts.add("progress", lambda: {"step": 0, "tokens": 0}, None)
     parts.add("engine counters", lambda: counters(engine), None)
+    parts.add("rng", rng_state, None, per_rank=True)
     save(engine, topology, CONFIG, save_dir, parts)
     return result
 

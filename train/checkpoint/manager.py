@@ -70,7 +70,7 @@ def find_resume_path(resume, run_dir: Path) -> Path | None:
             return candidate
     raise ValueError(
         f"train.resume={resume!r}: no gpt3d checkpoint there (expected a run directory, its checkpoints/ folder, "
-        f"or one step folder holding {files.MANIFEST}); use auto, none, or such a path"
+        f"or one step folder holding {files.MANIFEST}); use auto, none, overwrite, or such a path"
     )
 
 

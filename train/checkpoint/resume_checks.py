@@ -29,7 +29,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from train.checkpoint import manager
+from train.checkpoint import manager, schema
 from train.optimizer import Schedule, make_schedule
 
 # What sets the batch each step trains on: a kept schedule keeps these as the checkpoint has them.
@@ -78,6 +78,12 @@ def resume_point(resume, run_dir: Path, model_cfg) -> ResumePoint | None:
         return None
     folder, state = manager.verified(path, warn=manager.print_warning if is_rank_zero() else lambda text: None)
     manager.check_model(state["model"], model_cfg, folder)
+    missing = sorted(schema.RESUME_KEYS - set(state))
+    if missing:
+        raise manager.CheckpointError(f"checkpoint {folder} holds weights but no run to resume (its state.json lacks "
+                                      f"{missing}); export it (python -m train.export) and start a new run from it "
+                                      f"with train.init_from")
+
     return ResumePoint(path, folder, state)
 
 

@@ -21,6 +21,9 @@ from train.engine import ENGINE_COUNTERS
 FORMAT, FORMAT_VERSION = "gpt3d-checkpoint", 1
 # state.json's keys besides CORE_KEYS: the entries of the parts train/loop.py registers
 PART_KEYS = frozenset({"step", "tokens", "data", "lr_scheduler", "engine", "extra"})
+# what a training run needs to continue, beyond the weights: a checkpoint without them (saved by a tool
+# that registers only progress and counters) holds weights to read, not a run to resume
+RESUME_KEYS = frozenset({"data", "lr_scheduler", "extra"})
 SCHEDULE_CONFIG = {  # the schedule keys a checkpoint records (resume_checks.SCHEDULE_KEYS) and their values
     "train.max_steps": ("int", 1), "train.global_batch_size": ("int", 1),
     "train.batch_ramp.start": ("int?", 1), "train.batch_ramp.unit": ("str?", None),
@@ -78,7 +81,7 @@ def _state(state, step) -> None:
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         found = state.get("format") if isinstance(state, dict) else state
         raise Invalid(f"state.json is not a {FORMAT} state (format={_show(found)})")
-    _keys(state, f, "", required=CORE_KEYS | PART_KEYS, optional=())
+    _keys(state, f, "", required=CORE_KEYS | (PART_KEYS - RESUME_KEYS), optional=RESUME_KEYS)
     if state["format_version"] != FORMAT_VERSION:
         raise Invalid(f"{f}: format_version={_show(state['format_version'])} (written by gpt3d "
                       f"{_show(state['gpt3d'])}); this gpt3d reads version {FORMAT_VERSION}")
@@ -94,14 +97,17 @@ def _state(state, step) -> None:
     _int(state["tokens"], f, "tokens", 0)
     if state["tokens"] < state["step"]:
         raise Invalid(f"{f}: tokens={state['tokens']} at step {state['step']}: every step trains on at least one token")
-    _data(state["data"], f)
-    _keys(state["lr_scheduler"], f, "lr_scheduler", required={"tokens"})
-    _int(state["lr_scheduler"]["tokens"], f, "lr_scheduler.tokens", 0)
+    if "data" in state:
+        _data(state["data"], f)
+    if "lr_scheduler" in state:
+        _keys(state["lr_scheduler"], f, "lr_scheduler", required={"tokens"})
+        _int(state["lr_scheduler"]["tokens"], f, "lr_scheduler.tokens", 0)
     _keys(state["engine"], f, "engine", optional=ENGINE_COUNTERS)
     for key, value in state["engine"].items():
         _int(value, f, f"engine.{key}", 0)
-    _keys(state["extra"], f, "extra", required={"schedule"})
-    _schedule(state["extra"]["schedule"], f)
+    if "extra" in state:
+        _keys(state["extra"], f, "extra", required={"schedule"})
+        _schedule(state["extra"]["schedule"], f)
 
 
 def _layout(layout, f: str) -> None:

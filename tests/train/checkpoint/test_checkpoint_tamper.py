@@ -231,6 +231,21 @@ def test_the_only_checkpoint_tampered_is_one_line_and_writes_nothing(run, corpus
     assert sorted(str(p) for p in run.rglob("*")) == listing
 
 
+def test_a_weights_only_checkpoint_reads_back_but_is_never_resumed(run):
+    """A checkpoint whose state.json has no data position, LR schedule or schedule record (as a tool that
+    registers only progress and counters writes it) is intact, so its weights read back (the newest is
+    chosen, no warning); a resume from it is one error naming what it lacks, before anything is built."""
+    from model import GPTConfig
+    from train.checkpoint import CheckpointError
+    from train.checkpoint.resume_checks import resume_point
+
+    edit_json(step_folder(run, 4), "state.json", lambda doc: [doc.pop(key) for key in ("data", "lr_scheduler", "extra")])
+    assert choose(run) == ("step00000004", [])
+    saved = json.loads((step_folder(run, 4) / "state.json").read_text())["model"]
+    with pytest.raises(CheckpointError, match=r"holds weights but no run to resume .*\['data', 'extra', 'lr_scheduler'\]"):
+        resume_point(str(run), run, GPTConfig.from_dict(saved))
+
+
 # ---------------------------------------------------------------------------------------------
 # export targets and train.init_from
 
