@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from cli import metrics, start_train, train
-from cli import assert_same_losses
+from cli import assert_same_losses, kill_after_first_checkpoint, metrics, start_train, train
 from test_layouts import STEPS, corpus, one_process  # noqa: F401 (fixtures: the same runs)
 
 SEQ = 32  # TINY's model.seq_len
@@ -160,12 +159,7 @@ def test_killed_run_with_workers_a_mixture_and_the_ramp_resumes_bit_for_bit(tmp_
     train(straight, None, *common, "train.max_steps=8")
     proc = start_train(killed, None, *common, "train.max_steps=100000", "train.checkpoint_interval=2", log=tmp_path / "log")
     try:
-        latest, deadline = killed / "checkpoints" / "latest", time.monotonic() + 300
-        while not latest.is_file() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert latest.is_file(), (tmp_path / "log").read_text()[-3000:]
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
+        resumed_from = kill_after_first_checkpoint(proc, killed, tmp_path / "log")
         deadline = time.monotonic() + 30
         while _session_processes(proc.pid) and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -175,7 +169,6 @@ def test_killed_run_with_workers_a_mixture_and_the_ramp_resumes_bit_for_bit(tmp_
             os.killpg(proc.pid, signal.SIGKILL)  # whatever of the killed run is left
         except ProcessLookupError:
             pass
-    resumed_from = int(latest.read_text().strip().removeprefix("step"))
     assert 2 <= resumed_from < 8
     out = train(killed, None, *common, "train.max_steps=8")
     assert f"resumed from {killed / 'checkpoints' / f'step{resumed_from:08d}'} at step {resumed_from}" in out.stdout

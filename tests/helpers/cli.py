@@ -5,8 +5,10 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -71,6 +73,18 @@ def start_train(run_dir: Path, corpus: Path | None, *overrides: str, log: Path) 
     with open(log, "w") as out:
         return subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
+
+
+def kill_after_first_checkpoint(proc: subprocess.Popen, run_dir: Path, log: Path) -> int:
+    """Wait (up to 300 s) until the background run `proc` (start_train) has a checkpoint, then SIGKILL it,
+    no chance to clean up; returns the step its `latest` names."""
+    latest, deadline = Path(run_dir) / "checkpoints" / "latest", time.monotonic() + 300
+    while not latest.is_file() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert latest.is_file(), Path(log).read_text()[-3000:]
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    return int(latest.read_text().strip().removeprefix("step"))
 
 
 def generate(

@@ -16,13 +16,12 @@ import shutil
 import subprocess
 import sys
 import signal
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from cli import assert_same_losses, clean_env, metrics, start_train, train
+from cli import assert_same_losses, clean_env, kill_after_first_checkpoint, metrics, start_train, train
 from data_corpus import hub_cfg, parquet_dataset, short_doc, take, token_stream
 from train.data import DataError, TrainBatches, check_data
 from train.data.records import records
@@ -203,18 +202,12 @@ def test_hub_run_killed_with_sigkill_resumes_bit_for_bit(tmp_path, cli_dataset, 
         monkeypatch.setenv(key, value)
     proc = start_train(killed, None, *common, "train.max_steps=100000", "train.checkpoint_interval=2", log=tmp_path / "log")
     try:
-        latest, deadline = killed / "checkpoints" / "latest", time.monotonic() + 300
-        while not latest.is_file() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert latest.is_file(), (tmp_path / "log").read_text()[-3000:]
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
+        resumed_from = kill_after_first_checkpoint(proc, killed, tmp_path / "log")
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    resumed_from = int(latest.read_text().strip().removeprefix("step"))
     assert 2 <= resumed_from < 6
     out = train(killed, None, *common, "train.max_steps=6")
     assert f"resumed from {killed / 'checkpoints' / f'step{resumed_from:08d}'} at step {resumed_from}" in out.stdout
