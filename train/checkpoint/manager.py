@@ -148,12 +148,17 @@ def _checked_here(folder: Path, hash_shards: bool = True) -> tuple[list[str], di
 
 
 def _shards_together(folder: Path) -> list[str]:
-    """The shard files' checksums, the hashing shared by all ranks; every rank returns the same problems."""
+    """The shard files' checksums (a folder `verified` passed), the hashing shared by all ranks."""
+    manifest, _ = files.structure_problems(folder)
+    return _digests_together(folder, manifest, [n for n in manifest["files"] if n.endswith(files.SHARD_SUFFIX)])
+
+
+def _digests_together(folder: Path, manifest: dict, names: list[str]) -> list[str]:
+    """`files.digest_problems` of `names`, each rank hashing every world-th one; every rank returns the
+    same problems."""
     import torch.distributed as dist
 
-    manifest, _ = files.structure_problems(folder)
-    shards = sorted(name for name in manifest["files"] if name.endswith(files.SHARD_SUFFIX))
-    problems = files.digest_problems(folder, manifest, shards[dist.get_rank()::dist.get_world_size()])
+    problems = files.digest_problems(folder, manifest, sorted(names)[dist.get_rank()::dist.get_world_size()])
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, problems)
     return sorted({p for ps in gathered for p in ps})
@@ -162,15 +167,8 @@ def _shards_together(folder: Path) -> list[str]:
 def _verify_together(folder: Path) -> list[str]:
     """`_verify_here` with the hashing shared by all ranks (each hashes every world-th file); every
     rank returns the same problems."""
-    import torch.distributed as dist
-
     manifest, problems = files.structure_problems(folder)
-    if not problems:
-        names = sorted(manifest["files"])[dist.get_rank()::dist.get_world_size()]
-        problems = files.digest_problems(folder, manifest, names)
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, problems)
-    problems = sorted({p for ps in gathered for p in ps})
+    problems = _digests_together(folder, manifest, list(manifest["files"]) if not problems else [])
     return problems or _content_problems(folder, manifest)[0]
 
 

@@ -31,7 +31,6 @@ from omegaconf import OmegaConf
 from model import GPTConfig
 from train.batch_ramp import BatchRamp
 from train.checkpoint.resume_checks import (
-    KeptSchedule,
     ResumePoint,
     RunSchedule,
     kept_schedule,
@@ -75,11 +74,11 @@ def resolve(cfg, run_dir: Path, overrides: tuple[str, ...] | list[str] = ()) -> 
     kept = kept_schedule(saved_schedule, cfg)
     if kept.note and is_rank_zero():
         print(f"gpt3d: note: {kept.note}", flush=True)
-    cfg = _following(cfg, kept)
+    cfg = _with_values(cfg, kept.batch)  # a kept schedule takes back the checkpoint's batch settings
     dp = checks.check_parallel(cfg, model_cfg)
     checks.check_batches(cfg, dp)
     streams = checks.check_data(cfg, dp, streams_set=_sets(overrides, "data.streams"))
-    cfg = _with_streams(cfg, streams)
+    cfg = _with_values(cfg, {"data.streams": streams})  # as the data probe resolved it
     ramp = checks.check_batch_ramp(cfg, model_cfg, dp, streams)
     checks.check_optim(cfg)
     try:
@@ -89,12 +88,13 @@ def resolve(cfg, run_dir: Path, overrides: tuple[str, ...] | list[str] = ()) -> 
     return RunSpec(cfg, run_dir, model_cfg, dp, resume, folder, ramp, schedule, _plan(cfg, model_cfg))
 
 
-def _following(cfg, kept: KeptSchedule):
-    """`cfg`, or a copy of it with the batch settings a kept schedule takes back."""
-    if not kept.batch:
+def _with_values(cfg, values: dict):
+    """`cfg` itself when it already holds `values` ({dotted key: value}; a key it lacks counts as held),
+    else a copy that does: the caller's config is never changed."""
+    if all(OmegaConf.select(cfg, key, default=value) == value for key, value in values.items()):
         return cfg
     cfg = copy.deepcopy(cfg)
-    for key, value in kept.batch.items():
+    for key, value in values.items():
         OmegaConf.update(cfg, key, value)
     return cfg
 
@@ -102,15 +102,6 @@ def _following(cfg, kept: KeptSchedule):
 def _sets(overrides, key: str) -> bool:
     """Whether the command line sets `key` (as key=..., +key=... or ++key=...)."""
     return any(o.lstrip("+").split("=", 1)[0] == key for o in overrides)
-
-
-def _with_streams(cfg, streams: int):
-    """`cfg`, or a copy of it with the data.streams the data probe resolved."""
-    if cfg.data.get("streams", streams) == streams:
-        return cfg
-    cfg = copy.deepcopy(cfg)
-    OmegaConf.update(cfg, "data.streams", streams)
-    return cfg
 
 
 def _plan(cfg, model_cfg: GPTConfig):
