@@ -45,7 +45,7 @@ def run(cfg, model_cfg: GPTConfig, folder: Path, weights: dict[str, torch.Tensor
     from parallel.build import BuildOptions, build_model
     from parallel.naming import load_full_
     from parallel.topology import Topology
-    from train.engine import init_distributed, resolve_device
+    from train.engine import init_distributed, resolve_device, shutdown_distributed
 
     device = resolve_device(cfg.train.device)
     init_distributed(device)
@@ -58,6 +58,7 @@ def run(cfg, model_cfg: GPTConfig, folder: Path, weights: dict[str, torch.Tensor
     if topology.rank == 0 and gen.output is not None:
         record = {"checkpoint": str(folder), "prompt": gen.prompt, "tokens": tokens, "text": text}
         write_atomically(Path(gen.output), json.dumps(record) + "\n")
+    shutdown_distributed()
     return text if topology.rank == 0 else ""
 
 
