@@ -253,14 +253,20 @@ def next_batch(trainer: Trainer, progress: Progress) -> tuple[torch.Tensor, int]
 
 def open_logger(trainer: Trainer, resumed_step: int | None) -> metrics.MetricsLogger:
     """metrics.jsonl and W&B, on rank 0 only; records after `resumed_step` are dropped (see MetricsLogger).
-    W&B gets the resolved config (metrics.run_record) and, by default, a name saying model and layout."""
+    W&B gets the resolved config (metrics.run_record) and, by default, a name saying model and layout; the first
+    record of each start holds its layout (layout/*), with parallel.layout=auto also why it was chosen."""
     topo, spec = trainer.topology, trainer.spec
-    layout = {"tp": topo.tp_size, "pp": topo.pp_size, "dp": topo.dp_size, "zero_stage": trainer.cfg.parallel.zero_stage}
+    layout = {"tp": topo.tp_size, "pp": topo.pp_size, "dp": topo.dp_size, "zero_stage": trainer.cfg.parallel.zero_stage,
+              "micro_batch": trainer.cfg.train.micro_batch_size,
+              "activation_checkpointing": trainer.cfg.parallel.activation_checkpointing}
+    if spec.layout is not None:
+        layout["auto"] = spec.layout.line()
     run_config = metrics.run_record(OmegaConf.to_container(trainer.cfg, resolve=True), spec.schedule.schedule, layout,
                                     trainer.ramp.full, spec.model.seq_len, trainer.plan)
     name = f"{spec.model.name}-tp{topo.tp_size}pp{topo.pp_size}dp{topo.dp_size}-{trainer.run_dir.name}"
     return metrics.MetricsLogger(trainer.run_dir, trainer.cfg.logging, run_config, active=topo.rank == 0,
-                                 resumed_step=resumed_step, resumed=spec.resume is not None, default_name=name)
+                                 resumed_step=resumed_step, resumed=spec.resume is not None, default_name=name,
+                                 first_record={f"layout/{key}": value for key, value in layout.items()})
 
 
 def evaluate(trainer: Trainer) -> float:

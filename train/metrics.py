@@ -65,17 +65,19 @@ class MetricsLogger:
     """
 
     def __init__(self, run_dir: Path, logging_cfg, run_config: dict, active: bool, resumed_step: int | None,
-                 resumed: bool = False, default_name: str | None = None):
+                 resumed: bool = False, default_name: str | None = None, first_record: dict | None = None):
         """resumed_step: the step this run starts from; records logged after it by a run that stopped are
         dropped from metrics.jsonl, since they are about to be logged again. resumed: whether the run
         continues a checkpoint of this run folder; then it continues that run's W&B run (same id, marked
         resumed), else it is a new W&B run with a new id (wandb_run_id). default_name: the W&B run's name
-        when logging.wandb.name is null (else the run folder's name).
+        when logging.wandb.name is null (else the run folder's name). first_record: values the first record this
+        start logs also holds (the layout it trains at, which an elastic restart may change).
 
         The W&B summary holds val/loss_final (the last validation loss) and val/loss_best (the lowest),
         over the records this process logged (a resume starts them again from the run's W&B summary)."""
         self.active = active
         self.run = None
+        self.first_record = dict(first_record or {})
         self.val_losses: list[float] = []
         default_name = default_name or Path(run_dir).name
         if not active:
@@ -112,6 +114,7 @@ class MetricsLogger:
     def log(self, record: dict) -> None:
         if not self.active:
             return
+        record, self.first_record = {**record, **self.first_record}, {}
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         if self.run is not None:

@@ -171,6 +171,25 @@ def check_parallel(cfg, model_cfg: GPTConfig) -> int:
     return dp
 
 
+def check_layout_mode(cfg, set_keys: list[str]) -> str:
+    """parallel.layout: manual (the parallel.* and train.micro_batch_size values as given) or auto (chosen for
+    the world size and device by train/plan/elastic.py, which then sets them: none of them may be set on the
+    command line, `set_keys`). Returns the mode."""
+    mode = cfg.parallel.layout
+    if mode not in ("manual", "auto"):
+        raise ConfigError(f"parallel.layout={mode!r}: must be manual (the parallel.* settings as given) or auto "
+                          "(chosen for the world size and device)")
+    if mode == "auto":
+        from train.plan.elastic import AUTO_KEYS
+
+        fixed = [key for key in AUTO_KEYS if key in set_keys]
+        if fixed:
+            raise ConfigError(f"parallel.layout=auto chooses {', '.join(AUTO_KEYS)}; drop {', '.join(fixed)} from the "
+                              "command line, or set parallel.layout=manual")
+        _positive_int("train.global_batch_size", cfg.train.global_batch_size)
+    return mode
+
+
 # Settings gpt3d derives from train.* / parallel.* / optim.*; the deepspeed group may not set them.
 OWNED_DEEPSPEED_KEYS = {
     "train_batch_size": "train.global_batch_size",

@@ -10,10 +10,13 @@
   cfg        the config the run follows: the composed one, except that a resume keeping its
              checkpoint's schedule takes back the checkpoint's batch settings (global batch, ramp),
              and data.streams, when the user left it at its default and the corpus has too few
-             documents for it, is the smaller value the data probe resolved; a copy, so the
+             documents for it, is the smaller value the data probe resolved, and parallel.layout=auto's
+             choice is in place of the layout keys it sets; a copy, so the
              caller's config is never changed
   ramp       the batch ramp (global batch size by tokens seen)
   schedule   the LR schedule and what checkpoints record of it
+  layout     with parallel.layout=auto, the layout train/plan/elastic.py chose for WORLD_SIZE on this
+             device (its parallel.* and train.micro_batch_size values are in `cfg`); None with manual
   plan       the planner's prediction for this run on the visible GPU (CUDA only; None on CPU),
              after pre-flight: a run predicted not to fit stops here
 
@@ -23,6 +26,7 @@ The build and the loop read only a RunSpec. Any bad value is one ConfigError bef
 from __future__ import annotations
 
 import copy
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +58,7 @@ class RunSpec:
     ramp: BatchRamp
     schedule: RunSchedule
     plan: object | None  # train/plan/estimate.py's Plan, on CUDA
+    layout: object | None = None  # train/plan/elastic.py's LayoutChoice, with parallel.layout=auto
 
     @property
     def run_tokens(self) -> int:
@@ -75,6 +80,9 @@ def resolve(cfg, run_dir: Path, overrides: tuple[str, ...] | list[str] = ()) -> 
     if kept.note and is_rank_zero():
         print(f"gpt3d: note: {kept.note}", flush=True)
     cfg = _with_values(cfg, kept.batch)  # a kept schedule takes back the checkpoint's batch settings
+    layout = _auto_layout(cfg, model_cfg, overrides)
+    if layout is not None:
+        cfg = _with_values(cfg, layout.values())
     dp = checks.check_parallel(cfg, model_cfg)
     checks.check_batches(cfg, dp)
     streams = checks.check_data(cfg, dp, streams_set=_sets(overrides, "data.streams"))
@@ -85,7 +93,7 @@ def resolve(cfg, run_dir: Path, overrides: tuple[str, ...] | list[str] = ()) -> 
         schedule = schedule_for_run(cfg, model_cfg.name, ramp.tokens_after(cfg.train.max_steps), kept, saved_schedule)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    return RunSpec(cfg, run_dir, model_cfg, dp, resume, folder, ramp, schedule, _plan(cfg, model_cfg))
+    return RunSpec(cfg, run_dir, model_cfg, dp, resume, folder, ramp, schedule, _plan(cfg, model_cfg), layout)
 
 
 def _with_values(cfg, values: dict):
@@ -102,6 +110,35 @@ def _with_values(cfg, values: dict):
 def _sets(overrides, key: str) -> bool:
     """Whether the command line sets `key` (as key=..., +key=... or ++key=...)."""
     return any(o.lstrip("+").split("=", 1)[0] == key for o in overrides)
+
+
+def _auto_layout(cfg, model_cfg: GPTConfig, overrides):
+    """With parallel.layout=auto: the layout train/plan/elastic.py chooses for this launch's world size and
+    device, for the global batch and data order the run keeps (one line on rank 0 says which and why);
+    None with manual. Every rank computes the same choice from the same inputs."""
+    if checks.check_layout_mode(cfg, [o.lstrip("+").split("=", 1)[0] for o in overrides]) != "auto":
+        return None
+    from train.batch_ramp import from_config
+    from train.data.sources import resolve as resolve_data
+    from train.engine import resolve_device
+    from train.plan.elastic import DataOrder, choose_layout
+
+    processes = checks.world_size()
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", min(processes, 8)))
+    try:
+        ramp = from_config(cfg.train, model_cfg.seq_len)
+        order = DataOrder(resolve_data(cfg.data).streams, (ramp.start, ramp.increment) if ramp.enabled else None)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    hardware = None
+    if resolve_device(cfg.train.device).type == "cuda":
+        from train.plan.hardware import for_cuda_device
+
+        hardware = for_cuda_device(int(os.environ.get("LOCAL_RANK", 0)))
+    choice = choose_layout(model_cfg, processes, cfg.train.global_batch_size, order, hardware, per_node)
+    if is_rank_zero():
+        print(f"gpt3d: {choice.line()}", flush=True)
+    return choice
 
 
 def _plan(cfg, model_cfg: GPTConfig):
