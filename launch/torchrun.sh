@@ -6,9 +6,19 @@
 #   node 0 of 2:        NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 launch/torchrun.sh model=gpt3-6.7b parallel.tp=8 parallel.pp=2
 #   node 1 of 2:        NNODES=2 NODE_RANK=1 MASTER_ADDR=10.0.0.1 launch/torchrun.sh model=gpt3-6.7b parallel.tp=8 parallel.pp=2
 #
+# Elastic (MAX_RESTARTS set, or NNODES a range MIN:MAX): torchrun's c10d rendezvous on MASTER_ADDR:MASTER_PORT;
+# when a worker or node fails, torchrun stops the others and starts them again (at most MAX_RESTARTS times)
+# on the nodes that are left (at least MIN), and they resume from the newest intact checkpoint of the same
+# run directory. With parallel.layout=auto each start takes a layout that fits its world size.
+#
+#   elastic, one node:  MAX_RESTARTS=3 launch/torchrun.sh model=gpt3-1.3b parallel.layout=auto
+#   elastic, 2-4 nodes: NNODES=2:4 MAX_RESTARTS=3 MASTER_ADDR=10.0.0.1 GPT3D_RUN_STAMP=exp1 launch/torchrun.sh \
+#                           model=gpt3-13b parallel.layout=auto          (the same line on every node)
+#
 # Multi-node runs need a run directory all nodes can reach (a shared filesystem): RUN_DIR, default
 # runs/multinode/<GPT3D_RUN_STAMP>, which every node must agree on: set GPT3D_RUN_STAMP to the same value
-# on all nodes (the SLURM script uses the job id).
+# on all nodes (the SLURM script uses the job id). On one node the ranks name it from torchrun's start time,
+# which restarted workers share.
 set -euo pipefail
 NNODES="${NNODES:-1}"
 NODE_RANK="${NODE_RANK:-0}"
@@ -16,10 +26,19 @@ NPROC_PER_NODE="${NPROC_PER_NODE:-$(python -c 'import torch; print(torch.cuda.de
 MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
 MASTER_PORT="${MASTER_PORT:-29500}"
 EXTRA=()
-if [ "$NNODES" -gt 1 ]; then
+if [ "$NNODES" != 1 ]; then
   : "${GPT3D_RUN_STAMP:?set GPT3D_RUN_STAMP to the same value on every node (e.g. a date or job id)}"
   export GPT3D_RUN_STAMP
   EXTRA+=("hydra.run.dir=${RUN_DIR:-runs/multinode/$GPT3D_RUN_STAMP}")
+fi
+if [ -n "${MAX_RESTARTS:-}" ] || [[ "$NNODES" == *:* ]]; then
+  # Each restart's workers get a store of their own: in the rendezvous' shared store the killed workers'
+  # addresses would still be found, and the new process group would try to connect to them.
+  export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+  exec torchrun \
+    --nnodes "$NNODES" --nproc_per_node "$NPROC_PER_NODE" --max-restarts "${MAX_RESTARTS:-0}" \
+    --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "${GPT3D_RUN_STAMP:-gpt3d}" \
+    -m train "${EXTRA[@]}" "$@"
 fi
 exec torchrun \
   --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$NPROC_PER_NODE" \

@@ -5,10 +5,10 @@
   the CPU rule gives for its world size (worked out by hand below), says so in one line and in its
   first metrics record, and the whole run (8 processes up to the checkpoint, then 6 or 4) follows the
   one-process run of the same config: per-step losses within 1e-5 relative (float32).
-- torchrun's own elastic restart: 2 workers with --max-restarts=1 and a c10d rendezvous, one worker
-  killed with SIGKILL after the first checkpoint; torchrun restarts both, they find the same run folder
-  (its name comes from the launch stamp, the agent's start time) and resume from its checkpoint, and the
-  job ends by itself on the one-process loss curve.
+- torchrun's own elastic restart (launch/torchrun.sh's elastic form): 2 workers with --max-restarts=1 and
+  a c10d rendezvous, one worker killed with SIGKILL after the first checkpoint; torchrun restarts both,
+  they find the same run folder (its name comes from the launch stamp, the agent's start time) and resume
+  from its checkpoint, and the job ends by itself on the one-process loss curve.
 
 The CPU rule at train.global_batch_size=24 with data.streams=4 (dp and the streams must divide one
 another) and 3 layers of 2 heads: 8 processes -> dp=8, micro batch 24/8 = 3; 6 processes -> dp=6 and
@@ -120,11 +120,10 @@ def test_torchrun_elastic_restart_after_a_killed_worker_finishes_the_run(tmp_pat
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    command = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--max-restarts=1", "--rdzv-backend=c10d",
-               f"--rdzv-endpoint=127.0.0.1:{port}", "-m", "train", *arguments]
-    # as launch/torchrun.sh's elastic form: each restart's workers get a fresh store (torch's shared rendezvous
-    # store keeps the killed workers' addresses, and the new process group would connect to them)
-    proc = start(log, command, env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}, start_new_session=True)
+    # launch/torchrun.sh's elastic form: torchrun --nproc_per_node 2 --max-restarts 1 --rdzv-backend c10d
+    # --rdzv-endpoint 127.0.0.1:PORT -m train ...
+    env = {"NPROC_PER_NODE": "2", "MAX_RESTARTS": "1", "MASTER_PORT": str(port), "PATH": f"{BIN}:{os.environ['PATH']}"}
+    proc = start(log, ["bash", str(REPO / "launch" / "torchrun.sh"), *arguments], env=env, start_new_session=True)
     deadline = time.monotonic() + 300
     while not list(runs.glob("*/checkpoints/latest")) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
