@@ -259,14 +259,15 @@ def open_logger(trainer: Trainer, resumed_step: int | None) -> metrics.MetricsLo
     layout = {"tp": topo.tp_size, "pp": topo.pp_size, "dp": topo.dp_size, "zero_stage": trainer.cfg.parallel.zero_stage,
               "micro_batch": trainer.cfg.train.micro_batch_size,
               "activation_checkpointing": trainer.cfg.parallel.activation_checkpointing}
-    if spec.layout is not None:
-        layout["auto"] = spec.layout.line()
+    first = {f"layout/{key}": value for key, value in layout.items()}
+    if spec.layout is not None:  # parallel.layout=auto: what it chose and why
+        layout["auto"], first["layout/auto"] = spec.layout.to_json(), spec.layout.line()
     run_config = metrics.run_record(OmegaConf.to_container(trainer.cfg, resolve=True), spec.schedule.schedule, layout,
                                     trainer.ramp.full, spec.model.seq_len, trainer.plan)
     name = f"{spec.model.name}-tp{topo.tp_size}pp{topo.pp_size}dp{topo.dp_size}-{trainer.run_dir.name}"
     return metrics.MetricsLogger(trainer.run_dir, trainer.cfg.logging, run_config, active=topo.rank == 0,
                                  resumed_step=resumed_step, resumed=spec.resume is not None, default_name=name,
-                                 first_record={f"layout/{key}": value for key, value in layout.items()})
+                                 first_record=first)
 
 
 def evaluate(trainer: Trainer) -> float:

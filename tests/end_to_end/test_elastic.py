@@ -50,9 +50,9 @@ def train_auto(run_dir: Path, corpus, nproc: int) -> subprocess.CompletedProcess
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory, corpus):
-    """The reference: one process at the manual layout (micro batch 1), never interrupted."""
+    """The reference: one process at the manual layout (micro batch 12), never interrupted."""
     run_dir = tmp_path_factory.mktemp("one") / "run"
-    train(run_dir, corpus, *STEPS)
+    train(run_dir, corpus, *STEPS, "train.micro_batch_size=12")
     return metrics(run_dir)
 
 

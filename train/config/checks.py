@@ -175,13 +175,13 @@ def check_layout_mode(cfg, set_keys: list[str]) -> str:
     """parallel.layout: manual (the parallel.* and train.micro_batch_size values as given) or auto (chosen for
     the world size and device by train/plan/elastic.py, which then sets them: none of them may be set on the
     command line, `set_keys`). Returns the mode."""
-    mode = cfg.parallel.layout
-    if mode not in ("manual", "auto"):
-        raise ConfigError(f"parallel.layout={mode!r}: must be manual (the parallel.* settings as given) or auto "
-                          "(chosen for the world size and device)")
-    if mode == "auto":
-        from train.plan.elastic import AUTO_KEYS
+    from train.plan.elastic import AUTO, AUTO_KEYS, LAYOUT_MODES
 
+    mode = cfg.parallel.layout
+    if mode not in LAYOUT_MODES:
+        raise ConfigError(f"parallel.layout={mode!r}: must be one of {list(LAYOUT_MODES)} (manual: the parallel.* "
+                          "settings as given; auto: chosen for the world size and device)")
+    if mode == AUTO:
         fixed = [key for key in AUTO_KEYS if key in set_keys]
         if fixed:
             raise ConfigError(f"parallel.layout=auto chooses {', '.join(AUTO_KEYS)}; drop {', '.join(fixed)} from the "

@@ -21,7 +21,7 @@ world size and the device model: no collective):
 It fills parallel.tp, parallel.pp, parallel.zero_stage, parallel.sequence_parallel,
 parallel.activation_checkpointing, parallel.offload_optimizer (false: the search does not model it) and
 train.micro_batch_size (AUTO_KEYS). A world size on which no layout is valid (or fits) is one ConfigError
-naming the world sizes that would do (NoLayoutFits).
+naming the world sizes that would do.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class LayoutChoice:
 
     def line(self) -> str:
         """The one line a run prints about its choice."""
-        return f"layout auto for {self.processes} processes on {self.device}: {self.layout.describe()} ({self.reason})"
+        return f"layout {AUTO} for {self.processes} processes on {self.device}: {self.layout.describe()} ({self.reason})"
 
     def to_json(self) -> dict:
         """What the metrics and W&B record of the choice."""
@@ -116,7 +116,7 @@ def choose_layout(
     what = "is valid" if hardware is None else f"fits {hardware.name} with {HEADROOM_GIB:g} GiB to spare"
     step = "" if sizes[0] == 1 else f" (whole nodes of {processes_per_node})"
     raise ConfigError(
-        f"parallel.layout=auto: no layout of {processes} processes {what} for model {model_cfg.name} "
+        f"parallel.layout={AUTO}: no layout of {processes} processes {what} for model {model_cfg.name} "
         f"({model_cfg.n_layer} layers, {model_cfg.n_head} heads) with train.global_batch_size={global_batch} and "
         f"data.streams={order.streams} (dp must divide it or be a multiple of it); world sizes up to {sizes[-1]}"
         f"{step} that would: {would or 'none'}"
