@@ -33,7 +33,7 @@ class BuildOptions:
     """How this rank's part is built, beyond the topology's (tp, pp, dp)."""
 
     sequence_parallel: bool = False  # with tp > 1: activations between blocks split along the sequence
-    activation_checkpointing: int = 0  # k > 0: recompute each run of k blocks in backward
+    activation_checkpointing: int | str = 0  # k > 0: recompute each run of k blocks in backward; "selective"
 
 
 def build_model(

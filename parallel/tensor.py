@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.layers import Embedding, lm_loss
+from model.recompute import Recompute, linear
 from parallel.comm import (
     all_reduce,
     copy_to_tp_region,
@@ -124,10 +125,11 @@ class ColumnParallelLinear(nn.Module):
             self.bias = nn.Parameter(torch.empty(local, device=device, dtype=dtype))
             _mark(self.bias, (out_features,), SPLIT_DIMS["column"]["bias"], rank, size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, T, k), replicated
+    def forward(self, x: torch.Tensor, recompute: Recompute | None = None) -> torch.Tensor:  # x (B, T, k), replicated
+        """recompute: how backward gets x back instead of keeping it (model/recompute.py)."""
         if not self.sequence_parallel:
             x = copy_to_tp_region(x, self.group, self.tag)
-        return F.linear(x, self.weight, self.bias)  # (B, T, n/p)
+        return linear(x, self.weight, self.bias, recompute)  # (B, T, n/p)
 
 
 class RowParallelLinear(nn.Module):
@@ -150,8 +152,9 @@ class RowParallelLinear(nn.Module):
         _mark(self.weight, (out_features, in_features), SPLIT_DIMS["row"]["weight"], rank, size)
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, T, k/p)
-        partial_sum = F.linear(x, self.weight)  # (B, T, n), this rank's term of Σ_i
+    def forward(self, x: torch.Tensor, recompute: Recompute | None = None) -> torch.Tensor:  # x (B, T, k/p)
+        """recompute: how backward gets x back instead of keeping it (model/recompute.py)."""
+        partial_sum = linear(x, self.weight, None, recompute)  # (B, T, n), this rank's term of Σ_i
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(partial_sum, self.group, dim=1, tag=self.tag)  # (B, T/p, n)
             bias = None if self.bias is None else copy_to_tp_region(self.bias, self.group, self.tag)
