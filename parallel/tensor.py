@@ -43,6 +43,7 @@ from parallel.comm import (
     copy_to_tp_region,
     gather_from_sequence_parallel_region,
     gather_from_tp_region,
+    overlapped_reduction,
     reduce_from_tp_region,
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tp_region,
@@ -107,16 +108,20 @@ class ColumnParallelLinear(nn.Module):
     """y = x Aᵀ + b with A (n, k) split by output rows: rank i holds A_i = A[i·n/p : (i+1)·n/p] and b_i
     and returns its n/p output features y_i = x A_iᵀ + b_i.
 
-    x is replicated, and ∂L/∂x = Σ_i (∂L/∂y_i) A_i is a sum over ranks: copy_to_tp_region all-reduces it
-    in backward. With sequence parallelism x comes from an all-gather whose backward is that sum.
+    x is replicated, and ∂L/∂x = Σ_i (∂L/∂y_i) A_i is a sum over ranks, all-reduced in backward: with
+    overlap (parallel.overlap_communication) issued asynchronously before the weight-gradient product
+    ∂L/∂A_i = (∂L/∂y_i)ᵀ x and waited on after it (parallel.comm.overlapped_reduction), without it by
+    copy_to_tp_region after the whole backward. With sequence parallelism x comes from an all-gather
+    whose backward is that sum.
     """
 
     def __init__(
-        self, in_features, out_features, group, bias=True, sequence_parallel=False, tag="", device=None, dtype=None
-    ):
+        self, in_features, out_features, group, bias=True, sequence_parallel=False, tag="", device=None, dtype=None,
+        overlap=True,
+    ):  # fmt: skip
         super().__init__()
         rank, size = dist.get_rank(group), dist.get_world_size(group)
-        self.group, self.sequence_parallel, self.tag = group, sequence_parallel, tag
+        self.group, self.sequence_parallel, self.tag, self.overlap = group, sequence_parallel, tag, overlap
         local = _local(out_features, size, f"{tag or 'column-parallel'} out_features")
         self.weight = nn.Parameter(torch.empty(local, in_features, device=device, dtype=dtype))
         _mark(self.weight, (out_features, in_features), SPLIT_DIMS["column"]["weight"], rank, size)
@@ -127,8 +132,12 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, recompute: Recompute | None = None) -> torch.Tensor:  # x (B, T, k), replicated
         """recompute: how backward gets x back instead of keeping it (model/recompute.py)."""
-        if not self.sequence_parallel:
-            x = copy_to_tp_region(x, self.group, self.tag)
+        if self.sequence_parallel:
+            return linear(x, self.weight, self.bias, recompute)  # (B, T, n/p)
+        if self.overlap and torch.is_grad_enabled():
+            reduction = overlapped_reduction(self.group, self.tag)
+            return linear(x, self.weight, self.bias, recompute, reduction)  # (B, T, n/p)
+        x = copy_to_tp_region(x, self.group, self.tag)
         return linear(x, self.weight, self.bias, recompute)  # (B, T, n/p)
 
 
@@ -400,6 +409,14 @@ def shard_layer(
         swaps = _replacements(layer, plan, topology.tp_group, sequence_parallel, prefix)
         _install(layer, swaps, topology.tp_group, sequence_parallel, prefix)
     return layer
+
+
+def set_overlap(module: nn.Module, on: bool) -> None:
+    """Make every column-parallel layer in `module` overlap its input-gradient reduction with its
+    weight-gradient product in backward (on), or reduce after the whole backward (off)."""
+    for layer in module.modules():
+        if isinstance(layer, ColumnParallelLinear):
+            layer.overlap = on
 
 
 def full_plan(plan: dict[str, str], sequence_parallel: bool) -> dict[str, str]:

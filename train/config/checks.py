@@ -169,6 +169,8 @@ def check_parallel(cfg, model_cfg: GPTConfig) -> int:
         raise ConfigError(
             f"parallel.activation_checkpointing={ckpt!r}: must be 0 (off), a positive block count or 'selective'"
         )
+    if not isinstance(par.overlap_communication, bool):
+        raise ConfigError(f"parallel.overlap_communication={par.overlap_communication!r}: must be true or false")
     _check_deepspeed_extras(cfg)
     return dp
 
