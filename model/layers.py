@@ -55,8 +55,9 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cache=None, recompute: Recompute | None = None) -> torch.Tensor:
         """recompute: how backward gets x back instead of keeping it (see model/recompute.py)."""
-        b, t, _ = x.shape
-        qkv = self.qkv(x, recompute).view(b, t, -1, 3, self.d_head)  # (B, T, nh, 3, hd)
+        qkv = self.qkv(x, recompute)  # (B, T, 3·nh·hd); x may be this rank's piece of the sequence
+        b, t, _ = qkv.shape
+        qkv = qkv.view(b, t, -1, 3, self.d_head)  # (B, T, nh, 3, hd)
         q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each (B, nh, T, hd)
         if cache is None:
             y = attention(q, k, v, causal=True, window=self.window, impl=self.impl,

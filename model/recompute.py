@@ -16,6 +16,9 @@ with two choices plain autograd does not offer:
   the weight and bias gradients' products to run meanwhile, so a collective (the tensor-parallel
   all-reduce or reduce-scatter of the input gradient, parallel/comm.py's overlapped_reduction) runs
   while gᵀ x computes; backward returns the reduced input gradient.
+- gather_input(x) → the full input: the forward's all-gather of sequence-parallel pieces, done inside
+  the layer so that its adjoint, the reduce-scatter of ∂L/∂x, is the reduction backward overlaps
+  (then reduce_input_grad returns this rank's piece, and x is kept gathered: no recompute).
 
 Under autocast the products run in the autocast dtype, as F.linear's would, and the casts of x and W
 are what is kept (as autograd keeps them for F.linear).
@@ -44,7 +47,9 @@ class Recompute:
 
 class _Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, recompute, reduce_input_grad):
+    def forward(ctx, x, weight, bias, recompute, reduce_input_grad, gather_input):
+        if gather_input is not None:
+            x = gather_input(x)  # (…, k), from this rank's piece of the sequence
         dtype = _autocast_dtype(x)
         x_cast, w_cast = x.to(dtype), weight.to(dtype)  # the very tensors when no cast applies
         y = F.linear(x_cast, w_cast, None if bias is None else bias.to(dtype))  # (…, n)
@@ -71,7 +76,7 @@ class _Linear(torch.autograd.Function):
             grad_w, grad_b = parameter_grads()
         else:
             grad_x, (grad_w, grad_b) = ctx.reduce_input_grad(grad_x, parameter_grads)
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None
 
 
 def linear(
@@ -80,12 +85,15 @@ def linear(
     bias: torch.Tensor | None = None,
     recompute: Recompute | None = None,
     reduce_input_grad: Callable | None = None,
+    gather_input: Callable | None = None,
 ) -> torch.Tensor:
     """F.linear(x, weight, bias) (…, k) → (…, n), with the backward choices of the module docstring;
     without either it is F.linear itself."""
-    if recompute is None and reduce_input_grad is None:
+    if recompute is None and reduce_input_grad is None and gather_input is None:
         return F.linear(x, weight, bias)
-    return _Linear.apply(x, weight, bias, recompute, reduce_input_grad)
+    if recompute is not None and gather_input is not None:
+        raise ValueError("a gathered input is kept, not recomputed: recomputing it would repeat the all-gather")
+    return _Linear.apply(x, weight, bias, recompute, reduce_input_grad, gather_input)
 
 
 def _autocast_dtype(x: torch.Tensor) -> torch.dtype:

@@ -2,8 +2,7 @@
 
     model.gpt.layer_list(config)   [Embedding, Block_0 … Block_{L-1}, Head], on the meta device
       → this stage's layers        all of them when pp = 1 (parallel/pipeline.py: stage_bounds)
-      → tensor-parallel plan       parallel/tensor.py: shard_layer, the same for every layer,
-                                   and set_overlap (parallel.overlap_communication)
+      → tensor-parallel plan       parallel/tensor.py: shard_layer, the same for every layer
       → allocate, initialise       by index in the full list (model.gpt.init_layers_), so the full
                                    weights are the one-process model's whatever the layout;
                                    skipped for device="meta" (shapes only, see build_model)
@@ -25,7 +24,7 @@ from model import GPT, GPTConfig
 from model.gpt import init_layers_, layer_list
 from model.init import materialize_
 from parallel.pipeline import PipelineStages, stage_bounds
-from parallel.tensor import TP_PLAN, check_plan, full_plan, loss_for, set_overlap, shard_layer
+from parallel.tensor import TP_PLAN, check_plan, full_plan, loss_for, shard_layer
 from parallel.topology import check_layout
 
 
@@ -54,8 +53,7 @@ def build_model(
     bounds = stage_bounds(config.n_layer, topology.pp_size)
     local = {i: layers[i] for i in range(bounds[topology.pp_rank], bounds[topology.pp_rank + 1])}
     for index, layer in local.items():
-        shard_layer(layer, topology, TP_PLAN, options.sequence_parallel, index)
-        set_overlap(layer, options.overlap_communication)
+        shard_layer(layer, topology, TP_PLAN, options.sequence_parallel, index, options.overlap_communication)
     head = local.get(len(layers) - 1)
     shapes_only = torch.device(device).type == "meta"
     if topology.pp_size == 1:

@@ -4,8 +4,9 @@ Two gloo processes build the same tp=2 GPT (with and without sequence parallelis
 overlap on or off (parallel.overlap_communication), selective recomputation on or off. The
 reference for each is the plain path, overlap off and nothing recomputed, as it ran before either
 existed: loss and every local gradient equal bit for bit. The recorded steps show every
-column-parallel layer's input-gradient reduction issued before its weight-gradient GEMM starts and
-waited on after it ends; the bytes kept for backward drop by exactly model.layers.Block's count.
+column-parallel layer's input-gradient reduction (all-reduce; under sequence parallelism
+reduce-scatter) issued before its weight-gradient GEMM starts and waited on after it ends; the
+bytes kept for backward drop by exactly model.layers.Block's count.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 
 from model import GPT, GPTConfig
 from parallel.comm import record_comm, record_overlap
-from parallel.tensor import set_overlap, shard
+from parallel.tensor import shard
 from parallel.topology import Topology
 from distributed import run_distributed
 
@@ -54,8 +55,7 @@ def overlap_worker() -> dict:
         for overlap, mode in VARIANTS:
             with torch.device("meta"):
                 model = GPT(CONFIG)
-            shard(model, topology, sequence_parallel=sequence_parallel).materialize("cpu", SEED)
-            set_overlap(model, overlap)
+            shard(model, topology, sequence_parallel=sequence_parallel, overlap=overlap).materialize("cpu", SEED)
             model.activation_checkpointing = mode
             with record_overlap() as steps, record_comm() as events:
                 loss = model(*_batch())
@@ -64,7 +64,7 @@ def overlap_worker() -> dict:
                 "loss": loss.detach(),
                 "grads": {name: p.grad for name, p in model.named_parameters()},
                 "steps": steps,
-                "backward_ops": sorted((e.op, e.tag) for e in events if e.phase == "backward"),
+                "collectives": sorted((e.op, e.phase, e.nbytes) for e in events),
                 "saved": _saved_bytes(model),
             }
     return result
@@ -86,16 +86,18 @@ def test_loss_and_gradients_equal_the_plain_path_bit_for_bit(ranks, sequence_par
             assert torch.equal(grad, plain["grads"][name]), f"rank {rank}: {name}"
 
 
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["all-reduce", "reduce-scatter"])
 @pytest.mark.parametrize("mode", [0, "selective"], ids=["plain", "selective"])
-def test_input_gradient_all_reduce_is_issued_before_the_weight_gemm_and_waited_on_after(ranks, mode):
+def test_input_gradient_reduction_is_issued_before_the_weight_gemm_and_waited_on_after(ranks, sequence_parallel, mode):
     for rank, result in enumerate(ranks):
-        steps = result[False, True, mode]["steps"]
+        steps = result[sequence_parallel, True, mode]["steps"]
         for tag in COLUMN_LAYERS:
             assert [step for step, t in steps if t == tag] == ["issue", "gemm start", "gemm end", "wait"], (rank, tag)
         assert {t for _, t in steps} == set(COLUMN_LAYERS), rank
-        assert result[False, False, mode]["steps"] == [], rank  # overlap off: today's path
-        # the same collectives either way, only their timing differs
-        assert result[False, True, mode]["backward_ops"] == result[False, False, mode]["backward_ops"], rank
+        assert result[sequence_parallel, False, mode]["steps"] == [], rank  # overlap off: today's path
+        # the same collectives of the same sizes either way, only who issues them and when differs
+        on, off = result[sequence_parallel, True, mode], result[sequence_parallel, False, mode]
+        assert on["collectives"] == off["collectives"], rank
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
