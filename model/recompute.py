@@ -27,22 +27,16 @@ are what is kept (as autograd keeps them for F.linear).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 
-@dataclass(frozen=True)
 class Recompute:
     """x = fn(*sources), the linear's input, recomputed in backward instead of kept."""
 
-    fn: Callable[..., torch.Tensor]
-    sources: tuple[torch.Tensor, ...]
-
     def __init__(self, fn: Callable[..., torch.Tensor], *sources: torch.Tensor):
-        object.__setattr__(self, "fn", fn)
-        object.__setattr__(self, "sources", sources)
+        self.fn, self.sources = fn, sources
 
 
 class _Linear(torch.autograd.Function):

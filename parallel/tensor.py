@@ -140,7 +140,7 @@ class ColumnParallelLinear(nn.Module):
         if self.sequence_parallel and self.overlap:  # x (B, T/p, k), this rank's piece of the sequence
             reduction = overlapped_reduction(self.group, self.tag, sequence_dim=1)
             gather = sequence_gather(self.group, self.tag, dim=1)
-            return linear(x, self.weight, self.bias, None, reduction, gather)  # (B, T, n/p)
+            return linear(x, self.weight, self.bias, recompute, reduction, gather)  # (B, T, n/p)
         if self.sequence_parallel:
             return linear(x, self.weight, self.bias, recompute)  # (B, T, n/p)
         if self.overlap and torch.is_grad_enabled():
