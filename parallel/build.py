@@ -33,7 +33,8 @@ class BuildOptions:
     """How this rank's part is built, beyond the topology's (tp, pp, dp)."""
 
     sequence_parallel: bool = False  # with tp > 1: activations between blocks split along the sequence
-    activation_checkpointing: int = 0  # k > 0: recompute each run of k blocks in backward
+    activation_checkpointing: int | str = 0  # k > 0: recompute each run of k blocks in backward; "selective"
+    overlap_communication: bool = True  # with tp > 1: input-gradient all-reduces overlap the weight-gradient GEMMs
 
 
 def build_model(
@@ -52,7 +53,7 @@ def build_model(
     bounds = stage_bounds(config.n_layer, topology.pp_size)
     local = {i: layers[i] for i in range(bounds[topology.pp_rank], bounds[topology.pp_rank + 1])}
     for index, layer in local.items():
-        shard_layer(layer, topology, TP_PLAN, options.sequence_parallel, index)
+        shard_layer(layer, topology, TP_PLAN, options.sequence_parallel, index, options.overlap_communication)
     head = local.get(len(layers) - 1)
     shapes_only = torch.device(device).type == "meta"
     if topology.pp_size == 1:

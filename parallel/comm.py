@@ -17,6 +17,14 @@ ranks' partial gradients), a row-parallel layer ends with g (each rank holds a p
 output). The two sequence-parallel ones replace f and g when activations outside the
 column/row pair are split along the sequence.
 
+overlapped_reduction(group, tag) is the input-gradient reduction of a column-parallel layer run
+asynchronously: model.recompute.linear's backward hands it ∂L/∂x and the weight-gradient product, it
+issues the all-reduce (async_op=True), runs the product, then waits (Megatron-LM's asynchronous
+gradient all-reduce). Under sequence parallelism the layer gathers its input itself
+(sequence_gather) and the reduction is that gather's adjoint, the reduce-scatter. The forward
+all-gather is not overlapped. Inside `with record_overlap() as steps:` it appends, in order, ("issue",
+tag), ("gemm start", tag), ("gemm end", tag), ("wait", tag).
+
 Every collective can be recorded: inside `with record_comm() as events:` each one appends a
 CommEvent(op, tag, phase, nbytes), where nbytes is the size of the full tensor involved (the
 all-reduced tensor; the gathered output; the reduce-scattered input). On a ring, a rank sends
@@ -34,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 _RECORDERS: list[list["CommEvent"]] = []
+_OVERLAP_RECORDERS: list[list[tuple[str, str]]] = []
 
 
 @dataclass(frozen=True)
@@ -56,6 +65,55 @@ def record_comm() -> Iterator[list[CommEvent]]:
         yield events
     finally:
         _RECORDERS.remove(events)
+
+
+@contextlib.contextmanager
+def record_overlap() -> Iterator[list[tuple[str, str]]]:
+    """Collect the steps of every overlapped reduction this process runs inside the block, in order:
+    (step, tag) with step "issue" | "gemm start" | "gemm end" | "wait"."""
+    steps: list[tuple[str, str]] = []
+    _OVERLAP_RECORDERS.append(steps)
+    try:
+        yield steps
+    finally:
+        _OVERLAP_RECORDERS.remove(steps)
+
+
+def _step(step: str, tag: str) -> None:
+    for steps in _OVERLAP_RECORDERS:
+        steps.append((step, tag))
+
+
+def overlapped_reduction(group, tag: str, sequence_dim: int | None = None):
+    """The reduce_input_grad of model.recompute.linear for a column-parallel layer: (grad_x, during) →
+    (Σ_ranks grad_x, during()), the all-reduce issued before during() runs and waited on after; with
+    sequence_dim, a reduce-scatter along it instead, giving this rank's piece (Σ_ranks grad_x)_i."""
+
+    def reduce_while(grad_x: torch.Tensor, during):
+        if sequence_dim is None:
+            _record("all_reduce", tag, "backward", grad_x)
+            reduced = grad_x  # reduced in place: grad_x is the backward's own product
+            work = dist.all_reduce(reduced, group=group, async_op=True)
+        else:
+            _record("reduce_scatter", tag, "backward", grad_x)
+            pieces = [piece.contiguous() for piece in _split(grad_x, group, sequence_dim, all_pieces=True)]
+            reduced = torch.empty_like(pieces[0])
+            work = dist.reduce_scatter(reduced, pieces, group=group, async_op=True)
+        _step("issue", tag)
+        _step("gemm start", tag)
+        result = during()
+        _step("gemm end", tag)
+        work.wait()
+        _step("wait", tag)
+        return reduced, result
+
+    return reduce_while
+
+
+def sequence_gather(group, tag: str, dim: int = 1):
+    """The gather_input of model.recompute.linear: x ↦ the ranks' pieces concatenated along dim,
+    recorded as a forward all-gather (outside autograd: the layer's backward does the adjoint)."""
+    return lambda x: _all_gather(x, group, dim, tag, "forward")
 
 
 def _record(op: str, tag: str, phase: str, full: torch.Tensor) -> None:

@@ -37,11 +37,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.layers import Embedding, lm_loss
+from model.recompute import Recompute, linear
 from parallel.comm import (
     all_reduce,
     copy_to_tp_region,
     gather_from_sequence_parallel_region,
     gather_from_tp_region,
+    overlapped_reduction,
+    sequence_gather,
     reduce_from_tp_region,
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tp_region,
@@ -59,6 +62,8 @@ TP_PLAN = {
 # With sequence parallelism the LayerNorms work on 1/p of the sequence and gather it for the
 # column-parallel layer that follows each of them.
 SEQUENCE_PARALLEL_PLAN = {"ln_1": "sequence", "ln_2": "sequence", "ln_f": "sequence"}
+# The LayerNorms whose output feeds a column-parallel layer (ln_f feeds the vocab-parallel unembedding).
+NORM_BEFORE_COLUMN = ("ln_1", "ln_2")
 VOCAB_MULTIPLE = 128
 # Per style, the dimension along which each parameter is cut over the tp ranks (absent: every rank
 # holds all of it). "vocab" cuts the vocabulary after padding it to padded_vocab_size.
@@ -106,16 +111,22 @@ class ColumnParallelLinear(nn.Module):
     """y = x Aᵀ + b with A (n, k) split by output rows: rank i holds A_i = A[i·n/p : (i+1)·n/p] and b_i
     and returns its n/p output features y_i = x A_iᵀ + b_i.
 
-    x is replicated, and ∂L/∂x = Σ_i (∂L/∂y_i) A_i is a sum over ranks: copy_to_tp_region all-reduces it
-    in backward. With sequence parallelism x comes from an all-gather whose backward is that sum.
+    x is replicated, and ∂L/∂x = Σ_i (∂L/∂y_i) A_i is a sum over ranks, all-reduced in backward: with
+    overlap (parallel.overlap_communication) issued asynchronously before the weight-gradient product
+    ∂L/∂A_i = (∂L/∂y_i)ᵀ x and waited on after it (parallel.comm.overlapped_reduction), without it by
+    copy_to_tp_region after the whole backward. With sequence parallelism x comes from an all-gather
+    whose backward is that sum as a reduce-scatter: with overlap the layer gathers its (B, T/p, k) input
+    itself (the LayerNorm before it then leaves its output split, SequenceParallelLayerNorm.gather_output)
+    and issues the reduce-scatter before the weight-gradient product, without it the LayerNorm gathers.
     """
 
     def __init__(
-        self, in_features, out_features, group, bias=True, sequence_parallel=False, tag="", device=None, dtype=None
-    ):
+        self, in_features, out_features, group, bias=True, sequence_parallel=False, tag="", device=None, dtype=None,
+        overlap=False,
+    ):  # fmt: skip
         super().__init__()
         rank, size = dist.get_rank(group), dist.get_world_size(group)
-        self.group, self.sequence_parallel, self.tag = group, sequence_parallel, tag
+        self.group, self.sequence_parallel, self.tag, self.overlap = group, sequence_parallel, tag, overlap
         local = _local(out_features, size, f"{tag or 'column-parallel'} out_features")
         self.weight = nn.Parameter(torch.empty(local, in_features, device=device, dtype=dtype))
         _mark(self.weight, (out_features, in_features), SPLIT_DIMS["column"]["weight"], rank, size)
@@ -124,10 +135,19 @@ class ColumnParallelLinear(nn.Module):
             self.bias = nn.Parameter(torch.empty(local, device=device, dtype=dtype))
             _mark(self.bias, (out_features,), SPLIT_DIMS["column"]["bias"], rank, size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, T, k), replicated
-        if not self.sequence_parallel:
-            x = copy_to_tp_region(x, self.group, self.tag)
-        return F.linear(x, self.weight, self.bias)  # (B, T, n/p)
+    def forward(self, x: torch.Tensor, recompute: Recompute | None = None) -> torch.Tensor:  # x (B, T, k), replicated
+        """recompute: how backward gets x back instead of keeping it (model/recompute.py)."""
+        if self.sequence_parallel and self.overlap:  # x (B, T/p, k), this rank's piece of the sequence
+            reduction = overlapped_reduction(self.group, self.tag, sequence_dim=1)
+            gather = sequence_gather(self.group, self.tag, dim=1)
+            return linear(x, self.weight, self.bias, recompute, reduction, gather)  # (B, T, n/p)
+        if self.sequence_parallel:
+            return linear(x, self.weight, self.bias, recompute)  # (B, T, n/p)
+        if self.overlap and torch.is_grad_enabled():
+            reduction = overlapped_reduction(self.group, self.tag)
+            return linear(x, self.weight, self.bias, recompute, reduction)  # (B, T, n/p)
+        x = copy_to_tp_region(x, self.group, self.tag)
+        return linear(x, self.weight, self.bias, recompute)  # (B, T, n/p)
 
 
 class RowParallelLinear(nn.Module):
@@ -150,8 +170,9 @@ class RowParallelLinear(nn.Module):
         _mark(self.weight, (out_features, in_features), SPLIT_DIMS["row"]["weight"], rank, size)
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, T, k/p)
-        partial_sum = F.linear(x, self.weight)  # (B, T, n), this rank's term of Σ_i
+    def forward(self, x: torch.Tensor, recompute: Recompute | None = None) -> torch.Tensor:  # x (B, T, k/p)
+        """recompute: how backward gets x back instead of keeping it (model/recompute.py)."""
+        partial_sum = linear(x, self.weight, None, recompute)  # (B, T, n), this rank's term of Σ_i
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(partial_sum, self.group, dim=1, tag=self.tag)  # (B, T/p, n)
             bias = None if self.bias is None else copy_to_tp_region(self.bias, self.group, self.tag)
@@ -212,12 +233,14 @@ class VocabParallelUnembedding(nn.Module):
 class SequenceParallelLayerNorm(nn.LayerNorm):
     """LayerNorm on this rank's 1/p of the sequence, then the all-gather the next column-parallel layer
     needs: (B, T/p, d) → (B, T, d). γ and β are replicated but see only local tokens, so their
-    gradients are summed over ranks (copy_to_tp_region). With sequence_parallel off (generation,
-    see sequence_parallel_disabled) it is a plain LayerNorm of the whole sequence."""
+    gradients are summed over ranks (copy_to_tp_region). With gather_output off it returns its
+    (B, T/p, d) piece, for a column-parallel layer that gathers it itself (set_overlap). With
+    sequence_parallel off (generation, see sequence_parallel_disabled) it is a plain LayerNorm of the
+    whole sequence."""
 
     def __init__(self, normalized_shape, eps, group, tag="", device=None, dtype=None):
         super().__init__(normalized_shape, eps=eps, device=device, dtype=dtype)
-        self.group, self.tag, self.sequence_parallel = group, tag, True
+        self.group, self.tag, self.sequence_parallel, self.gather_output = group, tag, True, True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, T/p, d)
         if not self.sequence_parallel:
@@ -225,6 +248,8 @@ class SequenceParallelLayerNorm(nn.LayerNorm):
         weight = copy_to_tp_region(self.weight, self.group, self.tag)
         bias = copy_to_tp_region(self.bias, self.group, self.tag)
         y = F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)  # (B, T/p, d)
+        if not self.gather_output:
+            return y
         return gather_from_sequence_parallel_region(y, self.group, dim=1, tag=self.tag)  # (B, T, d)
 
 
@@ -349,7 +374,9 @@ def _build(style: str, name: str, module: nn.Module, group, sequence_parallel: b
     return cls(module.in_features, module.out_features, group, has_bias, sequence_parallel, tag=name, **like)
 
 
-def shard(model: nn.Module, topology, plan: dict[str, str] = TP_PLAN, sequence_parallel: bool = False) -> nn.Module:
+def shard(
+    model: nn.Module, topology, plan: dict[str, str] = TP_PLAN, sequence_parallel: bool = False, overlap: bool = True
+) -> nn.Module:
     """Make `model` (a GPT) tensor-parallel over topology.tp_group, in place; returns it.
 
     Every module whose qualified name equals a plan key or ends with "." + key is swapped for its
@@ -363,7 +390,7 @@ def shard(model: nn.Module, topology, plan: dict[str, str] = TP_PLAN, sequence_p
 
     sequence_parallel=True also splits the activations between blocks along the sequence
     (B, T/p, d): LayerNorms run on local tokens (SEQUENCE_PARALLEL_PLAN), the embedding output is
-    scattered, and T must be a multiple of tp.
+    scattered, and T must be a multiple of tp. overlap: see set_overlap (parallel.overlap_communication).
     """
     if topology.tp_size == 1:
         return model
@@ -375,13 +402,19 @@ def shard(model: nn.Module, topology, plan: dict[str, str] = TP_PLAN, sequence_p
     swaps = [_replacements(layer, plan, group, sequence_parallel, f"layers.{i}") for i, layer in enumerate(model.layers)]
     for index, layer in enumerate(model.layers):  # nothing is installed before every swap was built
         _install(layer, swaps[index], group, sequence_parallel, f"layers.{index}")
+    set_overlap(model, overlap)
     model.tie_weights()
     model.loss_fn = loss_for(model.head)
     return model
 
 
 def shard_layer(
-    layer: nn.Module, topology, plan: dict[str, str] = TP_PLAN, sequence_parallel: bool = False, index: int | None = None
+    layer: nn.Module,
+    topology,
+    plan: dict[str, str] = TP_PLAN,
+    sequence_parallel: bool = False,
+    index: int | None = None,
+    overlap: bool = True,
 ) -> nn.Module:
     """Make one layer of the flat list (an Embedding, a Block, a Head) tensor-parallel, in place.
 
@@ -389,14 +422,27 @@ def shard_layer(
     match nothing in this layer are fine. `index` (the layer's place in the full list) names its
     modules as the whole model does ("layers.{index}.attn.qkv") for communication tags. With
     sequence_parallel the LayerNorms become sequence-parallel and an embedding scatters its output.
-    With tp = 1 the layer is returned unchanged.
+    overlap as in `shard`. With tp = 1 the layer is returned unchanged.
     """
     if topology.tp_size > 1:
         prefix = "" if index is None else f"layers.{index}"
         plan = full_plan(plan, sequence_parallel)
         swaps = _replacements(layer, plan, topology.tp_group, sequence_parallel, prefix)
         _install(layer, swaps, topology.tp_group, sequence_parallel, prefix)
+        set_overlap(layer, overlap)
     return layer
+
+
+def set_overlap(module: nn.Module, on: bool) -> None:
+    """Make every column-parallel layer in `module` overlap its input-gradient reduction with its
+    weight-gradient product in backward (on), or reduce after the whole backward (off). Under
+    sequence parallelism the column layer then gathers its input itself, so the LayerNorm before it
+    (NORM_BEFORE_COLUMN) leaves its output split."""
+    for name, layer in module.named_modules():
+        if isinstance(layer, ColumnParallelLinear):
+            layer.overlap = on
+        if isinstance(layer, SequenceParallelLayerNorm) and name.rpartition(".")[2] in NORM_BEFORE_COLUMN:
+            layer.gather_output = not on
 
 
 def full_plan(plan: dict[str, str], sequence_parallel: bool) -> dict[str, str]:
