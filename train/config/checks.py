@@ -20,6 +20,15 @@ GPT2_VOCAB = 50257  # token ids reach 50256 (<|endoftext|>)
 OVERWRITE = "overwrite"  # train.resume: move an earlier run in the run folder aside (train/config/run_folder.py)
 
 
+# parallel.layout: manual, the layout keys as given; auto, train/plan/elastic.py chooses these keys at each start.
+MANUAL, AUTO = "manual", "auto"
+LAYOUT_MODES = (MANUAL, AUTO)
+AUTO_KEYS = (
+    "parallel.tp", "parallel.pp", "parallel.zero_stage", "parallel.sequence_parallel",
+    "parallel.activation_checkpointing", "parallel.offload_optimizer", "train.micro_batch_size",
+)  # fmt: skip
+
+
 class ConfigError(ValueError):
     """A configuration value that cannot work; the message names it and the valid choices."""
 
@@ -179,8 +188,6 @@ def check_layout_mode(cfg, set_keys: list[str]) -> str:
     """parallel.layout: manual (the parallel.* and train.micro_batch_size values as given) or auto (chosen for
     the world size and device by train/plan/elastic.py, which then sets them: none of them may be set on the
     command line, `set_keys`). Returns the mode."""
-    from train.plan.elastic import AUTO, AUTO_KEYS, LAYOUT_MODES
-
     mode = cfg.parallel.layout
     if mode not in LAYOUT_MODES:
         raise ConfigError(f"parallel.layout={mode!r}: must be one of {list(LAYOUT_MODES)} (manual: the parallel.* "

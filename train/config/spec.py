@@ -116,9 +116,9 @@ def _auto_layout(cfg, model_cfg: GPTConfig, overrides):
     """With parallel.layout=auto: the layout train/plan/elastic.py chooses for this launch's world size and
     device, for the global batch and data order the run keeps (one line on rank 0 says which and why);
     None with manual. Every rank computes the same choice from the same inputs."""
-    from train.plan.elastic import AUTO, DataOrder, choose_layout
+    from train.plan.elastic import DataOrder, choose_layout
 
-    if checks.check_layout_mode(cfg, [o.lstrip("+").split("=", 1)[0] for o in overrides]) != AUTO:
+    if checks.check_layout_mode(cfg, [o.lstrip("+").split("=", 1)[0] for o in overrides]) != checks.AUTO:
         return None
     from train.batch_ramp import from_config
     from train.data.sources import resolve as resolve_data

@@ -30,18 +30,12 @@ import math
 from dataclasses import dataclass
 
 from model import GPTConfig
-from train.config.checks import ConfigError
+from train.config.checks import AUTO, AUTO_KEYS, ConfigError
 from train.plan.estimate import Layout, Plan
 from train.plan.hardware import Hardware
 from train.plan.search import candidate_layouts, search
 
-MANUAL, AUTO = "manual", "auto"
-LAYOUT_MODES = (MANUAL, AUTO)
 HEADROOM_GIB = 2.0  # left free for the CUDA context, NCCL and the allocator (as pre-flight's alternatives)
-AUTO_KEYS = (
-    "parallel.tp", "parallel.pp", "parallel.zero_stage", "parallel.sequence_parallel",
-    "parallel.activation_checkpointing", "parallel.offload_optimizer", "train.micro_batch_size",
-)  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,8 @@ from omegaconf import OmegaConf
 
 from model import GPTConfig
 from train.config.checks import ConfigError
-from train.plan.elastic import AUTO_KEYS, HEADROOM_GIB, DataOrder, choose_layout
+from train.config.checks import AUTO_KEYS
+from train.plan.elastic import HEADROOM_GIB, DataOrder, choose_layout
 from train.plan.estimate import build_plan
 from train.plan.hardware import preset
 from train.plan.search import candidate_layouts
