@@ -2,7 +2,8 @@
 
 A one-process CPU run and a 1,000-GPU run share this code: `resolve_device` reads train.device,
 `init_distributed` joins the launcher's process group (or makes a one-process one),
-`deepspeed_config` turns train.* / parallel.* / optim.* / deepspeed.* into DeepSpeed's JSON, and
+`deepspeed_config` turns train.* / parallel.* / optim.* / deepspeed.* into DeepSpeed's JSON (with
+train.precision's settings, train/precision.py), and
 `create_engine` wraps this rank's model (parallel.build) with optimizer and LR schedule: a
 DeepSpeedEngine (ZeRO 0–3, optional optimizer offload) or, for a pipeline, a PipelineEngine.
 `counters` / `restore_counters` are the engine's checkpoint part: DeepSpeed's step counters, by name.
@@ -17,6 +18,8 @@ from datetime import timedelta
 
 import torch
 from omegaconf import OmegaConf
+
+from train.precision import deepspeed_settings, resolve_precision
 
 DEVICES = ("auto", "cpu", "cuda")
 # DeepSpeed's step counters a checkpoint keeps (the engine's attributes of these names, all ints)
@@ -101,16 +104,19 @@ def deepspeed_config(cfg, dp_size: int, device: torch.device) -> dict:
     precision, pipeline activation transfer, then any `deepspeed.*` extras (already validated) on top."""
     train, parallel = cfg.train, cfg.parallel
     accumulation = train.global_batch_size // (train.micro_batch_size * dp_size)
-    zero = {"stage": int(parallel.zero_stage)}
+    precision = resolve_precision(train.precision, device)
+    settings = deepspeed_settings(precision, int(parallel.zero_stage))
+    zero = settings.pop("zero_optimization")
     if parallel.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": device.type == "cuda"}
     config = {
         "train_batch_size": train.global_batch_size,
         "train_micro_batch_size_per_gpu": train.micro_batch_size,
         "gradient_accumulation_steps": accumulation,
-        # ZeRO ≥ 1: DeepSpeed's ZeRO optimizer clips. ZeRO-0: our ClippingAdamW does (train/optimizer.py),
-        # since DeepSpeed's own ZeRO-0 clipping neither reports the norm nor counts pipeline stages right.
-        "gradient_clipping": float(cfg.optim.grad_clip) if int(parallel.zero_stage) > 0 else 0.0,
+        # ZeRO ≥ 1 (also bf16's, train/precision.py): DeepSpeed's optimizer clips. ZeRO-0: our ClippingAdamW
+        # does (train/optimizer.py), since DeepSpeed's own ZeRO-0 clipping neither reports the norm nor
+        # counts pipeline stages right.
+        "gradient_clipping": float(cfg.optim.grad_clip) if zero["stage"] > 0 else 0.0,
         "zero_optimization": zero,
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
@@ -123,8 +129,7 @@ def deepspeed_config(cfg, dp_size: int, device: torch.device) -> dict:
         # next stage, which assumes every tp rank holds the same activations. Under sequence
         # parallelism each holds its own part of the sequence, so each sends its part whole.
         config["pipeline"] = {"pipe_partitioned": False, "grad_partitioned": False}
-    if device.type == "cuda":
-        config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
+    config.update(settings)  # precision: torch autocast, or bf16 weights with fp32 masters
     return _merge(config, OmegaConf.to_container(cfg.deepspeed, resolve=True) if "deepspeed" in cfg else {})
 
 
@@ -136,13 +141,27 @@ def _merge(base: dict, extra: dict) -> dict:
     return merged
 
 
+def client_clips(cfg, device: torch.device) -> bool:
+    """Our ClippingAdamW clips (and skips non-finite steps) itself: when DeepSpeed runs no optimizer
+    of its own around it, i.e. at ZeRO stage 0 in fp32 or autocast (see deepspeed_config)."""
+    precision = resolve_precision(cfg.train.precision, device)
+    return deepspeed_settings(precision, int(cfg.parallel.zero_stage))["zero_optimization"]["stage"] == 0
+
+
 def create_engine(model, optimizer, lr_scheduler, ds_config: dict, mpu=None):
-    """deepspeed.initialize with our optimizer and scheduler; a PipelineModule gives a PipelineEngine."""
+    """deepspeed.initialize with our optimizer and scheduler; a PipelineModule gives a PipelineEngine.
+
+    DeepSpeed's bf16 optimizer prints memory figures to stdout while it is set up, past its logger's
+    level; they are left out of the run's output."""
+    import contextlib
+    import io
+
     import deepspeed
 
-    engine, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=ds_config, mpu=mpu
-    )
+    with contextlib.redirect_stdout(io.StringIO()):
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=ds_config, mpu=mpu
+        )
     return engine
 
 

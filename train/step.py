@@ -41,10 +41,11 @@ class StepResult:
 class TrainStep:
     """Runs training and evaluation steps on a DeepSpeed engine (pipelined or not)."""
 
-    def __init__(self, engine, micro_batch_size: int, device: torch.device):
+    def __init__(self, engine, micro_batch_size: int, device: torch.device, autocast: bool = False):
         from deepspeed.runtime.pipe.engine import PipelineEngine
 
         self.engine, self.micro_batch_size, self.device = engine, micro_batch_size, device
+        self.autocast = autocast  # train.precision=autocast: evaluation under bf16 autocast too
         self.pipelined = isinstance(engine, PipelineEngine)
         if self.pipelined:  # the last stage's loss, computed inside DeepSpeed's schedule
             engine.module.loss_fn = flagging(engine.module.loss_fn)
@@ -85,7 +86,7 @@ class TrainStep:
         losses = []
         for windows in val_batches:
             micro_batches = micro_batch_split(windows.to(device), self.micro_batch_size)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.autocast):
                 if self.pipelined:
                     n = len(micro_batches)
                     losses.append(float(engine.eval_batch(data_iter=iter(micro_batches), num_micro_batches=n)))
