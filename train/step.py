@@ -51,7 +51,12 @@ class TrainStep:
             engine.module.loss_fn = flagging(engine.module.loss_fn)
 
     def __call__(self, windows: torch.Tensor) -> StepResult:
-        """One optimizer step on this rank's windows (n, T + 1) of the global batch."""
+        """One optimizer step on this rank's windows (n, T + 1) of the global batch, marked as a
+        `train_step` range for torch.profiler (bench/profile.py)."""
+        with torch.profiler.record_function("train_step"):
+            return self._step(windows)
+
+    def _step(self, windows: torch.Tensor) -> StepResult:
         engine = self.engine
         micro_batches = micro_batch_split(windows.to(self.device), self.micro_batch_size)
         self._accumulate(len(micro_batches))
