@@ -42,8 +42,13 @@ def init_distributed(device: torch.device, timeout_s: float = 1800.0) -> None:
 
     DeepSpeed picks gloo on CPU and nccl on CUDA; DS_ACCELERATOR is pinned so a CPU run on a
     GPU machine stays on the CPU. A collective that waits longer than `timeout_s`
-    (train.collective_timeout_s) fails instead of waiting forever.
+    (train.collective_timeout_s) fails instead of waiting forever. A process that has joined one
+    already (a benchmark building several engines) keeps it.
     """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if device.type == "cuda" else "cpu")
     if "RANK" not in os.environ:
         os.environ.update(
@@ -59,8 +64,6 @@ def init_distributed(device: torch.device, timeout_s: float = 1800.0) -> None:
         torch.cuda.set_device(local)
         # Bound to its GPU from the start (NCCL otherwise guesses the device from the global rank);
         # DeepSpeed then adopts this group.
-        import torch.distributed as dist
-
         dist.init_process_group("nccl", device_id=local, timeout=timedelta(seconds=timeout_s))
     deepspeed.init_distributed(verbose=False, timeout=timedelta(seconds=timeout_s))
 
