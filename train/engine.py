@@ -47,8 +47,6 @@ def init_distributed(device: torch.device, timeout_s: float = 1800.0) -> None:
     """
     import torch.distributed as dist
 
-    if dist.is_initialized():
-        return
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if device.type == "cuda" else "cpu")
     if "RANK" not in os.environ:
         os.environ.update(
@@ -59,7 +57,7 @@ def init_distributed(device: torch.device, timeout_s: float = 1800.0) -> None:
     _quiet_deepspeed()
     skip_shared_memory_op()
     _default_group_timeout(timedelta(seconds=timeout_s))
-    if device.type == "cuda":
+    if device.type == "cuda" and not dist.is_initialized():
         local = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(local)
         # Bound to its GPU from the start (NCCL otherwise guesses the device from the global rank);

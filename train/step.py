@@ -15,7 +15,9 @@ last micro batch is marked as the accumulation boundary, since DeepSpeed's own b
 micro batches since the start of the run.
 
 Both return the mean loss over the micro batches, on the device (no host sync), the pre-clip
-global gradient norm, the learning rate the update used and whether the update was skipped. Every
+global gradient norm, the learning rate the update used and whether the update was skipped. Reading
+the norm is the step's one host sync of ours, whatever the number of micro batches (the optimizer
+that computes the norm syncs once more to decide on a skip); evaluation reads its losses once per batch. Every
 loss goes through `faults.flag_non_finite` before backward, so a non-finite loss on any rank makes
 every rank's optimizer skip the update (train/guard/nonfinite.py); DeepSpeed counts the skip in
 `engine.skipped_steps`.
@@ -95,8 +97,8 @@ class TrainStep:
                 if self.pipelined:
                     n = len(micro_batches)
                     losses.append(float(engine.eval_batch(data_iter=iter(micro_batches), num_micro_batches=n)))
-                else:
-                    losses += [float(engine(inputs, targets)) for inputs, targets in micro_batches]
+                else:  # read once per batch: one host sync, not one per micro batch
+                    losses += torch.stack([engine(inputs, targets).float() for inputs, targets in micro_batches]).tolist()
         engine.train()
         return losses
 
