@@ -17,8 +17,8 @@ micro batches since the start of the run.
 Both return the mean loss over the micro batches, on the device (no host sync), the pre-clip
 global gradient norm, the learning rate the update used and whether the update was skipped. Reading
 the norm is the step's one host sync of ours, whatever the number of micro batches (the optimizer
-that computes the norm syncs once more to decide on a skip); evaluation reads its losses once per batch. Every
-loss goes through `faults.flag_non_finite` before backward, so a non-finite loss on any rank makes
+that computes the norm syncs once more to decide on a skip); evaluation reads its losses once per
+batch. Every loss goes through `faults.flag_non_finite` before backward, so a non-finite loss on any rank makes
 every rank's optimizer skip the update (train/guard/nonfinite.py); DeepSpeed counts the skip in
 `engine.skipped_steps`.
 """
