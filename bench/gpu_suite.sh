@@ -2,10 +2,12 @@
 # Everything gpt3d measures on a GPU, in one command: the CUDA tests, then every GPU benchmark.
 # Writes DIR/<gpu>-<date>.md (DIR defaults to bench/results) while it runs: the device, driver and
 # library versions, then each section's exact command and unedited output, appended as it comes;
-# the attention benchmark's rows also as JSON beside it (DIR/<gpu>-<date>-attention.json).
+# the attention and training-speed benchmarks' rows also as JSON beside it (DIR/<gpu>-<date>-attention.json,
+# DIR/<gpu>-<date>-train-speed.json, DIR/<gpu>-<date>-train-speed-large.json).
 # Every section has a time limit and the whole suite a deadline (SUITE_SECONDS, default 560 s,
 # under a 10-minute job limit): a section that fails or runs out of time is recorded as such and
 # the next one still runs; whatever was finished stays in the file even if the suite is killed.
+# The default deadline reaches the first training-speed section; SUITE_SECONDS=1500 runs them all.
 #
 #   bash bench/gpu_suite.sh                 # → bench/results/NVIDIA-H100-80GB-HBM3-2026-11-22.md
 #   PYTHON=.venv/bin/python bash bench/gpu_suite.sh /tmp/results
@@ -76,8 +78,13 @@ EOF
 section "CUDA tests (autotuning pinned to each kernel's first config)" 170 \
   env GPT3D_TRITON_AUTOTUNE=0 "$PY" -m pytest -q -p no:cacheprovider -rfEs --durations=5 tests/model/test_attention_cuda.py
 section "Attention kernel vs SDPA backends" 210 "$PY" -m bench.attention --json "${RESULT%.md}-attention.json"
-section "Training step: gpt3d (Triton kernel, SDPA) vs Hugging Face GPT-2" 170 \
-  "$PY" -m bench.train_speed model=gpt3-125m model=gpt3-350m
+section "Training step: gpt3d (Triton kernel, SDPA, DeepSpeed engine by precision) vs Hugging Face GPT-2" 240 \
+  "$PY" -m bench.train_speed model=gpt3-125m model=gpt3-350m --json "${RESULT%.md}-train-speed.json"
+section "Training step, larger models (micro batch 8 for 760m, 2 for 1.3b)" 420 \
+  "$PY" -m bench.train_speed model=gpt3-760m model=gpt3-1.3b --json "${RESULT%.md}-train-speed-large.json"
+section "Profile: where a step of gpt3-125m goes (python -m train's loop, bf16, micro batch 8)" 240 \
+  "$PY" -m bench.profile model=gpt3-125m train.micro_batch_size=8 train.global_batch_size=8 \
+  --run-dir "${RESULT%.md}-profile"
 
 echo "gpu_suite: results in $RESULT" >&2
 exit "$FAILED"

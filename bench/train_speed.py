@@ -5,6 +5,7 @@ Hugging Face `transformers` GPT-2 of the same shape (what a user would otherwise
   python -m bench.train_speed model=gpt3-125m model=gpt3-350m  # several, one table each
   python -m bench.train_speed model=gpt3-1.3b --micro-batch 2  # needs about 75 GiB for three models
   python -m bench.train_speed model=toy --device cpu --seq-len 64 --steps 2 --warmup 1   # CPU smoke run
+  python -m bench.train_speed model=gpt3-760m model=gpt3-1.3b --json rows.json   # also every row as JSON
 
 Rows, on the same batches:
   gpt3d attention_impl=triton  gpt3d's model with the fused kernel (on the CPU: attention_impl=torch)
@@ -14,27 +15,40 @@ Rows, on the same batches:
   hf-gpt2 sdpa                 transformers.GPT2LMHeadModel, same layers, widths, heads, vocabulary,
                                context, tied embeddings and tanh GELU, attn_implementation="sdpa"
                                (the baseline, *; gpt3d sdpa when transformers is not installed)
-Each step is the math of gpt3d's training loop, written out in plain torch: forward under bf16
+  gpt3d deepspeed precision=P  gpt3d's real training step (train/step.py: the DeepSpeed engine, as
+                               `python -m train` builds it through train.loop.build) for train.precision
+                               P: autocast and bf16 on a GPU (fp32 and bf16 on the CPU), and fp8,
+                               reported as SKIPPED with the reason where it cannot run
+The first three rows' step is the math of gpt3d's training loop, written out in plain torch: forward under bf16
 autocast (fp32 weights; no autocast on the CPU), mean next-token cross-entropy in fp32, backward,
 gradient clipping at 1.0, torch.optim.AdamW(fused=True, betas=(0.9, 0.95), eps=1e-8,
 weight_decay=0.1). DeepSpeed's engine (not installed where this was first run), its bookkeeping
-and the data pipeline are NOT in the loop: this is the model's own speed. The models' steps
+and the data pipeline are NOT in that loop: this is the model's own speed. Those models' steps
 alternate, one step of each per round, so clocks and machine load affect them alike; the first
-`--warmup` rounds (Triton autotunes in the first) are not timed.
+`--warmup` rounds (Triton autotunes in the first) are not timed. The DeepSpeed rows run after them,
+one engine at a time (the plain models freed first, so the larger sizes fit), on the same batches
+with the same warm-up and timed rounds; the data pipeline stays out of them too.
 
 Columns: step ms = median over the timed rounds (min–max); tokens/s = micro batch × T / step;
 MFU = tokens/s × (6N + 12·L·d·T) / peak, the PaLM FLOPs count of train/metrics.py with N the
 parameters without the position table (the same N for every row: one shape); peak = --peak-tflops,
 by default the GPU's dense bf16 peak from train/metrics.py (989 TFLOP/s for H100 SXM and H200) and
 none on the CPU; speed× =
-tokens/s ÷ the baseline's. Model configs are configs/model/NAME.yaml, read as plain YAML (no Hydra).
+tokens/s ÷ the baseline's. Model configs are configs/model/NAME.yaml, read as plain YAML (no Hydra)
+for the plain rows and composed with Hydra (configs/config.yaml) for the DeepSpeed rows.
+
+--json PATH writes a JSON list with one object per row, failed and skipped rows included: model,
+row, step_ms, tokens_per_s, mfu, peak_gib (null on the CPU and for rows that did not run), gpu (the
+GPU's name or "CPU"), commit, micro_batch, seq_len, error.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -92,7 +106,7 @@ class Row:
 
     def __init__(self, name, make_model, loss_fn, device):
         self.name, self.loss_fn, self.device = name, loss_fn, device
-        self.step_s, self.losses, self.peak_gib, self.error = [], [], 0.0, None
+        self.step_s, self.losses, self.peak_gib, self.error, self.skipped = [], [], 0.0, None, None
         try:
             self.model = make_model()
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8,
@@ -102,6 +116,10 @@ class Row:
 
     def fail(self, err):
         self.error = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:160]}"
+        self.release()
+
+    def release(self):
+        """Free the model and its optimizer state (its timings stay)."""
         self.model = self.opt = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -133,6 +151,8 @@ class Row:
 
 
 def benchmark(name, config: GPTConfig, micro_batch, warmup, steps, device, peak_tflops):
+    """The table of one model size; returns its rows (plain ones first, then DeepSpeed's), the tokens
+    per step and the FLOPs per token."""
     gpt3d_impl = "triton" if device.type == "cuda" else "torch"
 
     def gpt3d(impl):
@@ -150,14 +170,97 @@ def benchmark(name, config: GPTConfig, micro_batch, warmup, steps, device, peak_
     if rows[0].model is not None:
         hf_n = sum(p.numel() for n, p in rows[0].model.named_parameters() if "wpe" not in n)
         print(f"hf-gpt2 parameters without positions: {hf_n / 1e6:.1f}M")
-    gen = torch.Generator().manual_seed(0)
-    for round_index in range(warmup + steps):
-        batch = torch.randint(0, config.vocab_size, (micro_batch, config.seq_len + 1), generator=gen).to(device)
-        x, y = batch[:, :-1], batch[:, 1:]  # (B, T) inputs, (B, T) next tokens
+    for round_index, (x, y) in enumerate(batches(config, micro_batch, warmup + steps, device)):
         for row in rows:
             if row.error is None:
                 row.step(x, y, timed=round_index >= warmup)
+    for row in rows:
+        row.release()
+    precisions = ("autocast", "bf16", "fp8") if device.type == "cuda" else ("fp32", "bf16", "fp8")
+    for precision in precisions:
+        row = EngineRow(name, precision, micro_batch, config.seq_len, device)
+        for round_index, (x, y) in enumerate(batches(config, micro_batch, warmup + steps, device)):
+            if row.error is None:
+                row.step(x, y, timed=round_index >= warmup)
+        row.release()
+        rows.append(row)
     print_table(rows, tokens, flops_tok, peak_tflops)
+    return rows, tokens, flops_tok
+
+
+def batches(config: GPTConfig, micro_batch: int, rounds: int, device):
+    """The benchmark's batches, the same for every row: (inputs (B, T), next tokens (B, T)) per round."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(rounds):
+        batch = torch.randint(0, config.vocab_size, (micro_batch, config.seq_len + 1), generator=gen).to(device)
+        yield batch[:, :-1], batch[:, 1:]  # (B, T) inputs, (B, T) next tokens
+
+
+class EngineRow(Row):
+    """gpt3d's training step through the DeepSpeed engine (train.loop.build, then TrainStep), one
+    micro batch per step, at train.precision `precision`; SKIPPED with the reason where it cannot run."""
+
+    def __init__(self, model_name, precision, micro_batch, seq_len, device):
+        self.name, self.device = f"gpt3d deepspeed precision={precision}", device
+        self.step_s, self.losses, self.peak_gib, self.error, self.skipped = [], [], 0.0, None, None
+        self.trainer = None
+        if precision == "fp8":
+            from train.precision import fp8_refusal
+
+            self.skipped = self.error = f"SKIPPED: {fp8_refusal(device)}"
+            return
+        try:
+            self.trainer = engine_trainer(model_name, precision, micro_batch, seq_len, device)
+        except Exception as err:  # reported in the table, never dropped
+            self.fail(err)
+
+    def fail(self, err):
+        self.error = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:160]}"
+        self.release()
+
+    def release(self):
+        """Free the engine (its weights, optimizer state and data workers)."""
+        if self.trainer is not None:
+            self.trainer.batches.close()
+            self.trainer = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def step(self, x, y, timed: bool):
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        try:
+            result = self.trainer.step(torch.cat([x, y[:, -1:]], dim=1))  # the windows (B, T + 1)
+            loss = float(result.loss)  # the step's one host sync, as the loop's logging makes
+        except Exception as err:
+            self.fail(err)
+            return
+        if timed:
+            self.step_s.append(time.perf_counter() - start)
+        self.losses.append(loss)
+        if cuda:
+            self.peak_gib = max(self.peak_gib, torch.cuda.max_memory_allocated(self.device) / 2**30)
+
+
+def engine_trainer(model_name, precision, micro_batch, seq_len, device):
+    """train.loop.build for one model at train.precision `precision`, one micro batch per step."""
+    from hydra import compose, initialize_config_dir
+
+    from train import loop
+    from train.config.entry import CONFIG_DIR, register_resolvers
+    from train.config.spec import resolve
+
+    register_resolvers()
+    settings = [f"model={model_name}", f"model.seq_len={seq_len}", f"train.precision={precision}",
+                f"train.micro_batch_size={micro_batch}", f"train.global_batch_size={micro_batch}",
+                f"train.device={device.type}", "data.streams=1", "train.eval_interval=0", "train.sample_tokens=0",
+                "logging.wandb.mode=disabled"]
+    with initialize_config_dir(version_base=None, config_dir=str(CONFIG_DIR), job_name="train_speed"):
+        cfg = compose("config", overrides=settings)
+    return loop.build(resolve(cfg, Path(tempfile.mkdtemp(prefix="gpt3d-train-speed-"))))
 
 
 def build_meta(config):
@@ -168,14 +271,17 @@ def build_meta(config):
 
 def print_table(rows, tokens, flops_tok, peak_tflops):
     base = next((r for r in rows if r.error is None and r.step_s), None)
-    head = (f"{'row':<30} {'step ms':>9} {'(min-max)':>15} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>8} "
+    head = (f"{'row':<34} {'step ms':>9} {'(min-max)':>15} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>8} "
             f"{'loss first→last':>16} {'speed×':>7}")
     print(head)
     print("-" * len(head))
     for row in rows:
         mark = " *" if row is base else ""
+        if row.skipped:
+            print(f"{row.name:<34} {row.skipped}")
+            continue
         if row.error is not None or not row.step_s:
-            print(f"{row.name + mark:<30} FAILED {row.error or 'no timed step'}")
+            print(f"{row.name + mark:<34} FAILED {row.error or 'no timed step'}")
             continue
         step = statistics.median(row.step_s)
         tok_s = tokens / step
@@ -185,9 +291,27 @@ def print_table(rows, tokens, flops_tok, peak_tflops):
         losses = f"{row.losses[0]:.3f}→{row.losses[-1]:.3f}"
         speed = tok_s / (tokens / statistics.median(base.step_s))
         peak = f"{row.peak_gib:>8.1f}" if row.device.type == "cuda" else f"{'n/a':>8}"
-        print(f"{row.name + mark:<30} {1e3 * step:>9.1f} {spread:>15} {tok_s:>10.0f} {mfu_text} {peak} "
+        print(f"{row.name + mark:<34} {1e3 * step:>9.1f} {spread:>15} {tok_s:>10.0f} {mfu_text} {peak} "
               f"{losses:>16} {speed:>7.2f}")
     sys.stdout.flush()
+
+
+def json_records(model_name, rows, tokens, flops_tok, peak_tflops, micro_batch, seq_len, device) -> list[dict]:
+    """One JSON-ready dict per row (see the module docstring for the fields)."""
+    from bench.attention import git_commit
+
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    records = []
+    for row in rows:
+        ran = row.error is None and bool(row.step_s)
+        step = statistics.median(row.step_s) if ran else None
+        tok_s = tokens / step if ran else None
+        records.append({
+            "model": model_name, "row": row.name, "step_ms": 1e3 * step if ran else None, "tokens_per_s": tok_s,
+            "mfu": metrics.mfu(tok_s, flops_tok, peak_tflops, 1) if ran else None,
+            "peak_gib": row.peak_gib if ran and device.type == "cuda" else None, "gpu": gpu, "commit": git_commit(),
+            "micro_batch": micro_batch, "seq_len": seq_len, "error": None if ran else (row.error or "no timed step")})
+    return records
 
 
 def main():
@@ -199,6 +323,7 @@ def main():
     parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first (default 3)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else None,
                         help="cuda (default when available) or cpu, for a smoke run")
+    parser.add_argument("--json", metavar="PATH", type=Path, help="also write every row to PATH as a JSON list")
     parser.add_argument("--peak-tflops", type=float,
                         help="per-device peak for MFU (default on a GPU: its dense bf16 peak, as the training loop logs it)")
     args = parser.parse_args()
@@ -216,19 +341,23 @@ def main():
     device = torch.device(args.device)
     peak = metrics.peak_tflops(device, args.peak_tflops)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (float32, no autocast)"
-    print(f"training step speed on {where}; bf16 autocast on GPUs, fused AdamW, clip 1.0; a plain torch step: "
-          f"DeepSpeed's engine is not in the loop")
+    print(f"training step speed on {where}; plain rows: bf16 autocast on GPUs, fused AdamW, clip 1.0, no DeepSpeed; "
+          f"deepspeed rows: gpt3d's training step through its DeepSpeed engine")
     print(f"torch {torch.__version__}; MFU against {f'{peak:g} TFLOP/s' if peak else 'no peak (n/a)'}; "
           "ratios against the row marked *")
+    records = []
     for name, values in configs.items():
         if args.seq_len:
             values = {**values, "seq_len": args.seq_len}
         config = GPTConfig.from_dict(values)
         n = count_parameters(build_meta(config))
         micro_batch = args.micro_batch or (8 if n < 1e9 else 2)
-        benchmark(name, config, micro_batch, args.warmup, args.steps, device, peak)
+        rows, tokens, flops_tok = benchmark(name, config, micro_batch, args.warmup, args.steps, device, peak)
+        records += json_records(name, rows, tokens, flops_tok, peak, micro_batch, config.seq_len, device)
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    if args.json:
+        metrics.write_atomically(args.json, json.dumps(records, indent=1) + "\n")
 
 
 if __name__ == "__main__":

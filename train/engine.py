@@ -2,7 +2,8 @@
 
 A one-process CPU run and a 1,000-GPU run share this code: `resolve_device` reads train.device,
 `init_distributed` joins the launcher's process group (or makes a one-process one),
-`deepspeed_config` turns train.* / parallel.* / optim.* / deepspeed.* into DeepSpeed's JSON, and
+`deepspeed_config` turns train.* / parallel.* / optim.* / deepspeed.* into DeepSpeed's JSON (with
+train.precision's settings, train/precision.py), and
 `create_engine` wraps this rank's model (parallel.build) with optimizer and LR schedule: a
 DeepSpeedEngine (ZeRO 0–3, optional optimizer offload) or, for a pipeline, a PipelineEngine.
 `counters` / `restore_counters` are the engine's checkpoint part: DeepSpeed's step counters, by name.
@@ -17,6 +18,8 @@ from datetime import timedelta
 
 import torch
 from omegaconf import OmegaConf
+
+from train.precision import deepspeed_settings, resolve_precision
 
 DEVICES = ("auto", "cpu", "cuda")
 # DeepSpeed's step counters a checkpoint keeps (the engine's attributes of these names, all ints)
@@ -39,8 +42,11 @@ def init_distributed(device: torch.device, timeout_s: float = 1800.0) -> None:
 
     DeepSpeed picks gloo on CPU and nccl on CUDA; DS_ACCELERATOR is pinned so a CPU run on a
     GPU machine stays on the CPU. A collective that waits longer than `timeout_s`
-    (train.collective_timeout_s) fails instead of waiting forever.
+    (train.collective_timeout_s) fails instead of waiting forever. A process that has joined one
+    already (a benchmark building several engines) keeps it.
     """
+    import torch.distributed as dist
+
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if device.type == "cuda" else "cpu")
     if "RANK" not in os.environ:
         os.environ.update(
@@ -51,13 +57,11 @@ def init_distributed(device: torch.device, timeout_s: float = 1800.0) -> None:
     _quiet_deepspeed()
     skip_shared_memory_op()
     _default_group_timeout(timedelta(seconds=timeout_s))
-    if device.type == "cuda":
+    if device.type == "cuda" and not dist.is_initialized():
         local = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(local)
         # Bound to its GPU from the start (NCCL otherwise guesses the device from the global rank);
         # DeepSpeed then adopts this group.
-        import torch.distributed as dist
-
         dist.init_process_group("nccl", device_id=local, timeout=timedelta(seconds=timeout_s))
     deepspeed.init_distributed(verbose=False, timeout=timedelta(seconds=timeout_s))
 
@@ -101,16 +105,19 @@ def deepspeed_config(cfg, dp_size: int, device: torch.device) -> dict:
     precision, pipeline activation transfer, then any `deepspeed.*` extras (already validated) on top."""
     train, parallel = cfg.train, cfg.parallel
     accumulation = train.global_batch_size // (train.micro_batch_size * dp_size)
-    zero = {"stage": int(parallel.zero_stage)}
+    precision = resolve_precision(train.precision, device)
+    settings = deepspeed_settings(precision, int(parallel.zero_stage))
+    zero = settings.pop("zero_optimization")
     if parallel.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": device.type == "cuda"}
     config = {
         "train_batch_size": train.global_batch_size,
         "train_micro_batch_size_per_gpu": train.micro_batch_size,
         "gradient_accumulation_steps": accumulation,
-        # ZeRO ≥ 1: DeepSpeed's ZeRO optimizer clips. ZeRO-0: our ClippingAdamW does (train/optimizer.py),
-        # since DeepSpeed's own ZeRO-0 clipping neither reports the norm nor counts pipeline stages right.
-        "gradient_clipping": float(cfg.optim.grad_clip) if int(parallel.zero_stage) > 0 else 0.0,
+        # ZeRO ≥ 1 (also bf16's, train/precision.py): DeepSpeed's optimizer clips. ZeRO-0: our ClippingAdamW
+        # does (train/optimizer.py), since DeepSpeed's own ZeRO-0 clipping neither reports the norm nor
+        # counts pipeline stages right.
+        "gradient_clipping": float(cfg.optim.grad_clip) if zero["stage"] > 0 else 0.0,
         "zero_optimization": zero,
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
@@ -123,8 +130,7 @@ def deepspeed_config(cfg, dp_size: int, device: torch.device) -> dict:
         # next stage, which assumes every tp rank holds the same activations. Under sequence
         # parallelism each holds its own part of the sequence, so each sends its part whole.
         config["pipeline"] = {"pipe_partitioned": False, "grad_partitioned": False}
-    if device.type == "cuda":
-        config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
+    config.update(settings)  # precision: torch autocast, or bf16 weights with fp32 masters
     return _merge(config, OmegaConf.to_container(cfg.deepspeed, resolve=True) if "deepspeed" in cfg else {})
 
 
@@ -136,13 +142,27 @@ def _merge(base: dict, extra: dict) -> dict:
     return merged
 
 
+def client_clips(cfg, device: torch.device) -> bool:
+    """Our ClippingAdamW clips (and skips non-finite steps) itself: when DeepSpeed runs no optimizer
+    of its own around it, i.e. at ZeRO stage 0 in fp32 or autocast (see deepspeed_config)."""
+    precision = resolve_precision(cfg.train.precision, device)
+    return deepspeed_settings(precision, int(cfg.parallel.zero_stage))["zero_optimization"]["stage"] == 0
+
+
 def create_engine(model, optimizer, lr_scheduler, ds_config: dict, mpu=None):
-    """deepspeed.initialize with our optimizer and scheduler; a PipelineModule gives a PipelineEngine."""
+    """deepspeed.initialize with our optimizer and scheduler; a PipelineModule gives a PipelineEngine.
+
+    DeepSpeed's bf16 optimizer prints memory figures to stdout while it is set up, past its logger's
+    level; they are left out of the run's output."""
+    import contextlib
+    import io
+
     import deepspeed
 
-    engine, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=ds_config, mpu=mpu
-    )
+    with contextlib.redirect_stdout(io.StringIO()):
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=ds_config, mpu=mpu
+        )
     return engine
 
 

@@ -26,6 +26,7 @@ from train.config.spec import RunSpec
 from train.guard.safeguards import Safeguards
 from train.metrics import Meter, full_shapes_model, mean_over_ranks
 from train.optimizer import TokenLR, make_optimizer
+from train.precision import resolve_precision
 from train.step import TrainStep
 
 
@@ -172,7 +173,7 @@ def build(spec: RunSpec) -> Trainer:
     # A PipelineModule brings its own grid (same topology) and DeepSpeed then wants no mpu of ours.
     mpu = model.mpu() if pipelined else topology.mpu
     schedule = spec.schedule.schedule  # a resume keeps its checkpoint's (train/checkpoint/resume_checks.py)
-    optimizer = make_optimizer(model, cfg.optim, schedule.peak_lr, clip=cfg.parallel.zero_stage == 0, mpu=mpu)
+    optimizer = make_optimizer(model, cfg.optim, schedule.peak_lr, clip=engines.client_clips(cfg, device), mpu=mpu)
     lr = TokenLR(optimizer, schedule, ramp.size_at(0) * model_cfg.seq_len)
     engine = engines.create_engine(
         model,
@@ -188,7 +189,8 @@ def build(spec: RunSpec) -> Trainer:
     val_batches = []
     if train.eval_interval > 0 and train.eval_batches > 0:
         val_batches = data.validation_batches(cfg.data, model_cfg.seq_len, train.global_batch_size, train.eval_batches, *dp)
-    step = TrainStep(engine, train.micro_batch_size, device)
+    step = TrainStep(engine, train.micro_batch_size, device,
+                     autocast=resolve_precision(train.precision, device) == "autocast")
     progress = Progress()
     trainer = Trainer(spec, device, topology, engine, step, batches, val_batches, lr, progress,
                       checkpoint_parts(progress, batches, lr, engine, spec.schedule))

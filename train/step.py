@@ -15,8 +15,10 @@ last micro batch is marked as the accumulation boundary, since DeepSpeed's own b
 micro batches since the start of the run.
 
 Both return the mean loss over the micro batches, on the device (no host sync), the pre-clip
-global gradient norm, the learning rate the update used and whether the update was skipped. Every
-loss goes through `faults.flag_non_finite` before backward, so a non-finite loss on any rank makes
+global gradient norm, the learning rate the update used and whether the update was skipped. Reading
+the norm is the step's one host sync of ours, whatever the number of micro batches (the optimizer
+that computes the norm syncs once more to decide on a skip); evaluation reads its losses once per
+batch. Every loss goes through `faults.flag_non_finite` before backward, so a non-finite loss on any rank makes
 every rank's optimizer skip the update (train/guard/nonfinite.py); DeepSpeed counts the skip in
 `engine.skipped_steps`.
 """
@@ -41,16 +43,22 @@ class StepResult:
 class TrainStep:
     """Runs training and evaluation steps on a DeepSpeed engine (pipelined or not)."""
 
-    def __init__(self, engine, micro_batch_size: int, device: torch.device):
+    def __init__(self, engine, micro_batch_size: int, device: torch.device, autocast: bool = False):
         from deepspeed.runtime.pipe.engine import PipelineEngine
 
         self.engine, self.micro_batch_size, self.device = engine, micro_batch_size, device
+        self.autocast = autocast  # train.precision=autocast: evaluation under bf16 autocast too
         self.pipelined = isinstance(engine, PipelineEngine)
         if self.pipelined:  # the last stage's loss, computed inside DeepSpeed's schedule
             engine.module.loss_fn = flagging(engine.module.loss_fn)
 
     def __call__(self, windows: torch.Tensor) -> StepResult:
-        """One optimizer step on this rank's windows (n, T + 1) of the global batch."""
+        """One optimizer step on this rank's windows (n, T + 1) of the global batch, marked as a
+        `train_step` range for torch.profiler (bench/profile.py)."""
+        with torch.profiler.record_function("train_step"):
+            return self._step(windows)
+
+    def _step(self, windows: torch.Tensor) -> StepResult:
         engine = self.engine
         micro_batches = micro_batch_split(windows.to(self.device), self.micro_batch_size)
         self._accumulate(len(micro_batches))
@@ -85,12 +93,12 @@ class TrainStep:
         losses = []
         for windows in val_batches:
             micro_batches = micro_batch_split(windows.to(device), self.micro_batch_size)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.autocast):
                 if self.pipelined:
                     n = len(micro_batches)
                     losses.append(float(engine.eval_batch(data_iter=iter(micro_batches), num_micro_batches=n)))
-                else:
-                    losses += [float(engine(inputs, targets)) for inputs, targets in micro_batches]
+                else:  # read once per batch: one host sync, not one per micro batch
+                    losses += torch.stack([engine(inputs, targets).float() for inputs, targets in micro_batches]).tolist()
         engine.train()
         return losses
 

@@ -74,7 +74,8 @@ def probe(model: dict, tp: int, pp: int, zero_stages: list[int], global_batch: i
     results = []
     for stage in zero_stages:
         cfg = OmegaConf.create({
-            "train": {"seed": 1, "global_batch_size": global_batch, "micro_batch_size": micro_batch},
+            "train": {"seed": 1, "global_batch_size": global_batch, "micro_batch_size": micro_batch,
+                      "precision": "fp32"},
             "parallel": {"tp": tp, "pp": pp, "zero_stage": stage, "offload_optimizer": False,
                          "sequence_parallel": False, "activation_checkpointing": 0},
             "optim": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "grad_clip": 1.0,

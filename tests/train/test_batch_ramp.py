@@ -132,7 +132,7 @@ def ramp_worker(pp: int, zero: int, micro: int) -> dict:
     engines.init_distributed(torch.device("cpu"))
     topology = Topology.create(1, pp)
     cfg = OmegaConf.create({
-        "train": {"global_batch_size": max(SIZES), "micro_batch_size": micro},
+        "train": {"global_batch_size": max(SIZES), "micro_batch_size": micro, "precision": "fp32"},
         "parallel": {"tp": 1, "pp": pp, "zero_stage": zero, "offload_optimizer": False, "sequence_parallel": False},
         "optim": OPTIM,
     })  # fmt: skip

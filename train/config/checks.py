@@ -213,6 +213,10 @@ OWNED_DEEPSPEED_KEYS = {
     "zero_optimization.offload_optimizer": "parallel.offload_optimizer",
     "pipeline.pipe_partitioned": "parallel.sequence_parallel",
     "pipeline.grad_partitioned": "parallel.sequence_parallel",
+    "bf16": "train.precision",
+    "fp16": "train.precision",
+    "torch_autocast": "train.precision",
+    "data_types.grad_accum_dtype": "train.precision",
 }
 
 
@@ -241,6 +245,7 @@ def _check_deepspeed_extras(cfg) -> None:
 def check_train(cfg) -> None:
     _positive_int("train.max_steps", cfg.train.max_steps)
     _check_seed_and_device(cfg)
+    _check_precision(cfg)
     _positive_int("logging.log_interval", cfg.logging.log_interval)
     for key in ("eval_interval", "eval_batches", "checkpoint_interval", "sample_tokens"):
         value = cfg.train[key]
@@ -309,6 +314,21 @@ def _check_seed_and_device(cfg) -> None:
         resolve_device(cfg.train.device)  # also: cuda asked for where none is visible
     except ValueError as err:
         raise ConfigError(str(err)) from None
+
+
+def _check_precision(cfg) -> None:
+    """train.precision (train/precision.py): a known value; fp8 refused before anything is built, with
+    the reason for this device."""
+    from train.engine import resolve_device
+    from train.precision import fp8_refusal, resolve_precision
+
+    device = resolve_device(cfg.train.device)
+    try:
+        precision = resolve_precision(cfg.train.precision, device)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if precision == "fp8":
+        raise ConfigError(fp8_refusal(device))
 
 
 def check_optim(cfg) -> None:
