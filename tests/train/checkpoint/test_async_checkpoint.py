@@ -1,0 +1,156 @@
+"""Checkpoints written in the background (train.async_checkpoint=true) are the synchronous ones.
+
+Gloo ranks run the whole training loop (train.loop.run) twice on one config, with synchronous and with
+background saves: every file of every checkpoint must be the same bytes (a shard's header as JSON: the
+safetensors library orders its metadata keys differently from one save to the next), while the writes ran
+in the training thread in the first run and outside it in the second. Through `python -m train`, with the
+writer slowed by a `sitecustomize` audit hook (every file opened in a checkpoint's temporary folder
+takes a while longer, in whichever thread opens it): the pause a save costs is logged and smaller than
+its write, and a run killed with SIGKILL during a background write keeps the previous checkpoint as
+`latest`, loses its partial folder at the next start, and resumes on the uninterrupted loss curve.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from cli import REPO, arguments, assert_same_losses, clean_env, launcher, metrics, train, write_corpus
+from distributed import run_distributed
+from test_checkpoint_state import compose
+
+from train.config.spec import resolve
+
+RUN = ["train.max_steps=4", "train.checkpoint_interval=2", "logging.log_interval=1"]
+SLOW_WRITE_S = 0.3
+SLOW_WRITES = '''"""Test instrumentation: each file opened in a checkpoint's temporary folder takes GPT3D_SLOW_WRITE_S longer."""
+import os
+import sys
+import time
+
+_delay = float(os.environ["GPT3D_SLOW_WRITE_S"])
+
+
+def _slow(event, args):
+    if event == "open" and isinstance(args[0], (str, os.PathLike)) and "/.tmp-step" in os.fspath(args[0]):
+        time.sleep(_delay)
+
+
+sys.addaudithook(_slow)
+'''
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def both_ways(corpus: str, root: str, layout: list[str]) -> dict[str, list[bool]]:
+    """The run with synchronous, then background saves (Python's `random`, which nothing in training
+    seeds, seeded alike); for each, whether every checkpoint write ran in the training thread."""
+    import random
+    import threading
+
+    from train import loop
+    from train.checkpoint import manager
+
+    in_main = []
+    write = manager.write
+
+    def recorded(*args, **kwargs):
+        in_main.append(threading.current_thread() is threading.main_thread())
+        return write(*args, **kwargs)
+
+    manager.write = recorded
+    found = {}
+    for mode in ("false", "true"):
+        random.seed(0)
+        in_main.clear()
+        run_dir = Path(root) / mode
+        run_dir.mkdir(exist_ok=True)
+        loop.run(resolve(compose(corpus, [*layout, *RUN, f"train.async_checkpoint={mode}"]), run_dir))
+        found[mode] = list(in_main)
+    return found
+
+
+@pytest.mark.parametrize("world, layout", [(1, []), (2, ["parallel.zero_stage=1"])], ids=["one-process", "dp2-zero1"])
+def test_background_saves_write_the_bytes_of_synchronous_ones(tmp_path, corpus, world, layout):
+    threads = run_distributed(both_ways, world, str(corpus), str(tmp_path), layout)
+    assert all(r == {"false": [True, True], "true": [False, False]} for r in threads), threads
+    sync, background = tmp_path / "false" / "checkpoints", tmp_path / "true" / "checkpoints"
+    for root in (sync, background):
+        assert sorted(p.name for p in root.iterdir()) == ["latest", "step00000002", "step00000004"]
+        assert (root / "latest").read_text() == "step00000004\n"
+    for step in ("step00000002", "step00000004"):
+        assert contents(sync / step) == contents(background / step), step
+        assert len(list((sync / step).glob("*.safetensors"))) == world
+
+
+def contents(folder: Path) -> dict:
+    """Every file of a checkpoint folder as bytes, except where safetensors itself varies from one save to
+    the next: the order of the keys in a shard's header metadata (a hash map's), so a shard is its header
+    as JSON plus the exact bytes after it, and the manifest is its JSON without the shards' sha256."""
+    found = {}
+    for file in sorted(folder.iterdir()):
+        data = file.read_bytes()
+        if file.suffix == ".safetensors":
+            size = int.from_bytes(data[:8], "little")
+            found[file.name] = (json.loads(data[8:8 + size]), data[8 + size:])
+        elif file.name == "manifest.json":
+            manifest = json.loads(data)
+            for name, entry in manifest["files"].items():
+                if name.endswith(".safetensors"):
+                    del entry["sha256"]
+            found[file.name] = manifest
+        else:
+            found[file.name] = data
+    return found
+
+
+def slowed(tmp_path: Path) -> dict:
+    hook = tmp_path / "slow-writes"
+    hook.mkdir(exist_ok=True)
+    (hook / "sitecustomize.py").write_text(SLOW_WRITES)
+    return {"GPT3D_SLOW_WRITE_S": str(SLOW_WRITE_S),
+            "PYTHONPATH": os.pathsep.join(p for p in [str(hook), os.environ.get("PYTHONPATH")] if p)}
+
+
+KILLED = ["train.max_steps=6", "train.checkpoint_interval=2", "train.eval_interval=0", "logging.wandb.mode=disabled",
+          "train.async_checkpoint=true"]
+
+
+def test_kill_during_a_background_write_resumes_from_the_previous_checkpoint(tmp_path, corpus):
+    straight = tmp_path / "straight"
+    train(straight, corpus, *KILLED, env=slowed(tmp_path))
+    expected = metrics(straight)
+    saves = [r for r in expected if r["perf/checkpoint_pause_s"] is not None]
+    writes = [r["perf/checkpoint_write_s"] for r in expected if r["perf/checkpoint_write_s"] is not None]
+    assert [r["step"] for r in saves] == [2, 4, 6] and all(r["perf/checkpoint_pause_s"] >= 0 for r in saves)
+    # the first write (shard, its hashing, state.json, rng.json, manifest) against the pause of its save
+    assert writes[0] > 4 * SLOW_WRITE_S and saves[0]["perf/checkpoint_pause_s"] < writes[0], expected
+
+    killed, log = tmp_path / "killed", tmp_path / "killed.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([*launcher("python", 1), *arguments(killed, corpus, *KILLED)], cwd=REPO,
+                                env=clean_env(slowed(tmp_path)), stdout=out, stderr=subprocess.STDOUT)
+    root, deadline = killed / "checkpoints", time.monotonic() + 300
+    partial = root / ".tmp-step00000004"
+    while not partial.is_dir() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)  # the write of step 4 takes seconds from here
+    proc.wait()
+    assert partial.is_dir(), log.read_text()[-3000:]
+    assert (root / "latest").read_text() == "step00000002\n"
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step")) == ["step00000002"]
+
+    resumed = train(killed, corpus, *KILLED)
+    assert "removed checkpoints/.tmp-step00000004: a save that was interrupted" in resumed.stdout
+    assert f"resumed from {root / 'step00000002'} at step 2" in resumed.stdout
+    assert not [p for p in root.iterdir() if p.name.startswith(".tmp-")]
+    assert_same_losses(metrics(killed), expected)
