@@ -18,7 +18,9 @@ batches of about LOAD_BATCH_BYTES, and writes them back through DeepSpeed's safe
 into the torch AdamW at ZeRO-0). So (tp, pp, dp, ZeRO stage, offload) may all differ between the
 run that saved and the one that resumes.
 
-The entry points: `find_resume_path` and `verified` (the resume checks), `load` and `save` (the loop).
+The entry points: `find_resume_path` and `verified` (the resume checks), `load`, and `save`, which is
+`stage` (gathering the state on every rank) then `write` (on disk, then published), the halves that
+train/checkpoint/writer.py runs apart for a save in the background.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Gloo ranks run the whole training loop (train.loop.run) twice on one config, with synchronous and with
 background saves: every file of every checkpoint must be the same bytes (a shard's header as JSON: the
 safetensors library orders its metadata keys differently from one save to the next), while the writes ran
-in the training thread in the first run and outside it in the second. Through `python -m train`, with the
+in the training thread in the first run and outside it in the second. A third run whose rank 0 cannot
+publish (a full disk) fails at its next save, on every rank, with that error. Through `python -m train`, with the
 writer slowed by a `sitecustomize` audit hook (every file opened in a checkpoint's temporary folder
 takes a while longer, in whichever thread opens it): the pause a save costs is logged and smaller than
 its write, and a run killed with SIGKILL during a background write keeps the previous checkpoint as
@@ -76,13 +77,30 @@ def both_ways(corpus: str, root: str, layout: list[str]) -> dict[str, list[bool]
         run_dir.mkdir(exist_ok=True)
         loop.run(resolve(compose(corpus, [*layout, *RUN, f"train.async_checkpoint={mode}"]), run_dir))
         found[mode] = list(in_main)
+
+    def full_disk(tmp, final):
+        raise OSError(28, "No space left on device")
+
+    from train.checkpoint import CheckpointError, files
+
+    files.publish = full_disk  # rank 0 cannot publish: every rank must hear it, at its next save
+    run_dir = Path(root) / "full-disk"
+    run_dir.mkdir(exist_ok=True)
+    try:
+        loop.run(resolve(compose(corpus, [*layout, *RUN, "train.async_checkpoint=true"]), run_dir))
+    except CheckpointError as err:
+        found["error"] = str(err)
     return found
 
 
 @pytest.mark.parametrize("world, layout", [(1, []), (2, ["parallel.zero_stage=1"])], ids=["one-process", "dp2-zero1"])
 def test_background_saves_write_the_bytes_of_synchronous_ones(tmp_path, corpus, world, layout):
-    threads = run_distributed(both_ways, world, str(corpus), str(tmp_path), layout)
-    assert all(r == {"false": [True, True], "true": [False, False]} for r in threads), threads
+    found = run_distributed(both_ways, world, str(corpus), str(tmp_path), layout)
+    error = "the checkpoint of step 2 could not be written: [Errno 28] No space left on device"
+    assert all(r == {"false": [True, True], "true": [False, False], "error": error} for r in found), found
+    full = tmp_path / "full-disk"  # raised at the save of step 4 (its record is logged), nothing published
+    assert [r["step"] for r in metrics(full)] == [1, 2, 3, 4]
+    assert not [p for p in (full / "checkpoints").iterdir() if not p.name.startswith(".tmp-")]
     sync, background = tmp_path / "false" / "checkpoints", tmp_path / "true" / "checkpoints"
     for root in (sync, background):
         assert sorted(p.name for p in root.iterdir()) == ["latest", "step00000002", "step00000004"]
