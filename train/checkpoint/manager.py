@@ -321,8 +321,8 @@ def write(staged: Staged, *, keep: int = 3, keep_every: int = 0, group=None) -> 
             files.publish(tmp, root / tag)
             files.set_latest(root, tag)
             files.prune(root, keep, keep_every, staged.step)
-        except OSError as err:
-            outcome = [f"{err}"]
+        except Exception as err:  # every rank must hear of it, not wait for rank 0 forever
+            outcome = [str(err) or repr(err)]
     dist.broadcast_object_list(outcome, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     if outcome[0] is not None:
         raise CheckpointError(f"the checkpoint of step {staged.step} could not be written: {outcome[0]}")

@@ -4,11 +4,13 @@ Gloo ranks run the whole training loop (train.loop.run) twice on one config, wit
 background saves: every file of every checkpoint must be the same bytes (a shard's header as JSON: the
 safetensors library orders its metadata keys differently from one save to the next), while the writes ran
 in the training thread in the first run and outside it in the second. A third run whose rank 0 cannot
-publish (a full disk) fails at its next save, on every rank, with that error. Through `python -m train`, with the
-writer slowed by a `sitecustomize` audit hook (every file opened in a checkpoint's temporary folder
-takes a while longer, in whichever thread opens it): the pause a save costs is logged and smaller than
-its write, and a run killed with SIGKILL during a background write keeps the previous checkpoint as
-`latest`, loses its partial folder at the next start, and resumes on the uninterrupted loss curve.
+publish (a full disk) fails at its next save, on every rank, with that error.
+
+Through `python -m train`, with the writer slowed by a `sitecustomize` audit hook (every file opened in
+a checkpoint's temporary folder takes a while longer, in whichever thread opens it), a run killed with
+SIGKILL during a background write keeps the previous checkpoint as `latest`, loses its partial folder
+at the next start, and resumes on the loss curve of the one-process synchronous run; the pause a save
+costs is logged and smaller than its write.
 """
 
 from __future__ import annotations
@@ -28,9 +30,13 @@ from test_checkpoint_state import compose
 
 from train.config.spec import resolve
 
-RUN = ["train.max_steps=4", "train.checkpoint_interval=2", "logging.log_interval=1"]
+RUN = ["train.max_steps=6", "train.checkpoint_interval=2", "logging.log_interval=1", "data.val_permille=250"]
+# the same run through `python -m train` (cli.TINY and these, as test_checkpoint_state.compose has them)
+CLI_RUN = ["model.n_head=4", "train.eval_interval=0", "logging.wandb.mode=disabled", "train.sample_tokens=0", *RUN,
+           "train.async_checkpoint=true"]
+STEPS = ["step00000002", "step00000004", "step00000006"]
 SLOW_WRITE_S = 0.3
-SLOW_WRITES = '''"""Test instrumentation: each file opened in a checkpoint's temporary folder takes GPT3D_SLOW_WRITE_S longer."""
+SLOW_WRITES = '''"""Test instrumentation: a file opened in a checkpoint's temporary folder takes GPT3D_SLOW_WRITE_S longer."""
 import os
 import sys
 import time
@@ -93,21 +99,38 @@ def both_ways(corpus: str, root: str, layout: list[str]) -> dict[str, list[bool]
     return found
 
 
-@pytest.mark.parametrize("world, layout", [(1, []), (2, ["parallel.zero_stage=1"])], ids=["one-process", "dp2-zero1"])
-def test_background_saves_write_the_bytes_of_synchronous_ones(tmp_path, corpus, world, layout):
-    found = run_distributed(both_ways, world, str(corpus), str(tmp_path), layout)
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, corpus) -> Path:
+    """The run folders of `both_ways` in one process (one-process.false is the kill test's reference)."""
+    root = tmp_path_factory.mktemp("one-process")
+    check_both_ways(run_distributed(both_ways, 1, str(corpus), str(root), []), root, 1)
+    return root
+
+
+def check_both_ways(found: list[dict], root: Path, world: int) -> None:
     error = "the checkpoint of step 2 could not be written: [Errno 28] No space left on device"
-    assert all(r == {"false": [True, True], "true": [False, False], "error": error} for r in found), found
-    full = tmp_path / "full-disk"  # raised at the save of step 4 (its record is logged), nothing published
+    assert all(r == {"false": [True] * 3, "true": [False] * 3, "error": error} for r in found), found
+    full = root / "full-disk"  # raised at the save of step 4 (its record is logged), nothing published
     assert [r["step"] for r in metrics(full)] == [1, 2, 3, 4]
     assert not [p for p in (full / "checkpoints").iterdir() if not p.name.startswith(".tmp-")]
-    sync, background = tmp_path / "false" / "checkpoints", tmp_path / "true" / "checkpoints"
-    for root in (sync, background):
-        assert sorted(p.name for p in root.iterdir()) == ["latest", "step00000002", "step00000004"]
-        assert (root / "latest").read_text() == "step00000004\n"
-    for step in ("step00000002", "step00000004"):
+    sync, background = root / "false" / "checkpoints", root / "true" / "checkpoints"
+    for folder in (sync, background):
+        assert sorted(p.name for p in folder.iterdir()) == ["latest", *STEPS]
+        assert (folder / "latest").read_text() == "step00000006\n"
+    for step in STEPS:
         assert contents(sync / step) == contents(background / step), step
         assert len(list((sync / step).glob("*.safetensors"))) == world
+
+
+def test_background_saves_write_the_bytes_of_synchronous_ones_in_one_process(one_process):
+    """The files are checked by the fixture; training itself does not notice the writer thread."""
+    curves = [[(r["step"], r["train/loss"], r["train/grad_norm"]) for r in metrics(one_process / mode)]
+              for mode in ("false", "true")]
+    assert curves[0] == curves[1] and len(curves[0]) == 6
+
+
+def test_background_saves_write_the_bytes_of_synchronous_ones_at_dp2_zero1(tmp_path, corpus):
+    check_both_ways(run_distributed(both_ways, 2, str(corpus), str(tmp_path), ["parallel.zero_stage=1"]), tmp_path, 2)
 
 
 def contents(folder: Path) -> dict:
@@ -139,23 +162,10 @@ def slowed(tmp_path: Path) -> dict:
             "PYTHONPATH": os.pathsep.join(p for p in [str(hook), os.environ.get("PYTHONPATH")] if p)}
 
 
-KILLED = ["train.max_steps=6", "train.checkpoint_interval=2", "train.eval_interval=0", "logging.wandb.mode=disabled",
-          "train.async_checkpoint=true"]
-
-
-def test_kill_during_a_background_write_resumes_from_the_previous_checkpoint(tmp_path, corpus):
-    straight = tmp_path / "straight"
-    train(straight, corpus, *KILLED, env=slowed(tmp_path))
-    expected = metrics(straight)
-    saves = [r for r in expected if r["perf/checkpoint_pause_s"] is not None]
-    writes = [r["perf/checkpoint_write_s"] for r in expected if r["perf/checkpoint_write_s"] is not None]
-    assert [r["step"] for r in saves] == [2, 4, 6] and all(r["perf/checkpoint_pause_s"] >= 0 for r in saves)
-    # the first write (shard, its hashing, state.json, rng.json, manifest) against the pause of its save
-    assert writes[0] > 4 * SLOW_WRITE_S and saves[0]["perf/checkpoint_pause_s"] < writes[0], expected
-
+def test_kill_during_a_background_write_resumes_from_the_previous_checkpoint(tmp_path, corpus, one_process):
     killed, log = tmp_path / "killed", tmp_path / "killed.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen([*launcher("python", 1), *arguments(killed, corpus, *KILLED)], cwd=REPO,
+        proc = subprocess.Popen([*launcher("python", 1), *arguments(killed, corpus, *CLI_RUN)], cwd=REPO,
                                 env=clean_env(slowed(tmp_path)), stdout=out, stderr=subprocess.STDOUT)
     root, deadline = killed / "checkpoints", time.monotonic() + 300
     partial = root / ".tmp-step00000004"
@@ -167,8 +177,16 @@ def test_kill_during_a_background_write_resumes_from_the_previous_checkpoint(tmp
     assert (root / "latest").read_text() == "step00000002\n"
     assert sorted(p.name for p in root.iterdir() if p.name.startswith("step")) == ["step00000002"]
 
-    resumed = train(killed, corpus, *KILLED)
+    resumed = train(killed, corpus, *CLI_RUN, env=slowed(tmp_path))
     assert "removed checkpoints/.tmp-step00000004: a save that was interrupted" in resumed.stdout
     assert f"resumed from {root / 'step00000002'} at step 2" in resumed.stdout
-    assert not [p for p in root.iterdir() if p.name.startswith(".tmp-")]
-    assert_same_losses(metrics(killed), expected)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", *STEPS]
+    got = metrics(killed)
+    assert_same_losses(got, metrics(one_process / "false"))  # the uninterrupted run, saving synchronously
+
+    saves = [r for r in got if r["step"] > 2 and r["perf/checkpoint_pause_s"] is not None]
+    writes = [r["perf/checkpoint_write_s"] for r in got if r["step"] > 2 and r["perf/checkpoint_write_s"] is not None]
+    assert [r["step"] for r in saves] == [4, 6] and all(r["perf/checkpoint_pause_s"] >= 0 for r in saves)
+    # step 4's write (shard, its hashing, state.json, rng.json, manifest; alone or with step 6's) against
+    # the pause of its save, which nothing was in flight before
+    assert writes[0] > 4 * SLOW_WRITE_S and saves[0]["perf/checkpoint_pause_s"] < writes[0], got
