@@ -259,8 +259,8 @@ def stage(engine, topology, model_cfg, run_dir: Path, parts: CheckpointParts, ho
     """Everything a checkpoint of the run as it stands holds, gathered on every rank (collectives on
     the default process group), and the empty temporary folder it goes into (older leftovers removed).
     `host_copy(name, tensor) → tensor` makes this rank's tensors copies in host memory that training
-    does not touch afterwards (for a write in the background); without it they are `.cpu()` views,
-    which a write must finish with before the next step changes them."""
+    does not touch afterwards (for a write in the background); without it they are `.cpu()` (on the
+    CPU the live tensors themselves), which a write must finish with before the next step changes them."""
     import copy
 
     import torch.distributed as dist
