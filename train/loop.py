@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,9 +20,11 @@ from omegaconf import OmegaConf
 
 from model import GPTConfig, count_parameters
 from train import batch_ramp, checkpoint, data, engine as engines, metrics
+from train.checkpoint.manager import print_warning
 from train.checkpoint.parts import CheckpointParts
 from train.checkpoint.resume_checks import RunSchedule
 from train.checkpoint.rng import rng_state, set_rng_state
+from train.checkpoint.writer import CheckpointWriter, is_async, remove_leftovers
 from train.config.spec import RunSpec
 from train.guard.safeguards import Safeguards
 from train.metrics import Meter, full_shapes_model, mean_over_ranks
@@ -93,6 +96,11 @@ def run(spec: RunSpec) -> Progress:
     """Train per `spec` (train/config/spec.py: resolve); returns the final step and token count."""
     trainer = build(spec)
     resumed_from = resume(trainer)
+    if trainer.topology.rank == 0:
+        for name in remove_leftovers(spec.run_dir):
+            _say(trainer, f"removed checkpoints/{name}: a save that was interrupted")
+    train = spec.cfg.train
+    writer = CheckpointWriter(is_async(train.async_checkpoint, trainer.device), train.keep_checkpoints, train.keep_every)
     progress = trainer.progress
     # rows after the step this run starts from (0: none) are from a run killed before its next checkpoint
     logger = open_logger(trainer, progress.step)
@@ -101,8 +109,10 @@ def run(spec: RunSpec) -> Progress:
     guard = Safeguards(spec.cfg, spec.run_dir, trainer.engine, trainer.topology.rank, lambda text: _say(trainer, text),
                        resumed_from)
     try:
-        stopped = loop(trainer, progress, logger, meter, guard)
-    except BaseException:
+        stopped = loop(trainer, progress, logger, meter, guard, writer)
+    except BaseException as err:
+        if isinstance(err, Exception):  # not on a second Ctrl-C
+            _finish_write_after_error(writer)
         trainer.batches.close()
         logger.close()
         raise
@@ -112,8 +122,13 @@ def run(spec: RunSpec) -> Progress:
     return progress
 
 
-def loop(trainer: Trainer, progress: Progress, logger: metrics.MetricsLogger, meter: Meter, guard: Safeguards) -> bool:
+def loop(trainer: Trainer, progress: Progress, logger: metrics.MetricsLogger, meter: Meter, guard: Safeguards,
+         writer: CheckpointWriter) -> bool:
     """Step, log (+ evaluate), checkpoint until train.max_steps; True when a signal stopped it early.
+
+    A step's metrics record is logged after its checkpoint is staged, with the checkpoint times
+    (train/checkpoint/writer.py); a save in the background is announced at the first step boundary
+    after its write ended, and the last step's, and a stop's, are waited for.
 
     Faults (train/guard/safeguards.py): a step skipped for a non-finite loss or gradient is counted, and too
     many in a row raise NonFiniteError; SIGTERM / SIGINT / SIGUSR1 on any rank end the loop on every
@@ -126,24 +141,33 @@ def loop(trainer: Trainer, progress: Progress, logger: metrics.MetricsLogger, me
         progress.advance(size * trainer.model_cfg.seq_len)
         meter.add(result.loss, size, result.skipped)
         guard.after_step(progress.step, result)  # a skipped step: say so
+        record = None
         if _due(progress.step, cfg.logging.log_interval, last):
             record = meter.take(progress, result, guard.skips.total)
             if trainer.val_batches and _due(progress.step, cfg.train.eval_interval, last):
                 guard.phase(f"evaluation after step {progress.step}")
                 record["val/loss"] = evaluate(trainer)
-            logger.log(record)
             _say(trainer, _progress_line(record, last, meter.eta_s))
             meter.restart()
-        guard.check_skips(progress.step, trainer.device)  # too many skipped in a row: NonFiniteError
-        saved = None
-        if _due(progress.step, cfg.train.checkpoint_interval, last):
+        saved = _due(progress.step, cfg.train.checkpoint_interval, last)
+        try:
+            guard.check_skips(progress.step, trainer.device)  # too many skipped in a row: NonFiniteError
             with meter.paused():  # saving time is not training throughput
-                saved = save_checkpoint(trainer, guard)
-                logger.checkpoint(saved, progress.step)
+                if saved:
+                    save_checkpoint(trainer, guard, writer)
+                    if progress.step == last:
+                        writer.wait()  # the run ends: its last record holds this write's time
+                announce_checkpoints(trainer, guard, logger, writer)
+        finally:  # also when the run stops with an error here: the step's record is logged
+            if record is not None:
+                logger.log({**record, **writer.times()})
         verdict = guard.agree(progress.step, result)  # the step's one collective: a stop signal on any rank?
         if verdict.signal:
-            saved = saved or save_checkpoint(trainer, guard)
-            guard.stopped(progress.step, verdict, saved, finished=progress.step == last)
+            if not saved:
+                save_checkpoint(trainer, guard, writer)
+            writer.wait()
+            announce_checkpoints(trainer, guard, logger, writer)
+            guard.stopped(progress.step, verdict, guard.last_checkpoint, finished=progress.step == last)
             return progress.step < last
     return False
 
@@ -279,17 +303,32 @@ def evaluate(trainer: Trainer) -> float:
     return mean_over_ranks(_mean(trainer.step.evaluate(trainer.val_batches)))
 
 
-def save_checkpoint(trainer: Trainer, guard: Safeguards) -> Path:
-    """A checkpoint of the run as it stands (train/checkpoint/), then retention; never one of non-finite
-    weights (NonFiniteError instead)."""
-    train, step = trainer.cfg.train, trainer.progress.step
+def save_checkpoint(trainer: Trainer, guard: Safeguards, writer: CheckpointWriter) -> None:
+    """A checkpoint of the run as it stands (train/checkpoint/), then retention, written here or in the
+    background (`writer`); never one of non-finite weights (NonFiniteError instead)."""
+    stopped_at = time.perf_counter()
+    step = trainer.progress.step
     guard.phase(f"checkpoint at step {step}")
     guard.before_saving(step, trainer.device)
-    path = checkpoint.save(trainer.engine, trainer.topology, trainer.model_cfg, trainer.run_dir, trainer.parts,
-                           keep=train.keep_checkpoints, keep_every=train.keep_every)
-    guard.saved(path)
-    _say(trainer, f"checkpoint {path}")
-    return path
+    writer.save(trainer.engine, trainer.topology, trainer.model_cfg, trainer.run_dir, trainer.parts, stopped_at)
+
+
+def announce_checkpoints(trainer: Trainer, guard: Safeguards, logger: metrics.MetricsLogger,
+                         writer: CheckpointWriter) -> None:
+    """Each checkpoint published since the last call: the guard's last checkpoint, a line, a W&B artifact."""
+    for written in writer.written():
+        guard.saved(written.path)
+        _say(trainer, f"checkpoint {written.path}")
+        logger.checkpoint(written.path, written.step)
+
+
+def _finish_write_after_error(writer: CheckpointWriter) -> None:
+    """A run that fails lets the write in flight finish: that checkpoint was staged before the fault. Its
+    own failure is only a warning (the first error is the one raised)."""
+    try:
+        writer.wait()
+    except checkpoint.CheckpointError as err:
+        print_warning(str(err))
 
 
 def finish(trainer: Trainer, logger: metrics.MetricsLogger, sample: bool = True) -> None:

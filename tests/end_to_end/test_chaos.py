@@ -1,9 +1,10 @@
 """Killed at random moments, resumed each time, a run ends bit for bit where an uninterrupted one ends.
 
-A 2-process gloo run (dp=2, one `python -m train` per rank, as srun starts them) with a checkpoint and
-a metrics row every step is killed (SIGKILL, both ranks at once, as a lost node would be) at a random
-moment: sometimes while it starts or resumes, otherwise somewhere in the steps after its first new one
-(forward, backward, update, logging, evaluation, checkpoint writes). It is started again with the same
+A 2-process gloo run (dp=2, one `python -m train` per rank, as srun starts them) with a checkpoint
+(written in the background: train.async_checkpoint=true) and a metrics row every step is killed
+(SIGKILL, both ranks at once, as a lost node would be) at a random moment: sometimes while it starts
+or resumes, otherwise somewhere in the steps after its first new one (forward, backward, update,
+logging, evaluation, checkpoint staging and background writes). It is started again with the same
 command until it finishes. Then its final checkpoint (every file: weights, Adam state, LR schedule,
 data position, RNG, counters) and every metrics row (step, tokens, losses, lr, gradient norm, skipped
 steps) must equal those of the same run never interrupted, exactly, with no row lost or repeated.
@@ -28,7 +29,7 @@ KILLS = int(os.environ.get("GPT3D_CHAOS_KILLS", "5"))
 SEED = int(os.environ.get("GPT3D_CHAOS_SEED", "0"))
 STEPS = 3 * KILLS + 6
 RUN = [f"train.max_steps={STEPS}", "train.checkpoint_interval=1", "train.eval_interval=5",
-       "logging.wandb.mode=disabled"]
+       "logging.wandb.mode=disabled", "train.async_checkpoint=true"]
 COMPARED = ("step", "tokens", "train/loss", "train/lr", "train/grad_norm", "train/skipped_steps", "val/loss")
 
 

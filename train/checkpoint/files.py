@@ -12,7 +12,7 @@
 
 A save writes into `.tmp-<step>`, fsyncs every file, writes the manifest last, fsyncs the folder,
 renames it to `<step>` and only then replaces `latest`: a crash at any moment leaves the previous
-checkpoints intact and at worst a `.tmp-*` folder, which the next save or resume removes.
+checkpoints intact and at worst a `.tmp-*` folder, which the run removes when it starts again.
 
 A folder is *intact* when its manifest parses, lists exactly the files present (no shard file
 missing or extra), every size and sha256 matches, and every shard file's safetensors header

@@ -18,7 +18,9 @@ batches of about LOAD_BATCH_BYTES, and writes them back through DeepSpeed's safe
 into the torch AdamW at ZeRO-0). So (tp, pp, dp, ZeRO stage, offload) may all differ between the
 run that saved and the one that resumes.
 
-The entry points: `find_resume_path` and `verified` (the resume checks), `load` and `save` (the loop).
+The entry points: `find_resume_path` and `verified` (the resume checks), `load`, and `save`, which is
+`stage` (gathering the state on every rank) then `write` (on disk, then published), the halves that
+train/checkpoint/writer.py runs apart for a save in the background.
 """
 
 from __future__ import annotations
@@ -236,14 +238,39 @@ def save(engine, topology, model_cfg, run_dir: Path, parts: CheckpointParts, *, 
     """Save the run into <run_dir>/checkpoints/step<step>/ (every rank calls it): the tensors, and the
     registered `parts` (which must save "step" and "tokens"). Then `latest` names it, and step folders
     beyond the newest `keep` are deleted, except steps that are multiples of `keep_every` (> 0).
-    Returns the folder."""
+    Returns the folder. `stage` then `write`, in this thread (train/checkpoint/writer.py runs the
+    write in the background)."""
+    return write(stage(engine, topology, model_cfg, run_dir, parts), keep=keep, keep_every=keep_every)
+
+
+@dataclasses.dataclass
+class Staged:
+    """One rank's share of a checkpoint, taken from the run and no longer tied to it: what `write` puts
+    on disk. `state` and `per_rank` (every rank's rng.json entry) are rank 0's alone (None elsewhere)."""
+
+    tmp: Path  # the temporary folder the write fills, made (empty) by `stage`
+    step: int
+    slices: dict[str, tensors.FullSlice]
+    state: dict | None
+    per_rank: list | None
+
+
+def stage(engine, topology, model_cfg, run_dir: Path, parts: CheckpointParts, host_copy=None) -> Staged:
+    """Everything a checkpoint of the run as it stands holds, gathered on every rank (collectives on
+    the default process group), and the empty temporary folder it goes into (older leftovers removed).
+    `host_copy(name, tensor) → tensor` makes this rank's tensors copies in host memory that training
+    does not touch afterwards (for a write in the background); without it they are `.cpu()` (on the
+    CPU the live tensors themselves), which a write must finish with before the next step changes them."""
+    import copy
+
     import torch.distributed as dist
 
-    shared, own = parts.saved(), parts.saved(per_rank=True)  # every rank: a part's save may be a collective
+    # every rank: a part's save may be a collective; copies, since a part's entries may be live objects
+    shared, own = copy.deepcopy(parts.saved()), copy.deepcopy(parts.saved(per_rank=True))
     _check_plain(parts=shared)
     step = shared["step"]
-    root, tag = checkpoint_dir(run_dir), step_tag(step)
-    tmp = root / f"{files.TMP_PREFIX}{tag}"
+    root = checkpoint_dir(run_dir)
+    tmp = root / f"{files.TMP_PREFIX}{step_tag(step)}"
     rank, world = dist.get_rank(), dist.get_world_size()
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
@@ -252,27 +279,53 @@ def save(engine, topology, model_cfg, run_dir: Path, parts: CheckpointParts, *, 
     dist.barrier()
     params = ParameterState(engine)
     params.ensure_state()
-    slices = _collect(engine.module, model_cfg, topology, params)
+    slices = _collect(engine.module, model_cfg, topology, params, host_copy)
     adam_steps = _agreed(params.step_count(), "AdamW step count")
     per_rank = [None] * world
     dist.all_gather_object(per_rank, own)
-    tensors.write(slices, tmp)
-    del slices
-    shard_files = sorted(p.name for p in tmp.glob(f"*{files.SHARD_SUFFIX}"))
-    mine = {name: files.describe(tmp / name) for name in shard_files[rank::world]}
-    described = [None] * world
-    dist.all_gather_object(described, mine)
+    state = None
     if rank == 0:
-        layout = layout_of(engine, topology)
         state = {
-            "format": FORMAT, "format_version": FORMAT_VERSION, "gpt3d": gpt3d_version(), "layout": layout,
-            "model": dataclasses.asdict(model_cfg), "optimizer": {"adam_step": adam_steps}, **shared,
+            "format": FORMAT, "format_version": FORMAT_VERSION, "gpt3d": gpt3d_version(),
+            "layout": layout_of(engine, topology), "model": dataclasses.asdict(model_cfg),
+            "optimizer": {"adam_step": adam_steps}, **shared,
         }
-        _write_state(tmp, state, {"ranks": per_rank}, {k: v for d in described for k, v in d.items()})
-        files.publish(tmp, root / tag)
-        files.set_latest(root, tag)
-        files.prune(root, keep, keep_every, step)
-    dist.barrier()
+    return Staged(tmp, step, slices, state, per_rank if rank == 0 else None)
+
+
+def write(staged: Staged, *, keep: int = 3, keep_every: int = 0, group=None) -> Path:
+    """Put a staged checkpoint on disk (every rank calls it; its collectives go over `group`, the
+    default process group when None): each rank's safetensors file, fsynced, each rank hashing every
+    world-th of them; then rank 0 writes state.json, rng.json and the manifest, renames the folder
+    into place, replaces `latest` and applies retention. Every rank returns the folder once it is
+    published, or raises CheckpointError when any rank failed (every rank alike)."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    root, tag, tmp = staged.tmp.parent, step_tag(staged.step), staged.tmp
+    tensors.write(staged.slices, tmp, group=group)
+    staged.slices = {}  # the host copies are not needed any more
+    shard_files = sorted(p.name for p in tmp.glob(f"*{files.SHARD_SUFFIX}"))
+    try:
+        mine = ({name: files.describe(tmp / name) for name in shard_files[rank::world]}, None)
+    except OSError as err:
+        mine = ({}, f"rank {rank} cannot hash its files ({err})")
+    described = [None] * world
+    dist.all_gather_object(described, mine, group=group)
+    failed = [error for _, error in described if error]
+    outcome = ["; ".join(failed) or None]
+    if rank == 0 and not failed:
+        try:
+            _write_state(tmp, staged.state, {"ranks": staged.per_rank},
+                         {k: v for d, _ in described for k, v in d.items()})
+            files.publish(tmp, root / tag)
+            files.set_latest(root, tag)
+            files.prune(root, keep, keep_every, staged.step)
+        except Exception as err:  # every rank must hear of it, not wait for rank 0 forever
+            outcome = [str(err) or repr(err)]
+    dist.broadcast_object_list(outcome, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    if outcome[0] is not None:
+        raise CheckpointError(f"the checkpoint of step {staged.step} could not be written: {outcome[0]}")
     return root / tag
 
 
@@ -294,10 +347,10 @@ def _write_state(tmp: Path, state: dict, rng: dict, described: dict) -> None:
     files.write_json(tmp / files.MANIFEST, manifest)
 
 
-def _collect(part, model_cfg, topology, params: ParameterState) -> dict[str, tensors.FullSlice]:
+def _collect(part, model_cfg, topology, params: ParameterState, host_copy=None) -> dict[str, tensors.FullSlice]:
     """This rank's share of the tensors to save: for every parameter it speaks for (not a tied copy;
     tp rank 0 for replicated ones) whose data-parallel writer it is, the fp32 weights and moments of
-    its region of the full tensor (vocabulary padding left out)."""
+    its region of the full tensor (vocabulary padding left out), through `host_copy` when given."""
     from parallel.naming import parameter_map
 
     spoken = [(local, shard) for local, shard in parameter_map(part, model_cfg, topology).items()
@@ -310,8 +363,9 @@ def _collect(part, model_cfg, topology, params: ParameterState) -> dict[str, ten
             continue
         offsets, _ = tensors.region(shard.index)
         for kind in KINDS:
-            region = values[kind][shard.local_index].cpu()
-            out[f"{kind}/{shard.name}"] = tensors.FullSlice(region, shard.full_shape, offsets)
+            name, region = f"{kind}/{shard.name}", values[kind][shard.local_index]
+            region = host_copy(name, region) if host_copy is not None else region.cpu()
+            out[name] = tensors.FullSlice(region, shard.full_shape, offsets)
     return out
 
 

@@ -121,11 +121,11 @@ class ShardReader(dcp.HuggingFaceStorageReader):
 
 
 
-def write(slices: dict[str, FullSlice], folder: Path, distributed: bool = True) -> None:
-    """Every rank's slices into `folder` (a collective when distributed): one safetensors file per
-    rank that holds any, each fsynced."""
+def write(slices: dict[str, FullSlice], folder: Path, distributed: bool = True, group=None) -> None:
+    """Every rank's slices into `folder` (a collective over `group` when distributed, the default
+    process group when None): one safetensors file per rank that holds any, each fsynced."""
     writer = dcp.HuggingFaceStorageWriter(str(folder), save_distributed=True)
-    dcp.save(slices, storage_writer=writer, planner=_SlicePlanner(), no_dist=not distributed)
+    dcp.save(slices, storage_writer=writer, planner=_SlicePlanner(), no_dist=not distributed, process_group=group)
 
 
 def read(requests: dict, reader: ShardReader, distributed: bool = True) -> None:

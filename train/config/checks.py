@@ -289,12 +289,14 @@ def check_resume(cfg, run_dir: Path, model_cfg: GPTConfig):
 
 
 def check_checkpoint_settings(cfg, model_cfg: GPTConfig) -> None:
-    """Retention (train.keep_checkpoints, train.keep_every); train.init_from is a Hugging Face GPT-2
-    folder of this model's shape."""
+    """Retention (train.keep_checkpoints, train.keep_every), train.async_checkpoint (auto, true or false);
+    train.init_from is a Hugging Face GPT-2 folder of this model's shape."""
     train = cfg.train
     _positive_int("train.keep_checkpoints", train.keep_checkpoints)
     if not isinstance(train.keep_every, int) or isinstance(train.keep_every, bool) or train.keep_every < 0:
         raise ConfigError(f"train.keep_every={train.keep_every!r}: must be a non-negative integer (0: keep none extra)")
+    if not (train.async_checkpoint == "auto" or isinstance(train.async_checkpoint, bool)):
+        raise ConfigError(f"train.async_checkpoint={train.async_checkpoint!r}: must be auto, true or false")
     if train.init_from is not None:
         from train.checkpoint.hugging_face import check_init_from
 
