@@ -49,7 +49,7 @@ class Decoder:
         """Logits (B, V) of the position after the last token."""
         if isinstance(self.model, GPT):
             hidden = run_layers(self.model.layers[:-1], tokens, cache)  # (B, t, d)
-            return self.model.head(hidden[:, -1:])[:, 0]  # (B, V)
+            return self.model.head.logits(hidden[:, -1:])[:, 0]  # (B, V)
         logits = self.model(tokens) if cache is None else self.model(tokens, cache=cache)  # (B, t, V)
         return logits[:, -1, :]
 
