@@ -6,6 +6,7 @@
       → allocate, initialise       by index in the full list (model.gpt.init_layers_), so the full
                                    weights are the one-process model's whatever the layout;
                                    skipped for device="meta" (shapes only, see build_model)
+      → compile the blocks         with model.compile (model/compile.py), after the weights exist
       → a GPT (pp = 1)             the layers in model/'s own container, embedding tied to the head
         or PipelineStages (pp > 1) a DeepSpeed PipelineModule holding this stage's layers
 
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 from model import GPT, GPTConfig
+from model.compile import compile_blocks
 from model.gpt import init_layers_, layer_list
 from model.init import materialize_
 from parallel.pipeline import PipelineStages, stage_bounds
@@ -73,6 +75,8 @@ def build_model(
                 materialize_(layer, device)
             init_layers_(local, config, seed)
         model = PipelineStages(layers, topology, loss_for(head), options.activation_checkpointing)
+    if config.compile and not shapes_only:
+        compile_blocks(local.values(), device)
     return model
 
 
