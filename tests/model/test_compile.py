@@ -76,3 +76,8 @@ def test_checkpoints_do_not_compare_the_compile_switch():
     assert model_differences(saved, dataclasses.replace(CONFIG, compile=True)) == []
     del saved["compile"]  # a checkpoint written before the switch existed
     assert model_differences(saved, CONFIG) == []
+
+
+def test_model_compile_must_be_true_or_false():
+    with pytest.raises(ValueError, match=r"^model.compile='yes': must be true or false$"):
+        GPTConfig(compile="yes")
