@@ -18,6 +18,9 @@ Implementations (`impl`):
   "auto"       "triton" for bf16/fp16 CUDA tensors, "sdpa" for other CUDA tensors (float32: the
                kernel takes half precision only), "torch" on the CPU
 
+Under torch.compile (model.compile) "triton" and "torch" run as torch.library custom ops
+(model/attention_op.py), which the compiler treats as single calls with their own backward.
+
 deterministic=True asks for gradients that are the same bits on every run. "triton" then computes
 dQ in a pass of its own instead of with atomic adds (model/attention_triton.py); "torch" and
 "reference" are deterministic already (each output element is summed in a fixed order by torch
@@ -54,6 +57,10 @@ def attention(q, k, v, causal: bool = True, window: int | None = None, impl: str
     if impl == "sdpa":
         return sdpa_attention(q, k, v, causal=causal, window=window)
     lo, hi = band_limits(q.shape[-2], causal, window)
+    if torch.compiler.is_compiling():  # one opaque op with its own backward for the compiler (model/compile.py)
+        from model.attention_op import compiled_attention
+
+        return compiled_attention(q, k, v, lo, hi, impl, deterministic)
     if impl == "torch":
         return attention_torch.banded_attention(q, k, v, lo, hi)
     from model import attention_triton  # triton is imported only when the kernel is used

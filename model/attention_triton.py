@@ -428,6 +428,15 @@ def banded_attention(q, k, v, lo: int, hi: int, deterministic: bool = False):
     contiguous. Gradient hooks registered on the slices themselves then do not fire. The output is
     (B, H, T, D) laid out as (B, T, H, D), so merging the heads back into (B, T, H·D) is a view.
     """
+    check_inputs(q, k, v)
+    qkv = packed_qkv(q, k, v)
+    if qkv is not None:
+        return _FlashAttention.apply(lo, hi, deterministic, qkv)
+    return _FlashAttention.apply(lo, hi, deterministic, *(_unit_stride(x) for x in (q, k, v)))
+
+
+def check_inputs(q, k, v) -> None:
+    """Refuse what the kernel cannot take: mismatched q, k, v, a device, dtype or head dim it lacks."""
     if not (q.shape == k.shape == v.shape) or not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v must share shape (B, H, T, D) and dtype; got {q.shape}, {k.shape}, "
                          f"{v.shape} and {q.dtype}, {k.dtype}, {v.dtype}")
@@ -439,10 +448,6 @@ def banded_attention(q, k, v, lo: int, hi: int, deterministic: bool = False):
                          "or impl='sdpa' (or 'auto', which picks it for float32 on CUDA)")
     if q.shape[-1] > MAX_HEAD_DIM:
         raise ValueError(f"impl='triton' takes head dims up to {MAX_HEAD_DIM}, not {q.shape[-1]}")
-    qkv = packed_qkv(q, k, v)
-    if qkv is not None:
-        return _FlashAttention.apply(lo, hi, deterministic, qkv)
-    return _FlashAttention.apply(lo, hi, deterministic, *(_unit_stride(x) for x in (q, k, v)))
 
 
 def packed_qkv(q, k, v):
@@ -470,14 +475,7 @@ class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, lo, hi, deterministic, *tensors):
         """tensors: (qkv,) packed (B, T, H, 3, D), or (q, k, v) each (B, H, T, D) with unit last stride."""
-        q, k, v = _split(tensors)
-        b, h, t, d = q.shape
-        o = torch.empty(b, t, h, d, dtype=q.dtype, device=q.device).transpose(1, 2)  # (B, H, T, D)
-        lse = torch.empty(b, h, t, dtype=torch.float32, device=q.device)  # (B, H, T), base 2
-        grid = lambda meta: (b * h, triton.cdiv(t, meta["BLOCK_M"]))  # noqa: E731
-        with _device_of(q):
-            _fwd_kernel[grid](q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-                              h, t, lo, hi, LOG2E / math.sqrt(d), *tuning_key(t, lo, hi), **_shape_args(q))
+        o, lse = flash_forward(tensors, lo, hi)
         ctx.save_for_backward(*tensors, o, lse)
         ctx.band = (lo, hi)
         ctx.deterministic = deterministic
@@ -487,40 +485,58 @@ class _FlashAttention(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, do):
         *tensors, o, lse = ctx.saved_tensors
-        lo, hi = ctx.band
-        q, k, v = _split(tensors)
-        do = _unit_stride(do)
-        b, h, t, d = q.shape
-        shape_args = _shape_args(q)
-        if len(tensors) == 1:
-            grads = (torch.empty_like(tensors[0]),)  # (B, T, H, 3, D): the fused projection's gradient
-        else:
-            grads = tuple(torch.empty(b, t, h, d, dtype=q.dtype, device=q.device).transpose(1, 2) for _ in range(3))
-        dq, dk, dv = _split(grads)  # each (B, H, T, D); dk and dv share strides
-        deterministic = ctx.deterministic
-        # the atomic form's float32 dQ accumulator; the deterministic one writes dq directly
-        dq_acc = dq if deterministic else torch.empty(b, t, h, d, dtype=torch.float32,
-                                                      device=q.device).transpose(1, 2)  # (B, H, T, D)
-        delta = torch.empty_like(lse)  # (B, H, T)
-        preprocess_block = INTERPRET_BWD[0] if INTERPRET else PREPROCESS_BLOCK
-        key_grid = lambda meta: (b * h, triton.cdiv(t, meta["BLOCK_N"]))  # noqa: E731
-        scales = (1.0 / math.sqrt(d), LOG2E / math.sqrt(d))  # sm_scale = 1/√D, qk_scale = log2(e)/√D
-        with _device_of(q):
-            _bwd_preprocess[(b * h, triton.cdiv(t, preprocess_block))](
-                o, do, delta, dq_acc, *_strides(o), *_strides(do), *_strides(dq_acc), h, t,
-                HEAD_DIM=d, BLOCK_D=shape_args["BLOCK_D"], BLOCK_M=preprocess_block, ZERO_DQ=not deterministic)
-            kv_kernel = _bwd_kv_kernel if deterministic else _bwd_kernel
-            kv_kernel[key_grid](q, k, v, do, lse, delta, dq_acc, dk, dv, *_strides(q), *_strides(k), *_strides(v),
-                                *_strides(do), *_strides(dq_acc), *_strides(dk), h, t, lo, hi, *scales,
-                                *tuning_key(t, lo, hi), **shape_args, ATOMIC_DQ=not deterministic)
-            if deterministic:
-                query_grid = lambda meta: (b * h, triton.cdiv(t, meta["BLOCK_M"]))  # noqa: E731
-                _bwd_dq_kernel[query_grid](q, k, v, do, lse, delta, dq, *_strides(q), *_strides(k), *_strides(v),
-                                           *_strides(do), *_strides(dq), h, t, lo, hi, *scales,
-                                           *tuning_key(t, lo, hi), **shape_args)
-        if not deterministic:
-            dq.copy_(dq_acc)  # float32 → q's dtype, into its slot of the packed gradient
-        return None, None, None, *grads
+        return None, None, None, *flash_backward(tensors, o, lse, do, *ctx.band, ctx.deterministic)
+
+
+def flash_forward(tensors, lo: int, hi: int):
+    """(O, LSE) of the forward kernel: O (B, H, T, D) laid out as (B, T, H, D), LSE (B, H, T) float32,
+    base 2. tensors: (qkv,) packed (B, T, H, 3, D), or (q, k, v) each (B, H, T, D) with unit last stride."""
+    q, k, v = _split(tensors)
+    b, h, t, d = q.shape
+    o = torch.empty(b, t, h, d, dtype=q.dtype, device=q.device).transpose(1, 2)  # (B, H, T, D)
+    lse = torch.empty(b, h, t, dtype=torch.float32, device=q.device)  # (B, H, T), base 2
+    grid = lambda meta: (b * h, triton.cdiv(t, meta["BLOCK_M"]))  # noqa: E731
+    with _device_of(q):
+        _fwd_kernel[grid](q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+                          h, t, lo, hi, LOG2E / math.sqrt(d), *tuning_key(t, lo, hi), **_shape_args(q))
+    return o, lse
+
+
+def flash_backward(tensors, o, lse, do, lo: int, hi: int, deterministic: bool):
+    """The backward kernels: (dQKV,) packed like tensors, or (dQ, dK, dV) each (B, H, T, D) laid out
+    as (B, T, H, D), from the forward's tensors, O, LSE and dO."""
+    q, k, v = _split(tensors)
+    do = _unit_stride(do)
+    b, h, t, d = q.shape
+    shape_args = _shape_args(q)
+    if len(tensors) == 1:
+        grads = (torch.empty_like(tensors[0]),)  # (B, T, H, 3, D): the fused projection's gradient
+    else:
+        grads = tuple(torch.empty(b, t, h, d, dtype=q.dtype, device=q.device).transpose(1, 2) for _ in range(3))
+    dq, dk, dv = _split(grads)  # each (B, H, T, D); dk and dv share strides
+    # the atomic form's float32 dQ accumulator; the deterministic one writes dq directly
+    dq_acc = dq if deterministic else torch.empty(b, t, h, d, dtype=torch.float32,
+                                                  device=q.device).transpose(1, 2)  # (B, H, T, D)
+    delta = torch.empty_like(lse)  # (B, H, T)
+    preprocess_block = INTERPRET_BWD[0] if INTERPRET else PREPROCESS_BLOCK
+    key_grid = lambda meta: (b * h, triton.cdiv(t, meta["BLOCK_N"]))  # noqa: E731
+    scales = (1.0 / math.sqrt(d), LOG2E / math.sqrt(d))  # sm_scale = 1/√D, qk_scale = log2(e)/√D
+    with _device_of(q):
+        _bwd_preprocess[(b * h, triton.cdiv(t, preprocess_block))](
+            o, do, delta, dq_acc, *_strides(o), *_strides(do), *_strides(dq_acc), h, t,
+            HEAD_DIM=d, BLOCK_D=shape_args["BLOCK_D"], BLOCK_M=preprocess_block, ZERO_DQ=not deterministic)
+        kv_kernel = _bwd_kv_kernel if deterministic else _bwd_kernel
+        kv_kernel[key_grid](q, k, v, do, lse, delta, dq_acc, dk, dv, *_strides(q), *_strides(k), *_strides(v),
+                            *_strides(do), *_strides(dq_acc), *_strides(dk), h, t, lo, hi, *scales,
+                            *tuning_key(t, lo, hi), **shape_args, ATOMIC_DQ=not deterministic)
+        if deterministic:
+            query_grid = lambda meta: (b * h, triton.cdiv(t, meta["BLOCK_M"]))  # noqa: E731
+            _bwd_dq_kernel[query_grid](q, k, v, do, lse, delta, dq, *_strides(q), *_strides(k), *_strides(v),
+                                       *_strides(do), *_strides(dq), h, t, lo, hi, *scales,
+                                       *tuning_key(t, lo, hi), **shape_args)
+    if not deterministic:
+        dq.copy_(dq_acc)  # float32 → q's dtype, into its slot of the packed gradient
+    return grads
 
 
 def _shape_args(q):

@@ -19,6 +19,9 @@ class GPTConfig:
     banded layers); even layers stay dense. deterministic_attention=True makes the attention's
     backward give the same bits on every run (model.attention: the Triton kernel then computes dQ in
     a pass of its own, without atomic adds; it cannot be combined with attention_impl="sdpa").
+    compile=True runs each transformer Block through torch.compile (model/compile.py), eager where
+    compilation is unavailable; an execution option like attention_impl: the weights, and so
+    checkpoints, are the same either way.
     """
 
     name: str = "toy"
@@ -33,6 +36,7 @@ class GPTConfig:
     local_window: int = 256
     attention_impl: str = "auto"
     deterministic_attention: bool = False
+    compile: bool = False
     dropout: float = 0.0
     init_std: float = 0.02
     ln_eps: float = 1e-5
@@ -55,6 +59,8 @@ class GPTConfig:
         _check_choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
         if not isinstance(self.deterministic_attention, bool):
             raise ValueError(f"model.deterministic_attention={self.deterministic_attention!r}: must be true or false")
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"model.compile={self.compile!r}: must be true or false")
         if self.deterministic_attention and self.attention_impl == "sdpa":
             raise ValueError("model.deterministic_attention=true with model.attention_impl='sdpa': PyTorch's SDPA "
                              "backward is not deterministic on every backend; use attention_impl auto, triton or torch")

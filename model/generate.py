@@ -49,7 +49,7 @@ class Decoder:
         """Logits (B, V) of the position after the last token."""
         if isinstance(self.model, GPT):
             hidden = run_layers(self.model.layers[:-1], tokens, cache)  # (B, t, d)
-            return self.model.head(hidden[:, -1:])[:, 0]  # (B, V)
+            return self.model.head.logits(hidden[:, -1:])[:, 0]  # (B, V)
         logits = self.model(tokens) if cache is None else self.model(tokens, cache=cache)  # (B, t, V)
         return logits[:, -1, :]
 
@@ -68,7 +68,13 @@ def generate(
 
     model: a module whose forward(tokens, cache=None) gives logits (B, t, V), or a Decoder.
     use_cache=False re-encodes the whole context every step (the reference the cache must match).
+    Runs eager even where the blocks were compiled (model.compile).
     """
+    with torch.compiler.set_stance("force_eager"):  # compiled blocks (model.compile) decode eager
+        return _generate(model, idx, max_new_tokens, temperature, top_k, generator, use_cache)
+
+
+def _generate(model, idx, max_new_tokens, temperature, top_k, generator, use_cache) -> torch.Tensor:
     decoder = model if isinstance(model, Decoder) else Decoder(model)
     seq_len = decoder.config.seq_len
     pick = partial(pick_token, temperature=temperature, top_k=top_k, generator=generator)

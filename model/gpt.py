@@ -9,6 +9,8 @@ drawn from layer 0's seed wherever it lives.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -63,7 +65,9 @@ def init_layers_(layers: dict[int, nn.Module], config: GPTConfig, seed: int) -> 
 class GPT(nn.Module):
     """A decoder-only transformer; `layers[i]` maps one tensor to the next.
 
-    forward(idx) returns logits (B, T, V); forward(idx, targets) returns the mean cross-entropy;
+    forward(idx) returns logits (B, T, V); forward(idx, targets) returns the mean cross-entropy
+    (`loss_fn` of the Head's output: logits, or with head.emits_hidden the hidden states it turns
+    into the loss without the full logits, model/fused_loss.py);
     forward(idx, cache=KVCache()) encodes only the new tokens idx after those the cache holds.
     Construct under `torch.device("meta")` to get shapes without memory, then `materialize`.
     """
@@ -72,7 +76,7 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.layers = nn.ModuleList(layers if layers is not None else layer_list(config))
-        self.loss_fn = lm_loss  # (logits, targets) → scalar; tensor parallelism swaps in a vocab-parallel one
+        self.loss_fn = lm_loss  # (head output, targets) → scalar; parallel.tensor.loss_for picks the others
         self.activation_checkpointing = 0
         self.tie_weights()
 
@@ -128,7 +132,9 @@ class GPT(nn.Module):
             x = self.head(x)  # (B, T, V)
         else:
             x = run_layers(self.layers, idx)
-        return x if targets is None else self.loss_fn(x, targets)
+        if targets is not None:
+            return self.loss_fn(x, targets)
+        return self.head.lm_head(x) if self.head.emits_hidden else x  # (B, T, V)
 
 
 def set_selective_recomputation(layers, on: bool) -> None:
@@ -157,8 +163,10 @@ def build(config: GPTConfig, device: torch.device | str = "cpu", seed: int = 0) 
 
 
 def count_parameters(model: nn.Module, exclude_positions: bool = False) -> int:
-    """Unique parameters (tied matrices once); optionally without the position table."""
-    total = sum(p.numel() for p in model.parameters())
+    """Unique parameters of the full model (tied matrices once; a parameter that announces its
+    `full_shape`, such as the padded vocabulary's, counts as that tensor: V rows, not Vp);
+    optionally without the position table."""
+    total = sum(math.prod(getattr(p, "full_shape", p.shape)) for p in model.parameters())
     if exclude_positions:
         total -= sum(p.numel() for n, p in model.named_parameters() if n.endswith("wpe.weight"))
     return total

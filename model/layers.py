@@ -4,6 +4,8 @@ Each maps one tensor to one tensor, so a pipeline can cut the sequence anywhere 
   Embedding: token ids (B, T) → hidden (B, T, d)
   Block:     hidden → hidden, h + Attn(LN(h)) then h + MLP(LN(h))   (pre-LayerNorm)
   Head:      hidden → logits (B, T, V) = LN(h) Wᵀ, W tied to the token embedding
+The token embedding and the unembedding hold the vocabulary padded to Vp rows (model/vocab.py);
+logits keep only the V real columns.
 Attention reshapes heads with −1, so a column-sharded QKV projection just yields fewer local heads.
 Each layer also takes an optional KVCache (model/kv_cache.py): the Embedding then numbers the new
 tokens after those already seen, and attention attends to the cached keys and values as well.
@@ -18,14 +20,15 @@ from torch import nn
 from model.attention import attention
 from model.config import GPTConfig
 from model.recompute import Linear, Recompute
+from model.vocab import PaddedEmbedding, PaddedUnembedding
 
 
 class Embedding(nn.Module):
-    """Token embedding plus learned absolute position embedding."""
+    """Token embedding (its vocabulary padded, model/vocab.py) plus learned absolute position embedding."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.wte = nn.Embedding(config.vocab_size, config.d_model)
+        self.wte = PaddedEmbedding(config.vocab_size, config.d_model)
         self.wpe = nn.Embedding(config.seq_len, config.d_model)
         self.drop = nn.Dropout(config.dropout)
 
@@ -129,15 +132,26 @@ class Block(nn.Module):
 
 
 class Head(nn.Module):
-    """Final LayerNorm and the unembedding; `lm_head.weight` is tied to `Embedding.wte.weight`."""
+    """Final LayerNorm and the unembedding; `lm_head.weight` is tied to `Embedding.wte.weight`.
+
+    forward gives the logits, or with `emits_hidden` set the normalised hidden states LN(h) (B, T, d):
+    then the loss applies the unembedding itself, chunk by chunk (model/fused_loss.py), and whoever
+    wants logits asks `logits` (generation) or applies `lm_head` (GPT.forward without targets).
+    """
 
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.ln_f = nn.LayerNorm(config.d_model, eps=config.ln_eps)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.lm_head = PaddedUnembedding(config.d_model, config.vocab_size)
+        self.emits_hidden = False
 
     def forward(self, h: torch.Tensor, cache=None) -> torch.Tensor:
-        return self.lm_head(self.ln_f(h))  # (B, T, V); nothing of the head is cached
+        h = self.ln_f(h)  # (B, T, d); nothing of the head is cached
+        return h if self.emits_hidden else self.lm_head(h)  # (B, T, d) or (B, T, V)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits (B, T, V) (a vocab-parallel unembedding: this rank's (B, T, Vp/p)), whatever forward emits."""
+        return self.lm_head(self.ln_f(h))
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -6,11 +6,14 @@
       → allocate, initialise       by index in the full list (model.gpt.init_layers_), so the full
                                    weights are the one-process model's whatever the layout;
                                    skipped for device="meta" (shapes only, see build_model)
+      → compile the blocks         with model.compile (model/compile.py), after the weights exist
       → a GPT (pp = 1)             the layers in model/'s own container, embedding tied to the head
         or PipelineStages (pp > 1) a DeepSpeed PipelineModule holding this stage's layers
 
-The loss is tensor.loss_for(head) in both cases. `local_layers(part)` gives back {index in the
-full list: layer} for either kind of part, which is all generation and naming need.
+The loss is tensor.loss_for(head) in both cases; with options.fused_loss the Head emits its
+normalised hidden states and that loss unembeds them chunk by chunk (model/fused_loss.py).
+`local_layers(part)` gives back {index in the full list: layer} for either kind of part, which is
+all generation and naming need.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 from torch import nn
 
 from model import GPT, GPTConfig
+from model.compile import compile_blocks
 from model.gpt import init_layers_, layer_list
 from model.init import materialize_
 from parallel.pipeline import PipelineStages, stage_bounds
@@ -35,6 +39,7 @@ class BuildOptions:
     sequence_parallel: bool = False  # with tp > 1: activations between blocks split along the sequence
     activation_checkpointing: int | str = 0  # k > 0: recompute each run of k blocks in backward; "selective"
     overlap_communication: bool = True  # with tp > 1: input-gradient all-reduces overlap the weight-gradient GEMMs
+    fused_loss: bool = False  # the Head emits hidden states; the loss unembeds them chunk by chunk (train.fused_loss)
 
 
 def build_model(
@@ -55,17 +60,25 @@ def build_model(
     for index, layer in local.items():
         shard_layer(layer, topology, TP_PLAN, options.sequence_parallel, index, options.overlap_communication)
     head = local.get(len(layers) - 1)
+    if head is not None:
+        head.emits_hidden = options.fused_loss
     shapes_only = torch.device(device).type == "meta"
     if topology.pp_size == 1:
         model = GPT(config, layers)  # ties the unembedding to the embedding
         model.loss_fn = loss_for(head)
         model.activation_checkpointing = options.activation_checkpointing
-        return model if shapes_only else model.materialize(device, seed)
-    if not shapes_only:
-        for layer in local.values():
-            materialize_(layer, device)
-        init_layers_(local, config, seed)
-    return PipelineStages(layers, topology, loss_for(head), options.activation_checkpointing)
+        if shapes_only:
+            return model
+        model.materialize(device, seed)
+    else:
+        if not shapes_only:
+            for layer in local.values():
+                materialize_(layer, device)
+            init_layers_(local, config, seed)
+        model = PipelineStages(layers, topology, loss_for(head), options.activation_checkpointing)
+    if config.compile and not shapes_only:
+        compile_blocks(local.values(), device)
+    return model
 
 
 def local_layers(part: nn.Module) -> dict[int, nn.Module]:

@@ -56,7 +56,7 @@ class LayoutDecoder(Decoder):
             body = self.layers[:-1] if self.last else self.layers
             x = run_layers(body, x, cache)  # (B, t, d)
             if self.last:  # only the last position reaches the head
-                token = pick(self._full_vocabulary(self.layers[-1](x[:, -1:])).float())  # (B, 1)
+                token = pick(self._full_vocabulary(self.layers[-1].logits(x[:, -1:])).float())  # (B, 1)
             else:
                 dist.send(x.to(self.dtype).contiguous(), dst=self.next)
                 token = torch.empty(b, 1, dtype=torch.long, device=self.device)

@@ -11,8 +11,9 @@ a Shard of one of them:
                  (LayerNorm γ/β, sequence-parallel ones included; row-parallel biases; positions)
     index        the region of the full tensor this rank holds, one slice per dimension
     local_index  where that region lies in the local tensor; the rest of the local tensor is
-                 padding (the vocabulary is padded to a multiple of 128·tp, so the last shards
-                 of the embedding carry zero rows, or only zero rows, beyond the vocabulary)
+                 padding (the vocabulary is padded to a multiple of 128·tp at every tp, so the
+                 last shards of the embedding carry zero rows, or only zero rows, beyond the
+                 vocabulary; at tp = 1 the one whole (V, d) sits in a local (Vp, d))
     local_shape  the local tensor's shape
     tied         a copy of the tied matrix: the Head's "lm_head.weight" (the last pipeline
                  stage's own copy, or the one-process model's second name for the shared matrix)
@@ -77,8 +78,8 @@ def _layer_shards(config, layer, tp, tp_rank, plan_items) -> tuple[tuple[str, Sh
         full_name = f"layers.{layer}.{name}"
         style = plan_style(plan, f"layers.{layer}.{owner}") if tp > 1 else None
         dim = SPLIT_DIMS.get(style, {}).get(kind)
-        shape = tuple(param.shape)
-        index, local_index, local_shape = [slice(0, n) for n in shape], [slice(0, n) for n in shape], list(shape)
+        shape = tuple(getattr(param, "full_shape", param.shape))  # the padded vocabulary's: (V, d)
+        index, local_index, local_shape = [slice(0, n) for n in shape], [slice(0, n) for n in shape], list(param.shape)
         if dim is not None:
             padded = padded_vocab_size(shape[dim], tp) if style == "vocab" else None
             start, stop, local = shard_range(shape[dim], tp_rank, tp, padded)

@@ -36,8 +36,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from model.fused_loss import fused_linear_cross_entropy, fused_lm_loss
 from model.layers import Embedding, lm_loss
 from model.recompute import Recompute, linear
+from model.vocab import PaddedEmbedding, PaddedUnembedding, padded_vocab_size
 from parallel.comm import (
     all_reduce,
     copy_to_tp_region,
@@ -64,16 +66,10 @@ TP_PLAN = {
 SEQUENCE_PARALLEL_PLAN = {"ln_1": "sequence", "ln_2": "sequence", "ln_f": "sequence"}
 # The LayerNorms whose output feeds a column-parallel layer (ln_f feeds the vocab-parallel unembedding).
 NORM_BEFORE_COLUMN = ("ln_1", "ln_2")
-VOCAB_MULTIPLE = 128
 # Per style, the dimension along which each parameter is cut over the tp ranks (absent: every rank
-# holds all of it). "vocab" cuts the vocabulary after padding it to padded_vocab_size.
+# holds all of it). "vocab" cuts the vocabulary after padding it to padded_vocab_size (model/vocab.py),
+# and pads it at tp = 1 too.
 SPLIT_DIMS = {"column": {"weight": 0, "bias": 0}, "row": {"weight": 1}, "vocab": {"weight": 0}, "sequence": {}}
-
-
-def padded_vocab_size(vocab_size: int, tp: int) -> int:
-    """vocab_size rounded up to a multiple of 128·tp, so every rank holds an equal, aligned shard."""
-    step = VOCAB_MULTIPLE * tp
-    return -(-vocab_size // step) * step
 
 
 def shard_range(length: int, rank: int, size: int, padded: int | None = None) -> tuple[int, int, int]:
@@ -213,6 +209,10 @@ class VocabParallelUnembedding(nn.Module):
     h is replicated and ∂L/∂h = Σ_i (∂L/∂z_i) E_i is a sum over ranks (copy_to_tp_region; with sequence
     parallelism, the final LayerNorm's gather). Columns ≥ V are padding: the loss and gather_logits
     drop them.
+
+    Given targets (B, T) it returns their mean cross-entropy instead, chunk by chunk without the
+    logits (model/fused_loss.py), with the three all-reduces of _VocabParallelCrossEntropy per chunk
+    over the tp group; h's gradient is this rank's term, summed as above.
     """
 
     def __init__(self, vocab_size, in_features, group, sequence_parallel=False, tag="", device=None, dtype=None):
@@ -224,10 +224,17 @@ class VocabParallelUnembedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(padded // size, in_features, device=device, dtype=dtype))
         _mark(self.weight, (vocab_size, in_features), SPLIT_DIMS["vocab"]["weight"], rank, size, padded)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:  # h (B, T, d)
-        if not self.sequence_parallel:
+    def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
+        if not self.sequence_parallel:  # h (B, T, d)
             h = copy_to_tp_region(h, self.group, self.tag)
-        return F.linear(h, self.weight)  # (B, T, Vp/p)
+        if targets is None:
+            return F.linear(h, self.weight)  # (B, T, Vp/p)
+        group, tag = self.group, "loss"
+        return fused_linear_cross_entropy(
+            h, self.weight, targets, self.vocab_size, chunk=chunk, start=dist.get_rank(group) * self.weight.shape[0],
+            reduce_max=lambda x: all_reduce(x, group, tag, "forward", op=dist.ReduceOp.MAX),
+            reduce_sum=lambda x: all_reduce(x, group, tag, "forward"),
+        )
 
 
 class SequenceParallelLayerNorm(nn.LayerNorm):
@@ -355,7 +362,7 @@ def sequence_parallel_disabled(module: nn.Module):
 
 def _build(style: str, name: str, module: nn.Module, group, sequence_parallel: bool) -> nn.Module:
     """The tensor-parallel replacement for `module` (same shapes when unsharded, same parameter names)."""
-    kinds = {"column": nn.Linear, "row": nn.Linear, "vocab": (nn.Embedding, nn.Linear), "sequence": nn.LayerNorm}
+    kinds = {"column": nn.Linear, "row": nn.Linear, "vocab": (PaddedEmbedding, PaddedUnembedding), "sequence": nn.LayerNorm}
     if style not in kinds:
         raise ValueError(f"plan maps {name!r} to {style!r}; styles are {sorted(kinds)}")
     if not isinstance(module, kinds[style]):
@@ -363,12 +370,10 @@ def _build(style: str, name: str, module: nn.Module, group, sequence_parallel: b
     like = {"device": module.weight.device, "dtype": module.weight.dtype}
     if style == "sequence":
         return SequenceParallelLayerNorm(module.normalized_shape, module.eps, group, tag=name, **like)
-    if style == "vocab" and isinstance(module, nn.Embedding):
-        return VocabParallelEmbedding(module.num_embeddings, module.embedding_dim, group, tag=name, **like)
+    if style == "vocab" and isinstance(module, PaddedEmbedding):
+        return VocabParallelEmbedding(module.vocab_size, module.embedding_dim, group, tag=name, **like)
     if style == "vocab":
-        return VocabParallelUnembedding(
-            module.out_features, module.in_features, group, sequence_parallel, tag=name, **like
-        )
+        return VocabParallelUnembedding(module.vocab_size, module.in_features, group, sequence_parallel, tag=name, **like)
     cls = ColumnParallelLinear if style == "column" else RowParallelLinear
     has_bias = module.bias is not None
     return cls(module.in_features, module.out_features, group, has_bias, sequence_parallel, tag=name, **like)
@@ -458,20 +463,27 @@ def check_plan(plan: dict[str, str], module_names: list[str]) -> None:
 
 
 def loss_for(head: nn.Module | None):
-    """The training loss for what `head` outputs: the vocab-parallel cross-entropy over its tp group
-    when its unembedding is vocab-parallel (logits (B, T, Vp/p)), else the plain one (model.layers.lm_loss).
-    The one place the loss is chosen, for a whole GPT and for a pipeline's last stage alike."""
+    """The training loss for what `head` outputs, the one place it is chosen, for a whole GPT and
+    for a pipeline's last stage alike:
+      hidden states (head.emits_hidden)   the head's unembedding called with the targets: the fused
+                                          unembedding + cross-entropy (model.fused_loss.fused_lm_loss),
+                                          vocab-parallel when the unembedding is
+      logits (B, T, Vp/p)                 vocab_parallel_cross_entropy over the unembedding's tp group
+      logits (B, T, V)                    the plain cross-entropy (model.layers.lm_loss)
+    A stage without the head (None) gets lm_loss, which it never calls."""
     unembedding = getattr(head, "lm_head", None)
+    if getattr(head, "emits_hidden", False):
+        return partial(fused_lm_loss, head=head)
     if isinstance(unembedding, VocabParallelUnembedding):
         return partial(vocab_parallel_cross_entropy, group=unembedding.group, vocab_size=unembedding.vocab_size)
     return lm_loss
 
 
 def tied_unembedding(embedding: nn.Module, vocab_size: int, topology) -> nn.Module:
-    """h ↦ h Eᵀ with E `embedding`'s own weight (shared, not copied): (B, T, d) → (B, T, V), or with
-    tp > 1 this rank's vocabulary shard (B, T, Vp/p) (a VocabParallelUnembedding)."""
+    """h ↦ h Eᵀ with E `embedding`'s own weight (shared, not copied): (B, T, d) → (B, T, V) (a
+    PaddedUnembedding), or with tp > 1 this rank's vocabulary shard (B, T, Vp/p) (a VocabParallelUnembedding)."""
     if topology.tp_size == 1:
-        head = nn.Linear(embedding.embedding_dim, vocab_size, bias=False, device="meta")
+        head = PaddedUnembedding(embedding.embedding_dim, vocab_size, device="meta")
     else:
         group = topology.tp_group
         head = VocabParallelUnembedding(vocab_size, embedding.embedding_dim, group, tag="unembedding", device="meta")

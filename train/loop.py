@@ -185,7 +185,10 @@ def build(spec: RunSpec) -> Trainer:
 
     torch.manual_seed(cfg.train.seed)
     options = BuildOptions(
-        cfg.parallel.sequence_parallel, cfg.parallel.activation_checkpointing, cfg.parallel.overlap_communication
+        sequence_parallel=cfg.parallel.sequence_parallel,
+        activation_checkpointing=cfg.parallel.activation_checkpointing,
+        overlap_communication=cfg.parallel.overlap_communication,
+        fused_loss=cfg.train.fused_loss,
     )
     model = build_model(model_cfg, topology, cfg.train.seed, device, options)
     if cfg.train.init_from is not None:  # a Hugging Face GPT-2 folder (train/checkpoint/hugging_face.py): its weights, sliced

@@ -62,7 +62,13 @@ def part_worker(tp: int, pp: int, sequence_parallel: bool, save_dir: str) -> dic
 @pytest.fixture(scope="module")
 def reference() -> dict:
     model = build(CONFIG, "cpu", SEED).eval()
-    return {"params": dict(model.named_parameters()), "tokens": generate(model, prompt(), 20, temperature=0)}
+    return {"params": full_values(model), "tokens": generate(model, prompt(), 20, temperature=0)}
+
+
+def full_values(model) -> dict[str, torch.Tensor]:
+    """{name: full tensor} of a one-process model: the padded vocabulary cut to its full_shape (V, d)."""
+    return {n: p.detach()[tuple(slice(0, k) for k in getattr(p, "full_shape", p.shape))]
+            for n, p in model.named_parameters()}
 
 
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
@@ -147,12 +153,12 @@ def test_row_and_column_parallel_slices():
 
 def test_loading_full_weights_checks_names_and_shapes():
     model = build(CONFIG, "cpu", seed=1)
-    weights = {n: p.detach().clone() for n, p in build(CONFIG, "cpu", seed=2).named_parameters()}
+    weights = {n: p.clone() for n, p in full_values(build(CONFIG, "cpu", seed=2)).items()}
     from parallel.topology import Topology
 
     topology = Topology.create()
     load_full_(model, weights, CONFIG, topology)
-    assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters())
+    assert all(torch.equal(p, weights[n]) for n, p in full_values(model).items())
     with pytest.raises(ValueError, match=r"layers.2.mlp.fc.weight: given shape \(3, 3\), the model's is \(128, 32\)"):
         load_full_(model, {**weights, "layers.2.mlp.fc.weight": torch.zeros(3, 3)}, CONFIG, topology)
     with pytest.raises(KeyError, match="no tensor 'layers.0.wpe.weight'"):

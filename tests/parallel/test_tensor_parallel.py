@@ -80,14 +80,17 @@ def greedy(model) -> torch.Tensor:
 
 
 def _gather_shards(param: torch.nn.Parameter, local: torch.Tensor, group) -> torch.Tensor:
-    """Unshard along the dimension where the local shape differs from full_shape (plain all_gather)."""
+    """Unshard along the dimension where the local shape differs from full_shape (plain all_gather;
+    group None: one process, where only the vocabulary's padding rows are cut off)."""
     full_shape = getattr(param, "full_shape", tuple(param.shape))
     differing = [d for d in range(local.dim()) if local.shape[d] != full_shape[d]]
     if not differing:
         return local.clone()
     dim = differing[0]
-    pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(pieces, local.contiguous(), group=group)
+    pieces = [local.clone()]
+    if group is not None:
+        pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(pieces, local.contiguous(), group=group)
     return torch.cat(pieces, dim=dim).narrow(dim, 0, full_shape[dim])
 
 
@@ -200,7 +203,7 @@ def reference() -> dict:
     return {"generated": generated} | measure(
         model,
         model,
-        lambda p, t: t.clone(),
+        lambda p, t: _gather_shards(p, t, None),
         lambda params: torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])),
     )
 

@@ -39,7 +39,7 @@ from train.checkpoint.parts import CheckpointParts
 from train.checkpoint.schema import FORMAT, FORMAT_VERSION
 LOAD_BATCH_BYTES = 1 << 30  # fp32 state read per DCP load call on one rank
 # Model config keys that do not change what the weights mean: a checkpoint need not match them.
-RUN_ONLY_KEYS = ("name", "attention_impl", "deterministic_attention", "dropout", "init_std")
+RUN_ONLY_KEYS = ("name", "attention_impl", "deterministic_attention", "compile", "dropout", "init_std")
 
 
 class CheckpointError(ValueError):

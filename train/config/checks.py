@@ -258,6 +258,8 @@ def check_train(cfg) -> None:
             raise ConfigError(f"train.{key}={value!r}: must be a positive number of seconds")
     if not isinstance(cfg.train.reset_schedule, bool):
         raise ConfigError(f"train.reset_schedule={cfg.train.reset_schedule!r}: must be true or false")
+    if not isinstance(cfg.train.fused_loss, bool):
+        raise ConfigError(f"train.fused_loss={cfg.train.fused_loss!r}: must be true or false")
     from train.metrics import WANDB_MODES
 
     wandb = cfg.logging.wandb

@@ -1,0 +1,83 @@
+"""model.compile (model/compile.py): compiled blocks compute the eager model's loss and gradients;
+the attention is a registered custom op; no compiler means eager with one warning; checkpoints
+do not compare the switch."""
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+
+from model import GPTConfig
+from model.attention import band_limits
+from model.attention_op import attention_forward
+from model.compile import compile_blocks
+from model.layers import Block
+from parallel.build import BuildOptions, build_model
+from parallel.topology import Topology
+from reference_gpt import rel_err
+
+CONFIG = GPTConfig(n_layer=1, n_head=2, d_model=16, seq_len=8, vocab_size=64, attention_impl="torch")
+
+
+def loss_and_grads(model, idx, targets):
+    loss = model(idx, targets)
+    loss.backward()
+    return loss.item(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.slow  # CPU inductor: C++ compiles of the block's forward and backward
+def test_compiled_blocks_equal_eager_loss_and_every_gradient():
+    topology = Topology.create(tp=1)
+    eager = build_model(CONFIG, topology, 7, "cpu", BuildOptions(fused_loss=True))
+    compiled = build_model(dataclasses.replace(CONFIG, compile=True), topology, 7, "cpu", BuildOptions(fused_loss=True))
+    assert all(block._compiled_call_impl is not None for block in compiled.layers if isinstance(block, Block))
+    gen = torch.Generator().manual_seed(1)
+    idx, targets = torch.randint(0, 64, (2, 8), generator=gen), torch.randint(0, 64, (2, 8), generator=gen)
+    want_loss, want = loss_and_grads(eager, idx, targets)
+    got_loss, got = loss_and_grads(compiled, idx, targets)
+    assert abs(got_loss - want_loss) <= 1e-5 * want_loss
+    errors = {name: rel_err(got[name], want[name]) for name in want}
+    assert max(errors.values()) <= 1e-5, errors
+
+
+def test_attention_custom_op_passes_the_library_checks():
+    """Schema, fake (meta) shapes, registered autograd against the op's own eager run."""
+    q, k, v = (torch.randn(1, 2, 6, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    lo, hi = band_limits(6, True, 3)
+    torch.library.opcheck(attention_forward, (q, k, v, lo, hi, "torch", False))
+    o = attention_forward(q, k, v, lo, hi, "torch", False)[0]
+    mask = torch.ones(6, 6, dtype=torch.bool).tril() & ~torch.ones(6, 6, dtype=torch.bool).tril(-3)
+    reference = (q @ k.transpose(-1, -2) / 2.0).masked_fill(~mask, float("-inf")).softmax(-1) @ v
+    assert torch.autograd.gradcheck(lambda *x: attention_forward(*x, lo, hi, "torch", False)[0], (q, k, v))
+    assert rel_err(o, reference) <= 1e-12
+
+
+def test_without_a_working_compiler_the_blocks_run_eager_with_one_warning(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ compiler found\nmore detail")
+
+    monkeypatch.setattr(torch, "compile", broken)
+    blocks = [Block(CONFIG, 0)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert compile_blocks(blocks, "cpu") is False
+    assert [str(w.message) for w in caught] == [
+        "model.compile=true: torch.compile is unavailable on cpu (RuntimeError: no C++ compiler found); "
+        "the blocks run eager"
+    ]
+    assert all(block._compiled_call_impl is None for block in blocks)
+
+
+def test_checkpoints_do_not_compare_the_compile_switch():
+    from train.checkpoint.manager import model_differences
+
+    saved = dataclasses.asdict(CONFIG)
+    assert model_differences(saved, dataclasses.replace(CONFIG, compile=True)) == []
+    del saved["compile"]  # a checkpoint written before the switch existed
+    assert model_differences(saved, CONFIG) == []
+
+
+def test_model_compile_must_be_true_or_false():
+    with pytest.raises(ValueError, match=r"^model.compile='yes': must be true or false$"):
+        GPTConfig(compile="yes")
