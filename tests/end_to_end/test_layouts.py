@@ -49,27 +49,22 @@ def test_layout_matches_one_process(tmp_path, corpus, one_process, kind, nproc, 
     assert_same_losses(metrics(tmp_path), one_process)
 
 
-def test_3d_layout_on_8_processes_resumes_exactly(tmp_path, corpus):
-    """tp=2 × pp=2 × dp=2 with ZeRO-1, stopped after 2 of 4 steps and resumed at the same layout,
-    continues with exactly the uninterrupted run's losses (that layout's match with one process is
-    test_8_process_3d_layout_matches_one_process, there with selective recomputation)."""
-    layout = ["parallel.tp=2", "parallel.pp=2", "parallel.zero_stage=1"]
-    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+def test_3d_layout_on_8_processes_matches_one_process_and_resumes_exactly(tmp_path, corpus):
+    """tp=2 × pp=2 × dp=2 with ZeRO-1, selective recomputation and tensor-parallel overlap (the
+    default): its 4 steps follow the one-process run within 1e-5, and the same layout stopped after 2
+    steps and resumed continues with exactly the uninterrupted 8-process run's losses."""
+    layout = ["parallel.tp=2", "parallel.pp=2", "parallel.zero_stage=1", "parallel.activation_checkpointing=selective"]
+    one, straight, stopped = tmp_path / "one", tmp_path / "straight", tmp_path / "stopped"
     run = ["train.eval_interval=0", "logging.wandb.mode=disabled", "optim.warmup_tokens=16"]  # same schedule for 2 or 4 steps
+    train(one, corpus, *run, "train.max_steps=4", "train.checkpoint_interval=0")
     train(straight, corpus, *run, "train.max_steps=4", "train.checkpoint_interval=0", *layout, kind="torchrun", nproc=8)
     assert [r["step"] for r in metrics(straight)] == [1, 2, 3, 4]
+    assert_same_losses(metrics(straight), metrics(one))
     train(stopped, corpus, *run, "train.max_steps=2", *layout, kind="torchrun", nproc=8)
     proc = train(stopped, corpus, *run, "train.max_steps=4", *layout, kind="torchrun", nproc=8)
     assert "resumed from" in proc.stdout
     keys = ("step", "train/loss", "train/lr", "train/grad_norm")
     assert [[r[k] for k in keys] for r in metrics(stopped)] == [[r[k] for k in keys] for r in metrics(straight)]
-
-
-def test_8_process_3d_layout_matches_one_process(tmp_path, corpus, one_process):
-    """tp=2 × pp=2 × dp=2 with ZeRO-1 and selective recomputation (and tensor-parallel overlap, the default)."""
-    layout = ["parallel.tp=2", "parallel.pp=2", "parallel.zero_stage=1", "parallel.activation_checkpointing=selective"]
-    train(tmp_path, corpus, *STEPS, *layout, kind="torchrun", nproc=8)  # dp = 2
-    assert_same_losses(metrics(tmp_path), one_process)
 
 
 @pytest.mark.parametrize(
