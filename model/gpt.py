@@ -19,6 +19,7 @@ from model.layers import Block, Embedding, Head, lm_loss
 
 # The tied matrix: (layer index, name) of the copy in the Head → of the owner in the Embedding.
 TIED_COPY, TIED_OWNER = "lm_head.weight", (0, "wte.weight")
+SELECTIVE = "selective"  # the activation_checkpointing mode that recomputes LayerNorm and GELU outputs only
 
 
 def make_layer(config: GPTConfig, index: int) -> nn.Module:
@@ -72,8 +73,19 @@ class GPT(nn.Module):
         self.config = config
         self.layers = nn.ModuleList(layers if layers is not None else layer_list(config))
         self.loss_fn = lm_loss  # (logits, targets) → scalar; tensor parallelism swaps in a vocab-parallel one
-        self.activation_checkpointing = 0  # k > 0: recompute each run of k blocks in backward
+        self.activation_checkpointing = 0
         self.tie_weights()
+
+    @property
+    def activation_checkpointing(self) -> int | str:
+        """0: keep every activation; k > 0: recompute each run of k blocks in backward; "selective":
+        every block recomputes its LayerNorm and GELU outputs in backward (see model.layers.Block)."""
+        return self._activation_checkpointing
+
+    @activation_checkpointing.setter
+    def activation_checkpointing(self, mode: int | str) -> None:
+        set_selective_recomputation(self.layers, mode == SELECTIVE)
+        self._activation_checkpointing = mode
 
     @property
     def embedding(self) -> Embedding:
@@ -108,7 +120,7 @@ class GPT(nn.Module):
         k = self.activation_checkpointing
         if cache is not None:
             x = run_layers(self.layers, idx, cache)
-        elif k and self.training and torch.is_grad_enabled():
+        elif k != SELECTIVE and k and self.training and torch.is_grad_enabled():
             blocks = list(self.layers[1:-1])
             x = self.embedding(idx)  # (B, T, d)
             for start in range(0, len(blocks), k):  # keep only each segment's input; recompute inside
@@ -117,6 +129,13 @@ class GPT(nn.Module):
         else:
             x = run_layers(self.layers, idx)
         return x if targets is None else self.loss_fn(x, targets)
+
+
+def set_selective_recomputation(layers, on: bool) -> None:
+    """Make every Block among `layers` recompute its LayerNorm and GELU outputs in backward (or not)."""
+    for layer in layers:
+        if isinstance(layer, Block):
+            layer.selective_recomputation = on
 
 
 def run_layers(layers, x: torch.Tensor, cache=None) -> torch.Tensor:

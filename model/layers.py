@@ -17,6 +17,7 @@ from torch import nn
 
 from model.attention import attention
 from model.config import GPTConfig
+from model.recompute import Linear, Recompute
 
 
 class Embedding(nn.Module):
@@ -48,13 +49,14 @@ class SelfAttention(nn.Module):
         self.window = config.window_of(layer_index)
         self.impl = config.attention_impl
         self.deterministic = config.deterministic_attention  # a backward whose bits do not depend on timing
-        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
+        self.qkv = Linear(config.d_model, 3 * config.d_model)
         self.proj = nn.Linear(config.d_model, config.d_model)
         self.drop = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache=None, recompute: Recompute | None = None) -> torch.Tensor:
+        """recompute: how backward gets x back instead of keeping it (see model/recompute.py)."""
         b, t, _ = x.shape
-        qkv = self.qkv(x).view(b, t, -1, 3, self.d_head)  # (B, T, nh, 3, hd)
+        qkv = self.qkv(x, recompute).view(b, t, -1, 3, self.d_head)  # (B, T, nh, 3, hd)
         q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each (B, nh, T, hd)
         if cache is None:
             y = attention(q, k, v, causal=True, window=self.window, impl=self.impl,
@@ -70,17 +72,38 @@ class MLP(nn.Module):
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.fc = nn.Linear(config.d_model, config.d_ff)
-        self.proj = nn.Linear(config.d_ff, config.d_model)
+        self.fc = Linear(config.d_model, config.d_ff)
+        self.proj = Linear(config.d_ff, config.d_model)
         self.act = nn.GELU(approximate="tanh") if config.activation == "gelu" else nn.ReLU()
         self.drop = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.proj(self.act(self.fc(x))))  # (B, T, d)
+    def forward(self, x: torch.Tensor, recompute: Recompute | None = None, recompute_act: bool = False) -> torch.Tensor:
+        """recompute: how backward gets x back instead of keeping it; recompute_act: proj's backward
+        recomputes GELU(fc output) from the fc output (which the GELU's backward keeps anyway)."""
+        f = self.fc(x, recompute)  # (B, T, d_ff)
+        a = self.act(f)  # (B, T, d_ff)
+        return self.drop(self.proj(a, Recompute(self.act, f) if recompute_act else None))  # (B, T, d)
 
 
 class Block(nn.Module):
-    """One pre-LayerNorm transformer block."""
+    """One pre-LayerNorm transformer block.
+
+    With `selective_recomputation` set (parallel.activation_checkpointing=selective; Korthikanti et
+    al. 2022) and gradients enabled, backward recomputes three tensors instead of keeping them: the
+    outputs of ln_1 and ln_2 (the inputs of attn.qkv and mlp.fc), from the LayerNorm input that the
+    LayerNorm's backward keeps anyway, and the GELU output (the input of mlp.proj), from the fc output
+    that the GELU's backward keeps anyway. Every matrix product and every collective runs once; the
+    attention core is recomputed by the attention kernel itself, as without this mode. Per block and
+    micro batch of B sequences of T tokens, in elements of the activation dtype, on one of p = tp ranks:
+
+        kept = kept without recomputation − (2·B·T·d + B·T·d_ff/p)         without sequence parallelism
+        kept = kept without recomputation − B·T·d_ff/p                      with sequence parallelism
+
+    A sequence-parallel LayerNorm's output is all-gathered over the tp ranks before the column layer
+    uses it, so recomputing it would repeat the all-gather: those outputs are kept. With ReLU instead
+    of GELU the activation keeps its own output for backward, so nothing is gained there and the
+    MLP's activation output is kept too (only the 2·B·T·d term applies).
+    """
 
     def __init__(self, config: GPTConfig, layer_index: int):
         super().__init__()
@@ -88,10 +111,20 @@ class Block(nn.Module):
         self.attn = SelfAttention(config, layer_index)
         self.ln_2 = nn.LayerNorm(config.d_model, eps=config.ln_eps)
         self.mlp = MLP(config)
+        self.selective_recomputation = False
 
     def forward(self, h: torch.Tensor, cache=None) -> torch.Tensor:
-        h = h + self.attn(self.ln_1(h), cache)  # (B, T, d)
-        return h + self.mlp(self.ln_2(h))  # (B, T, d)
+        if not (self.selective_recomputation and cache is None and torch.is_grad_enabled()):
+            h = h + self.attn(self.ln_1(h), cache)  # (B, T, d)
+            return h + self.mlp(self.ln_2(h))  # (B, T, d)
+        h = h + self.attn(self.ln_1(h), recompute=self._norm_recompute(self.ln_1, h))  # (B, T, d)
+        recompute_act = isinstance(self.mlp.act, nn.GELU)
+        return h + self.mlp(self.ln_2(h), self._norm_recompute(self.ln_2, h), recompute_act)  # (B, T, d)
+
+    @staticmethod
+    def _norm_recompute(norm: nn.Module, h: torch.Tensor) -> Recompute | None:
+        """norm(h) recomputed in backward, unless norm gathers its output over ranks (see class docstring)."""
+        return None if getattr(norm, "sequence_parallel", False) else Recompute(norm, h)
 
 
 class Head(nn.Module):

@@ -2,7 +2,8 @@
 
     model.gpt.layer_list(config)   [Embedding, Block_0 … Block_{L-1}, Head], on the meta device
       → this stage's layers        all of them when pp = 1 (parallel/pipeline.py: stage_bounds)
-      → tensor-parallel plan       parallel/tensor.py: shard_layer, the same for every layer
+      → tensor-parallel plan       parallel/tensor.py: shard_layer, the same for every layer,
+                                   and set_overlap (parallel.overlap_communication)
       → allocate, initialise       by index in the full list (model.gpt.init_layers_), so the full
                                    weights are the one-process model's whatever the layout;
                                    skipped for device="meta" (shapes only, see build_model)
@@ -24,7 +25,7 @@ from model import GPT, GPTConfig
 from model.gpt import init_layers_, layer_list
 from model.init import materialize_
 from parallel.pipeline import PipelineStages, stage_bounds
-from parallel.tensor import TP_PLAN, check_plan, full_plan, loss_for, shard_layer
+from parallel.tensor import TP_PLAN, check_plan, full_plan, loss_for, set_overlap, shard_layer
 from parallel.topology import check_layout
 
 
@@ -33,7 +34,8 @@ class BuildOptions:
     """How this rank's part is built, beyond the topology's (tp, pp, dp)."""
 
     sequence_parallel: bool = False  # with tp > 1: activations between blocks split along the sequence
-    activation_checkpointing: int = 0  # k > 0: recompute each run of k blocks in backward
+    activation_checkpointing: int | str = 0  # k > 0: recompute each run of k blocks in backward; "selective"
+    overlap_communication: bool = True  # with tp > 1: input-gradient all-reduces overlap the weight-gradient GEMMs
 
 
 def build_model(
@@ -53,6 +55,7 @@ def build_model(
     local = {i: layers[i] for i in range(bounds[topology.pp_rank], bounds[topology.pp_rank + 1])}
     for index, layer in local.items():
         shard_layer(layer, topology, TP_PLAN, options.sequence_parallel, index)
+        set_overlap(layer, options.overlap_communication)
     head = local.get(len(layers) - 1)
     shapes_only = torch.device(device).type == "meta"
     if topology.pp_size == 1:

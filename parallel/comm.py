@@ -17,6 +17,12 @@ ranks' partial gradients), a row-parallel layer ends with g (each rank holds a p
 output). The two sequence-parallel ones replace f and g when activations outside the
 column/row pair are split along the sequence.
 
+overlapped_reduction(group, tag) is the input-gradient reduction of a column-parallel layer run
+asynchronously: model.recompute.linear's backward hands it ∂L/∂x and the weight-gradient product, it
+issues the all-reduce (async_op=True), runs the product, then waits (Megatron-LM's asynchronous
+gradient all-reduce). Inside `with record_overlap() as steps:` it appends, in order, ("issue",
+tag), ("gemm start", tag), ("gemm end", tag), ("wait", tag).
+
 Every collective can be recorded: inside `with record_comm() as events:` each one appends a
 CommEvent(op, tag, phase, nbytes), where nbytes is the size of the full tensor involved (the
 all-reduced tensor; the gathered output; the reduce-scattered input). On a ring, a rank sends
@@ -34,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 _RECORDERS: list[list["CommEvent"]] = []
+_OVERLAP_RECORDERS: list[list[tuple[str, str]]] = []
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,41 @@ def record_comm() -> Iterator[list[CommEvent]]:
         yield events
     finally:
         _RECORDERS.remove(events)
+
+
+@contextlib.contextmanager
+def record_overlap() -> Iterator[list[tuple[str, str]]]:
+    """Collect the steps of every overlapped reduction this process runs inside the block, in order:
+    (step, tag) with step "issue" | "gemm start" | "gemm end" | "wait"."""
+    steps: list[tuple[str, str]] = []
+    _OVERLAP_RECORDERS.append(steps)
+    try:
+        yield steps
+    finally:
+        _OVERLAP_RECORDERS.remove(steps)
+
+
+def _step(step: str, tag: str) -> None:
+    for steps in _OVERLAP_RECORDERS:
+        steps.append((step, tag))
+
+
+def overlapped_reduction(group, tag: str):
+    """The reduce_input_grad of model.recompute.linear for a column-parallel layer: (grad_x, during) →
+    (Σ_ranks grad_x, during()), the all-reduce issued before during() runs and waited on after."""
+
+    def reduce_while(grad_x: torch.Tensor, during):
+        _record("all_reduce", tag, "backward", grad_x)
+        _step("issue", tag)
+        work = dist.all_reduce(grad_x, group=group, async_op=True)  # grad_x is the backward's own product
+        _step("gemm start", tag)
+        result = during()
+        _step("gemm end", tag)
+        work.wait()
+        _step("wait", tag)
+        return grad_x, result
+
+    return reduce_while
 
 
 def _record(op: str, tag: str, phase: str, full: torch.Tensor) -> None:

@@ -27,7 +27,7 @@ from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.utils import partition_balanced
 from torch import nn
 
-from model.gpt import TIED_COPY, TIED_OWNER
+from model.gpt import SELECTIVE, TIED_COPY, TIED_OWNER, set_selective_recomputation
 
 
 @lru_cache(maxsize=256)
@@ -43,15 +43,18 @@ class PipelineStages(PipelineModule):
 
     layers: the full list, with this stage's layers built (sharded, allocated, initialised) and the
     others left on the meta device, never touched. loss_fn applies on the last stage;
-    activation_checkpointing=k recomputes runs of k layers in backward (blocks only).
+    activation_checkpointing=k recomputes runs of k layers in backward (blocks only), "selective"
+    makes this stage's blocks recompute their LayerNorm and GELU outputs (model.layers.Block).
 
     A stage whose own layers are on the meta device too is a shapes-only stage (parallel.build with
     device="meta"): it stays on meta (`shapes_only`), where DeepSpeed would move it to the accelerator.
     """
 
-    def __init__(self, layers: list[nn.Module], topology, loss_fn, activation_checkpointing: int = 0):
+    def __init__(self, layers: list[nn.Module], topology, loss_fn, activation_checkpointing: int | str = 0):
         bounds = stage_bounds(len(layers) - 2, topology.pp_size)
         expected = list(bounds[topology.pp_rank : topology.pp_rank + 2])
+        selective = activation_checkpointing == SELECTIVE
+        set_selective_recomputation(layers[expected[0] : expected[1]], selective)
         on_meta = {p.is_meta for layer in layers[expected[0] : expected[1]] for p in layer.parameters()}
         if len(on_meta) > 1:
             raise ValueError("this stage's layers are partly on the meta device: build all of them, or none")
@@ -62,7 +65,7 @@ class PipelineStages(PipelineModule):
                 topology=topology.grid_topology,
                 loss_fn=loss_fn,
                 partition_method="type:Block",
-                activation_checkpoint_interval=activation_checkpointing,
+                activation_checkpoint_interval=0 if selective else activation_checkpointing,
                 checkpointable_layers=["Block"],
             )
         if [self._local_start, self._local_stop] != expected:

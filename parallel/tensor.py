@@ -37,11 +37,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.layers import Embedding, lm_loss
+from model.recompute import Recompute, linear
 from parallel.comm import (
     all_reduce,
     copy_to_tp_region,
     gather_from_sequence_parallel_region,
     gather_from_tp_region,
+    overlapped_reduction,
     reduce_from_tp_region,
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tp_region,
@@ -106,16 +108,20 @@ class ColumnParallelLinear(nn.Module):
     """y = x Aᵀ + b with A (n, k) split by output rows: rank i holds A_i = A[i·n/p : (i+1)·n/p] and b_i
     and returns its n/p output features y_i = x A_iᵀ + b_i.
 
-    x is replicated, and ∂L/∂x = Σ_i (∂L/∂y_i) A_i is a sum over ranks: copy_to_tp_region all-reduces it
-    in backward. With sequence parallelism x comes from an all-gather whose backward is that sum.
+    x is replicated, and ∂L/∂x = Σ_i (∂L/∂y_i) A_i is a sum over ranks, all-reduced in backward: with
+    overlap (parallel.overlap_communication) issued asynchronously before the weight-gradient product
+    ∂L/∂A_i = (∂L/∂y_i)ᵀ x and waited on after it (parallel.comm.overlapped_reduction), without it by
+    copy_to_tp_region after the whole backward. With sequence parallelism x comes from an all-gather
+    whose backward is that sum.
     """
 
     def __init__(
-        self, in_features, out_features, group, bias=True, sequence_parallel=False, tag="", device=None, dtype=None
-    ):
+        self, in_features, out_features, group, bias=True, sequence_parallel=False, tag="", device=None, dtype=None,
+        overlap=True,
+    ):  # fmt: skip
         super().__init__()
         rank, size = dist.get_rank(group), dist.get_world_size(group)
-        self.group, self.sequence_parallel, self.tag = group, sequence_parallel, tag
+        self.group, self.sequence_parallel, self.tag, self.overlap = group, sequence_parallel, tag, overlap
         local = _local(out_features, size, f"{tag or 'column-parallel'} out_features")
         self.weight = nn.Parameter(torch.empty(local, in_features, device=device, dtype=dtype))
         _mark(self.weight, (out_features, in_features), SPLIT_DIMS["column"]["weight"], rank, size)
@@ -124,10 +130,15 @@ class ColumnParallelLinear(nn.Module):
             self.bias = nn.Parameter(torch.empty(local, device=device, dtype=dtype))
             _mark(self.bias, (out_features,), SPLIT_DIMS["column"]["bias"], rank, size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, T, k), replicated
-        if not self.sequence_parallel:
-            x = copy_to_tp_region(x, self.group, self.tag)
-        return F.linear(x, self.weight, self.bias)  # (B, T, n/p)
+    def forward(self, x: torch.Tensor, recompute: Recompute | None = None) -> torch.Tensor:  # x (B, T, k), replicated
+        """recompute: how backward gets x back instead of keeping it (model/recompute.py)."""
+        if self.sequence_parallel:
+            return linear(x, self.weight, self.bias, recompute)  # (B, T, n/p)
+        if self.overlap and torch.is_grad_enabled():
+            reduction = overlapped_reduction(self.group, self.tag)
+            return linear(x, self.weight, self.bias, recompute, reduction)  # (B, T, n/p)
+        x = copy_to_tp_region(x, self.group, self.tag)
+        return linear(x, self.weight, self.bias, recompute)  # (B, T, n/p)
 
 
 class RowParallelLinear(nn.Module):
@@ -150,8 +161,9 @@ class RowParallelLinear(nn.Module):
         _mark(self.weight, (out_features, in_features), SPLIT_DIMS["row"]["weight"], rank, size)
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, T, k/p)
-        partial_sum = F.linear(x, self.weight)  # (B, T, n), this rank's term of Σ_i
+    def forward(self, x: torch.Tensor, recompute: Recompute | None = None) -> torch.Tensor:  # x (B, T, k/p)
+        """recompute: how backward gets x back instead of keeping it (model/recompute.py)."""
+        partial_sum = linear(x, self.weight, None, recompute)  # (B, T, n), this rank's term of Σ_i
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(partial_sum, self.group, dim=1, tag=self.tag)  # (B, T/p, n)
             bias = None if self.bias is None else copy_to_tp_region(self.bias, self.group, self.tag)
@@ -397,6 +409,14 @@ def shard_layer(
         swaps = _replacements(layer, plan, topology.tp_group, sequence_parallel, prefix)
         _install(layer, swaps, topology.tp_group, sequence_parallel, prefix)
     return layer
+
+
+def set_overlap(module: nn.Module, on: bool) -> None:
+    """Make every column-parallel layer in `module` overlap its input-gradient reduction with its
+    weight-gradient product in backward (on), or reduce after the whole backward (off)."""
+    for layer in module.modules():
+        if isinstance(layer, ColumnParallelLinear):
+            layer.overlap = on
 
 
 def full_plan(plan: dict[str, str], sequence_parallel: bool) -> dict[str, str]:

@@ -159,7 +159,9 @@ def build(spec: RunSpec) -> Trainer:
     topology = Topology.create(cfg.parallel.tp, cfg.parallel.pp)
 
     torch.manual_seed(cfg.train.seed)
-    options = BuildOptions(cfg.parallel.sequence_parallel, cfg.parallel.activation_checkpointing)
+    options = BuildOptions(
+        cfg.parallel.sequence_parallel, cfg.parallel.activation_checkpointing, cfg.parallel.overlap_communication
+    )
     model = build_model(model_cfg, topology, cfg.train.seed, device, options)
     if cfg.train.init_from is not None:  # a Hugging Face GPT-2 folder (train/checkpoint/hugging_face.py): its weights, sliced
         from parallel.naming import load_full_

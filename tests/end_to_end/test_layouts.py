@@ -37,11 +37,12 @@ def one_process(tmp_path_factory, corpus):
         ("deepspeed", 2, ["parallel.zero_stage=2"]),
         ("torchrun", 2, ["parallel.zero_stage=3"]),
         ("torchrun", 2, ["parallel.zero_stage=1", "parallel.offload_optimizer=true"]),
-        ("torchrun", 2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+        ("torchrun", 4, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.zero_stage=2",
+                         "parallel.activation_checkpointing=selective"]),
         ("deepspeed", 2, ["parallel.pp=2", "parallel.activation_checkpointing=1"]),
     ],
     ids=["tp2", "pp2", "pp3", "tp2-pp2", "zero1-dp2", "zero2-dp2-deepspeed", "zero3-dp2", "offload-dp2",
-         "tp2-sequence-parallel", "pp2-ckpt-deepspeed"],
+         "tp2-sp-dp2-zero2-selective", "pp2-ckpt-deepspeed"],
 )
 def test_layout_matches_one_process(tmp_path, corpus, one_process, kind, nproc, layout):
     train(tmp_path, corpus, *STEPS, *layout, kind=kind, nproc=nproc)
@@ -50,8 +51,8 @@ def test_layout_matches_one_process(tmp_path, corpus, one_process, kind, nproc, 
 
 def test_3d_layout_on_8_processes_resumes_exactly(tmp_path, corpus):
     """tp=2 × pp=2 × dp=2 with ZeRO-1, stopped after 2 of 4 steps and resumed at the same layout,
-    continues with exactly the uninterrupted run's losses (that run's match with one process is
-    test_8_process_3d_layout_matches_one_process)."""
+    continues with exactly the uninterrupted run's losses (that layout's match with one process is
+    test_8_process_3d_layout_matches_one_process, there with selective recomputation)."""
     layout = ["parallel.tp=2", "parallel.pp=2", "parallel.zero_stage=1"]
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     run = ["train.eval_interval=0", "logging.wandb.mode=disabled", "optim.warmup_tokens=16"]  # same schedule for 2 or 4 steps
@@ -65,7 +66,9 @@ def test_3d_layout_on_8_processes_resumes_exactly(tmp_path, corpus):
 
 
 def test_8_process_3d_layout_matches_one_process(tmp_path, corpus, one_process):
-    train(tmp_path, corpus, *STEPS, "parallel.tp=2", "parallel.pp=2", kind="torchrun", nproc=8)  # dp = 2
+    """tp=2 × pp=2 × dp=2 with ZeRO-1 and selective recomputation (and tensor-parallel overlap, the default)."""
+    layout = ["parallel.tp=2", "parallel.pp=2", "parallel.zero_stage=1", "parallel.activation_checkpointing=selective"]
+    train(tmp_path, corpus, *STEPS, *layout, kind="torchrun", nproc=8)  # dp = 2
     assert_same_losses(metrics(tmp_path), one_process)
 
 

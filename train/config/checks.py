@@ -165,8 +165,12 @@ def check_parallel(cfg, model_cfg: GPTConfig) -> int:
             f"parallel.sequence_parallel=true needs model.seq_len={model_cfg.seq_len} divisible by parallel.tp={tp}"
         )
     ckpt = par.activation_checkpointing
-    if not isinstance(ckpt, int) or isinstance(ckpt, bool) or ckpt < 0:
-        raise ConfigError(f"parallel.activation_checkpointing={ckpt!r}: must be 0 (off) or a positive block count")
+    if ckpt != "selective" and (not isinstance(ckpt, int) or isinstance(ckpt, bool) or ckpt < 0):
+        raise ConfigError(
+            f"parallel.activation_checkpointing={ckpt!r}: must be 0 (off), a positive block count or 'selective'"
+        )
+    if not isinstance(par.overlap_communication, bool):
+        raise ConfigError(f"parallel.overlap_communication={par.overlap_communication!r}: must be true or false")
     _check_deepspeed_extras(cfg)
     return dp
 
