@@ -86,7 +86,7 @@ def tensor_parallel(
         out += [
             t("all_gather", "forward", act32, 2 * blocks, "LayerNorm output to the column layers"),
             t("reduce_scatter", "forward", act_mm, 2 * blocks, "row-parallel outputs"),
-            t("reduce_scatter", "backward", act32, 2 * blocks, "gradients of the LayerNorm outputs", WEIGHT_GRADIENT),
+            t("reduce_scatter", "backward", act32, 2 * blocks, "gradients of the LayerNorm outputs"),
             t("all_gather", "backward", act_mm, 2 * blocks, "gradients of the row-parallel outputs"),
             t("all_reduce", "backward", config.d_model * FP32, 6 * blocks, "LayerNorm and row-bias gradients"),
         ]

@@ -16,8 +16,9 @@ Step time, per rank of pipeline stage s with m micro batches (README, "How the s
 Collectives run at the achieved link bandwidth (NVLink inside a node, the network between nodes)
 plus a fixed latency each. Only what the code overlaps is hidden:
   - with `Implementation.overlap_tp` (parallel.overlap_communication), the column layers' backward
-    input-gradient all-reduce (reduce-scatter under sequence parallelism) runs while the same
-    layer's weight-gradient GEMM computes: each is exposed by max(0, collective − that GEMM);
+    input-gradient all-reduce runs while the same layer's weight-gradient GEMM computes: each is
+    exposed by max(0, collective − that GEMM). Under sequence parallelism the code does not overlap
+    (the reduce-scatter of those gradients runs after the layer's backward) and neither does the plan;
   - with `Implementation.overlap_dp` (DeepSpeed's zero_optimization.overlap_comm at ZeRO 1 and 2),
     the gradient reduction runs in buckets during the backward that produces the gradients: ZeRO 2
     reduces each micro batch during its own backward, ZeRO 1 only at the last micro batch; exposed

@@ -12,8 +12,8 @@ from train.plan.config import model_config, plan_from_config, preflight
 from train.plan.dry_run import dry_run
 
 RECIPES = {  # recipe: (GPUs, the model it sets, layout it must hold, blocks for the dry run)
-    "gpt3-175b-h100x1024": (1024, "gpt3-175b", "tp=8 pp=8 dp=16 zero=1 micro=2 ckpt=off sp", 8),
-    "gpt3-13b-h100x64": (64, "gpt3-13b", "tp=2 pp=1 dp=32 zero=2 micro=8 ckpt=selective sp", None),
+    "gpt3-175b-h100x1024": (1024, "gpt3-175b", "tp=8 pp=8 dp=16 zero=1 micro=2 ckpt=off", 8),
+    "gpt3-13b-h100x64": (64, "gpt3-13b", "tp=2 pp=1 dp=32 zero=2 micro=8 ckpt=selective", None),
 }
 
 
