@@ -19,11 +19,13 @@ plus a fixed latency each. Only what the code overlaps is hidden:
     input-gradient all-reduce runs while the same layer's weight-gradient GEMM computes: each is
     exposed by max(0, collective − that GEMM). Under sequence parallelism the code does not overlap
     (the reduce-scatter of those gradients runs after the layer's backward) and neither does the plan;
-  - with `Implementation.overlap_dp` (DeepSpeed's zero_optimization.overlap_comm at ZeRO 1 and 2),
-    the gradient reduction runs in buckets during the backward that produces the gradients: ZeRO 2
-    reduces each micro batch during its own backward, ZeRO 1 only at the last micro batch; exposed
-    is max(0, reduction − one micro batch's backward), the backward taken as 2/3 of the micro
-    batch's compute (its GEMM FLOPs are twice the forward's; recomputation only lengthens it).
+  - with `Implementation.overlap_dp` (DeepSpeed's zero_optimization.overlap_comm at ZeRO 1 and 2,
+    pp = 1), the gradient reduction runs in buckets during the backward that produces the gradients:
+    ZeRO 2 reduces each micro batch during its own backward, ZeRO 1 only at the last micro batch;
+    exposed is max(0, reduction − one micro batch's backward), the backward taken as 2/3 of the micro
+    batch's compute (its GEMM FLOPs are twice the forward's; recomputation only lengthens it). Under
+    DeepSpeed's pipeline engine the reduction waits for the end of the last backward
+    (PipeEngine._exec_reduce_grads is the only gradient-accumulation boundary), so nothing hides;
 Nothing else overlaps: not the other tensor-parallel collectives (the next matmul needs their
 result), not the pipeline's (DeepSpeed's sends block), not ZeRO 1's all-gather of the updated
 parameters, and not ZeRO-3's parameter gathers (its prefetching hides little: Narayanan et al.'s
@@ -431,7 +433,8 @@ def _rank(model_cfg, layout: Layout, impl: Implementation, hw: Hardware, stage: 
     gathers = [t for t in transfers if t.group == "dp" and t.phase == "forward"]
     gather_s = _comm_time(gathers, hw, inter_node) / m
     exposed = [t for t in transfers if t not in gathers and (t.group == "dp" or (t.group == "pp" and t.op != "send"))]
-    hidden = [t for t in exposed if impl.overlap_dp and t.overlaps == plan_comm.BACKWARD and layout.zero_stage in (1, 2)]
+    overlap_dp = impl.overlap_dp and layout.zero_stage in (1, 2) and pp == 1  # the pipeline reduces after its backward
+    hidden = [t for t in exposed if overlap_dp and t.overlaps == plan_comm.BACKWARD]
     backward_s = 2 / 3 * compute_s  # one micro batch's backward (module docstring)
     dp_s = _comm_time([t for t in exposed if t not in hidden], hw, inter_node)
     for t in hidden:  # ZeRO 2: each micro batch's reduction behind its backward; ZeRO 1: the last one's

@@ -103,7 +103,7 @@ def _overlaps(plan: Plan) -> str:
     impl, parts = plan.implementation, []
     if impl.overlap_tp and plan.layout.tp > 1:
         parts.append("tensor-parallel input gradients behind weight gradients")
-    if impl.overlap_dp and plan.layout.zero_stage in (1, 2) and plan.layout.dp > 1:
+    if impl.overlap_dp and plan.layout.zero_stage in (1, 2) and plan.layout.dp > 1 and plan.layout.pp == 1:
         parts.append("ZeRO gradient reduction behind the backward")
     return ", ".join(parts)
 
