@@ -19,8 +19,8 @@ plus a fixed latency each. Only what the code overlaps is hidden:
     input-gradient all-reduce runs while the same layer's weight-gradient GEMM computes: each is
     exposed by max(0, collective − that GEMM). Under sequence parallelism the code does not overlap
     (the reduce-scatter of those gradients runs after the layer's backward) and neither does the plan;
-  - with `Implementation.overlap_dp` (DeepSpeed's zero_optimization.overlap_comm at ZeRO 1 and 2,
-    pp = 1), the gradient reduction runs in buckets during the backward that produces the gradients:
+  - with `Implementation.overlap_dp` (DeepSpeed's zero_optimization.overlap_comm; its ZeRO optimizer
+    at ZeRO 1 and 2, not bf16's BF16_Optimizer, which reduces after the backward; pp = 1), the gradient reduction runs in buckets during the backward that produces the gradients:
     ZeRO 2 reduces each micro batch during its own backward, ZeRO 1 only at the last micro batch;
     exposed is max(0, reduction − one micro batch's backward), the backward taken as 2/3 of the micro
     batch's compute (its GEMM FLOPs are twice the forward's; recomputation only lengthens it). Under
@@ -120,9 +120,14 @@ class Implementation:
     #                                       at ZeRO ≥ 1); else this size for all
 
     @property
+    def bf16_weights(self) -> bool:
+        """bf16 parameters and gradients (fp32 master weights in the optimizer)."""
+        return not self.fp32_weights and self.autocast
+
+    @property
     def precision(self) -> str:
         """The train.precision this is: fp32, autocast or bf16."""
-        return "bf16" if not self.fp32_weights and self.autocast else "autocast" if self.autocast else "fp32"
+        return "bf16" if self.bf16_weights else "autocast" if self.autocast else "fp32"
 
 
 PRECISIONS = ("fp32", "autocast", "bf16", "fp8")
@@ -356,6 +361,12 @@ def _block_traffic_per_token(d: int, f: int, tp: int, sigma: int, impl: Implemen
     return layer_norms + residuals + casts + 2 * a * (d + f) / tp
 
 
+def zero_optimizer_reduces(zero_stage: int, impl: Implementation) -> bool:
+    """DeepSpeed's ZeRO optimizer (stage_1_and_2.py, stage3.py) holds the gradients: ZeRO ≥ 1, except
+    bf16 at ZeRO 1, which DeepSpeed hands to BF16_Optimizer (train/plan/counts.py)."""
+    return zero_stage >= 2 or (zero_stage == 1 and not impl.bf16_weights)
+
+
 def _comm_time(transfers, hw: Hardware, inter_node: dict) -> float:
     return sum(t.sent / hw.link_bandwidth(inter_node[t.group]) + t.count * COLLECTIVE_LATENCY_S for t in transfers)
 
@@ -371,18 +382,19 @@ def _memory(model_cfg, layout: Layout, impl: Implementation, params, state: Stat
     logits = layout.micro_batch * model_cfg.seq_len * vocab
     loss_transient = ((2 if impl.autocast else FP32) + 2 * FP32) * logits if shape.head else 0
     common = {"weights": state.weights, "master": state.master, "moments": state.moments, "buffers": state.buffers}
-    g = 2 if not impl.fp32_weights and impl.autocast else FP32  # gradient element (bf16 weights: bf16)
-    grads_backward = {0: state.gradients, 1: g * n_local, 2: state.gradients + g * min(reduce_bucket, n_local),
+    g = 2 if impl.bf16_weights else FP32  # a gradient element
+    bf16_optimizer = impl.bf16_weights and zero <= 1  # its gradients are all there from the start
+    grads_backward = {0: state.gradients, 1: state.gradients if bf16_optimizer else g * n_local,
+                      2: state.gradients + g * min(reduce_bucket, n_local),
                       3: state.gradients}[zero]  # fmt: skip
     backward = {**common, "gradients": grads_backward, "activations": in_flight * acts.activations,
                 "weight_copies": in_flight * acts.weight_copies,
                 "transient": max(acts.recompute, acts.cast_transient - acts.weight_copies, loss_transient)}  # fmt: skip
     largest_group = max(sum(p.numel for p in params if p.decay), sum(p.numel for p in params if not p.decay))
-    bf16_partitioned = not impl.fp32_weights and impl.autocast and zero == 0 and layout.pp > 1  # BF16_Optimizer
-    partitioned = zero > 0 or bf16_partitioned
+    partitioned = zero > 0 or bf16_optimizer
     step_extra = FP32 * (state.partition if partitioned else largest_group)  # foreach sqrt of the second moment
-    if zero in (1, 2) or bf16_partitioned or (zero == 0 and not impl.fp32_weights and impl.autocast):
-        step_extra += FP32 * state.partition  # the fp32 gradient (partition) the optimizer steps with
+    if zero_optimizer_reduces(zero, impl) and zero < 3:
+        step_extra += FP32 * state.partition  # the flattened fp32 gradient partition
     if zero == 0 and dp > 1:
         step_extra += FP32 * min(REDUCE_BUCKET_SIZE, n_local)  # the flattened all-reduce bucket
     step = {**common, "gradients": state.gradients, "optimizer_transient": step_extra}
@@ -393,11 +405,11 @@ def _rank(model_cfg, layout: Layout, impl: Implementation, hw: Hardware, stage: 
     tp, pp, dp, m = layout.tp, layout.pp, layout.dp, layout.micro_batches
     params = rank_parameters(model_cfg, tp, pp, stage)
     shape = StageShape.of(model_cfg, pp, stage)
-    bf16_weights, r = not impl.fp32_weights and impl.autocast, _residual_bytes(impl)
+    bf16_weights, r = impl.bf16_weights, _residual_bytes(impl)
     comm_dtypes = (FP32, 2) if impl.autocast and tp == 1 else (FP32,)
     bucket = bucket_elements(model_cfg, tp)  # what train/plan/zero_buckets.py sets
     state = state_bytes(params, layout.zero_stage, dp, 0, layout.offload_optimizer, comm_dtypes,
-                        bf16_weights=bf16_weights, pipelined=pp > 1, reduce_bucket_size=bucket)  # fmt: skip
+                        bf16_weights=bf16_weights, reduce_bucket_size=bucket)  # fmt: skip
     acts = micro_batch_activations(
         model_cfg, tp, pp, stage, layout.micro_batch, sequence_parallel=layout.sequence_parallel,
         checkpoint_every=layout.checkpoint_every, autocast=impl.autocast, bf16_weights=bf16_weights,
@@ -408,8 +420,8 @@ def _rank(model_cfg, layout: Layout, impl: Implementation, hw: Hardware, stage: 
 
     if impl.grad_reduce_bytes is not None:
         grad_bytes = lambda p: impl.grad_reduce_bytes  # noqa: E731
-    elif bf16_weights:
-        grad_bytes = lambda p: 2  # noqa: E731
+    elif bf16_weights:  # BF16_Optimizer (ZeRO ≤ 1) reduces its fp32 accumulation buffer
+        grad_bytes = lambda p: FP32 if layout.zero_stage <= 1 else 2  # noqa: E731
     else:  # fp32 gradients; under autocast ZeRO ≥ 1 reduces plain nn.Linear ones in bf16
         grad_bytes = lambda p: 2 if impl.autocast and p.linear and layout.zero_stage > 0 else FP32  # noqa: E731
     tied = sum(p.numel for p in params if p.name.endswith("wte.weight"))
@@ -418,9 +430,9 @@ def _rank(model_cfg, layout: Layout, impl: Implementation, hw: Hardware, stage: 
                                   autocast=impl.autocast, residual_bytes=r)
         + plan_comm.pipeline(model_cfg, shape, tp, pp, layout.micro_batch, m, tied,
                              sequence_parallel=layout.sequence_parallel, residual_bytes=r)
-        # bf16 at ZeRO 0 under the pipeline: BF16_Optimizer partitions the optimizer and so, like ZeRO 1,
-        # all-gathers the updated weights after its step (only its reduction is not bucketed)
-        + plan_comm.data_parallel(params, dp, 1 if bf16_weights and pp > 1 and layout.zero_stage == 0 else layout.zero_stage,
+        # bf16 at ZeRO 0: BF16_Optimizer partitions the optimizer and so, like ZeRO 1, all-gathers the
+        # updated weights after its step
+        + plan_comm.data_parallel(params, dp, 1 if bf16_weights and layout.zero_stage == 0 else layout.zero_stage,
                                   m, flat_elements=state.details.get("flat", 0),
                                   grad_bytes=grad_bytes, weight_bytes=FP32 if impl.fp32_weights else 2)
     )  # fmt: skip
@@ -433,7 +445,7 @@ def _rank(model_cfg, layout: Layout, impl: Implementation, hw: Hardware, stage: 
     gathers = [t for t in transfers if t.group == "dp" and t.phase == "forward"]
     gather_s = _comm_time(gathers, hw, inter_node) / m
     exposed = [t for t in transfers if t not in gathers and (t.group == "dp" or (t.group == "pp" and t.op != "send"))]
-    overlap_dp = impl.overlap_dp and layout.zero_stage in (1, 2) and pp == 1  # the pipeline reduces after its backward
+    overlap_dp = impl.overlap_dp and pp == 1 and zero_optimizer_reduces(layout.zero_stage, impl)
     hidden = [t for t in exposed if overlap_dp and t.overlaps == plan_comm.BACKWARD]
     backward_s = 2 / 3 * compute_s  # one micro batch's backward (module docstring)
     dp_s = _comm_time([t for t in exposed if t not in hidden], hw, inter_node)

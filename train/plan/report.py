@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from train.plan.estimate import GIB, Plan
+from train.plan.estimate import GIB, Plan, zero_optimizer_reduces
 
 STAGE_NAMES = {1: ["every stage"], 2: ["first stage", "last stage"], 3: ["first stage", "middle stage", "last stage"]}
 
@@ -103,7 +103,8 @@ def _overlaps(plan: Plan) -> str:
     impl, parts = plan.implementation, []
     if impl.overlap_tp and plan.layout.tp > 1:
         parts.append("tensor-parallel input gradients behind weight gradients")
-    if impl.overlap_dp and plan.layout.zero_stage in (1, 2) and plan.layout.dp > 1 and plan.layout.pp == 1:
+    lay = plan.layout
+    if impl.overlap_dp and lay.dp > 1 and lay.pp == 1 and zero_optimizer_reduces(lay.zero_stage, impl) and lay.zero_stage < 3:
         parts.append("ZeRO gradient reduction behind the backward")
     return ", ".join(parts)
 

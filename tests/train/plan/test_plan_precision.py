@@ -1,6 +1,6 @@
 """train.precision and selective recomputation in the planner, against hand-computed bytes.
 
-State bytes follow DeepSpeed 0.19 under "bf16": {"enabled": true} (train/plan/counts.py docstring);
+State bytes follow DeepSpeed 0.19 under train.precision=bf16's settings (train/plan/counts.py docstring);
 the numbers below are worked out by hand for a rank holding one 8×4 matrix and one 4-vector over
 dp = 2 (each group flattened and padded to a multiple of 2·dp = 4 elements: 32 and 4, partitions of
 16 and 2 elements). Activations: the per-token terms of train/plan/activations.py's docstring.
@@ -20,15 +20,15 @@ PARAMS = [ParamShape("w", (8, 4), 32), ParamShape("b", (4,), 4)]
 TOY = GPTConfig(name="toy", n_layer=2, n_head=4, d_model=128, seq_len=64)
 
 
-@pytest.mark.parametrize("zero, pipelined, expected", [
+@pytest.mark.parametrize("zero, expected", [
     # weights, gradients, master, moments (bytes)
-    (0, False, (2 * 36, 2 * 36, 4 * 36, 8 * 36)),  # FP16_UnfusedOptimizer: an fp32 master of everything
-    (0, True, (2 * 36, 2 * 36, 4 * 18, 8 * 18)),   # BF16_Optimizer: master and moments of the partition
-    (1, True, (2 * 36, 2 * 36, 4 * 18, 8 * 18)),   # rank 0's partitions overlap both parameters whole
-    (3, False, (2 * (18 + 36), 2 * 18, 4 * 18, 8 * 18)),  # pieces + both persistent (≤ 1e5) in full
+    (0, (2 * 36, 2 * 36 + 4 * 36, 4 * 18, 8 * 18)),  # BF16_Optimizer: bf16 grads + fp32 accumulation buffer
+    (1, (2 * 36, 2 * 36 + 4 * 36, 4 * 18, 8 * 18)),  # the same optimizer (DeepSpeed runs both at stage 1)
+    (2, (2 * 36, 2 * 36, 4 * 18, 8 * 18)),  # ZeRO optimizer: rank 0's partitions overlap both parameters
+    (3, (2 * (18 + 36), 2 * 18, 4 * 18, 8 * 18)),  # pieces + both persistent (≤ 1e5) in full
 ])  # fmt: skip
-def test_bf16_state_bytes_per_zero_stage(zero, pipelined, expected):
-    state = state_bytes(PARAMS, zero, 2, 0, bf16_weights=True, pipelined=pipelined, reduce_bucket_size=1000)
+def test_bf16_state_bytes_per_zero_stage(zero, expected):
+    state = state_bytes(PARAMS, zero, 2, 0, bf16_weights=True, reduce_bucket_size=1000)
     assert (state.weights, state.gradients, state.master, state.moments) == expected
     assert state.buffers == (2 * 1000 if zero == 3 else 0)  # one bf16 reduce bucket
 

@@ -1,6 +1,6 @@
 """The recipes in configs/recipe/: each composes with the training config, is a layout the planner
 accepts, fits with the default headroom (pre-flight passes), and its shards cover the model (the
-dry run). The 175B recipe's dry run builds its 64 shards at one block per stage (model.n_layer=8:
+dry run). The 175B recipe's dry run builds its 128 shards at one block per stage (model.n_layer=16:
 the same tp × pp shards with fewer blocks, seconds instead of minutes); 13B's builds the model whole."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from train.plan.config import model_config, plan_from_config, preflight
 from train.plan.dry_run import dry_run
 
 RECIPES = {  # recipe: (GPUs, the model it sets, layout it must hold, blocks for the dry run)
-    "gpt3-175b-h100x1024": (1024, "gpt3-175b", "tp=8 pp=8 dp=16 zero=1 micro=2 ckpt=off", 8),
+    "gpt3-175b-h100x1024": (1024, "gpt3-175b", "tp=8 pp=16 dp=8 zero=1 micro=2 ckpt=off", 16),
     "gpt3-13b-h100x64": (64, "gpt3-13b", "tp=2 pp=1 dp=32 zero=2 micro=8 ckpt=selective", None),
 }
 
