@@ -52,6 +52,7 @@ def run(overrides: list[str], out=sys.stdout, err=sys.stderr) -> int:
             plans = search(
                 plan.model, plan.layout.gpus, plan.layout.global_batch, plan.hardware,
                 gpus_per_node=cfg.plan.gpus_per_node, reserved_gib=plan.reserved_gib, tokens=plan.tokens,
+                implementation=plan.implementation,
             )  # fmt: skip
     except ValueError as error:
         print(f"gpt3d plan: error: {error}", file=err)

@@ -2,28 +2,34 @@
 counted from what gpt3d's layers actually save.
 
 Notation: n = b·T tokens of one micro batch, d = d_model, f = d_ff, h = n_head, p = tp, σ = p with
-sequence parallelism (else 1); a = bytes of a matmul input (2 under bf16 autocast on a GPU, 4 in
-fp32 on a CPU), and 4 for the fp32 residual stream, LayerNorm statistics and softmax outputs.
+sequence parallelism (else 1); a = bytes of a matmul input (2 in bf16: autocast or bf16 weights on
+a GPU; 4 in fp32 on a CPU), r = bytes of the residual stream (4 with fp32 weights, 2 with bf16
+weights), and 4 for LayerNorm statistics and softmax outputs.
 Per token of each transformer block (model/layers.py through parallel/tensor.py):
 
-  ln_1, ln_2      input (4d/σ each) and mean, rstd (2·4/σ each)
+  ln_1, ln_2      input (r·d/σ each) and mean, rstd (2·4/σ each)
   qkv, fc         input as the matmul reads it: a·d each (gathered to the full sequence under σ)
   attention       q, k, v (3a·d/p, one storage), output o (a·d/p), log-sum-exp (4h/p), the
                   head-merged copy the output projection reads (a·d/p)
   MLP             GELU input and output (2a·f/p; ReLU keeps one)
-  ─────────────   (4·2/σ + a·2 + 5a/p)·d + 2a·f/p + 16/σ + 4h/p bytes
+  ─────────────   (r·2/σ + a·2 + 5a/p)·d + 2a·f/p + 16/σ + 4h/p bytes
+
+Selective recomputation (parallel.activation_checkpointing=selective) keeps neither LayerNorm's
+output (the qkv and fc inputs, 2a·d) nor GELU's (a·f/p): backward recomputes them from the kept
+LayerNorm input and statistics and the kept fc output. Under sequence parallelism the matmul
+inputs are the gathered LayerNorm outputs and stay; only GELU's output goes.
 
 The embedding keeps its token ids (8 bytes a token; tp > 1 also a byte of mask); the head keeps the
 final LayerNorm's input and statistics, the unembedding's input (a·d) and the loss's softmax
 (4·V, or 4·Vp/p for the vocab-parallel loss, plus its targets). Dropout with p = 0 saves nothing.
-Under DeepSpeed's pipeline every stage but the last also keeps its output until backward (4d, or
+Under DeepSpeed's pipeline every stage but the last also keeps its output until backward (r·d, or
 with tp > 1 the 1/p piece it sent).
 
 Activation checkpointing keeps only each checkpointed segment's input (4d/σ a token) and recomputes
 the rest during backward, when one segment's full activations exist again (`recompute`). On a GPU,
 autocast casts every fp32 weight matrix to bf16 once per micro batch and the matmuls keep those
 casts for backward (`weight_copies`: 2 bytes per matrix element of the layers not checkpointed);
-in fp32 the saved weights are the parameters themselves and cost nothing.
+in fp32, and with bf16 weights, the saved weights are the parameters themselves and cost nothing.
 """
 
 from __future__ import annotations
@@ -75,14 +81,17 @@ class ActivationBytes:
         return self.saved - self.weight_copies
 
 
-def block_bytes_per_token(config: GPTConfig, tp: int, sequence_parallel: bool, a: int) -> float:
+def block_bytes_per_token(
+    config: GPTConfig, tp: int, sequence_parallel: bool, a: int, r: int = FP32, selective: bool = False
+) -> float:
     """Saved bytes a token costs in one transformer block (module docstring's sum)."""
     d, f, h = config.d_model, config.d_ff, config.n_head
     sigma = tp if sequence_parallel else 1
-    layer_norms = 2 * (FP32 * d + 2 * FP32) / sigma
-    matmul_inputs = 2 * a * d
+    layer_norms = 2 * (r * d + 2 * FP32) / sigma
+    matmul_inputs = 0 if selective and not sequence_parallel else 2 * a * d
     attention = 5 * a * d / tp + FP32 * h / tp
-    mlp = (2 if config.activation == "gelu" else 1) * a * f / tp
+    gelu = config.activation == "gelu"
+    mlp = (2 if gelu and not selective else 1) * a * f / tp
     return layer_norms + matmul_inputs + attention + mlp
 
 
@@ -90,14 +99,14 @@ def _embedding_bytes_per_token(tp: int) -> float:
     return INT64 + (1 if tp > 1 else 0)
 
 
-def _head_bytes_per_token(config: GPTConfig, tp: int, sequence_parallel: bool, a: int) -> float:
+def _head_bytes_per_token(config: GPTConfig, tp: int, sequence_parallel: bool, a: int, r: int) -> float:
     sigma = tp if sequence_parallel else 1
     d = config.d_model
     if tp > 1:
         loss = FP32 * padded_vocab_size(config.vocab_size, tp) / tp + INT64 + 2  # softmax, target, masks
     else:
         loss = FP32 * config.vocab_size + INT64  # log-softmax output and the flattened targets
-    return (FP32 * d + 2 * FP32) / sigma + a * d + loss
+    return (r * d + 2 * FP32) / sigma + a * d + loss
 
 
 def checkpointed_blocks(shape: StageShape, k: int) -> int:
@@ -119,25 +128,30 @@ def checkpointed_segments(shape: StageShape, k: int) -> int:
 
 def micro_batch_activations(
     config: GPTConfig, tp: int, pp: int, stage: int, micro_batch: int, *, sequence_parallel: bool = False,
-    checkpoint_every: int = 0, autocast: bool = True,
+    checkpoint_every: int = 0, autocast: bool = True, bf16_weights: bool = False, selective: bool = False,
 ) -> ActivationBytes:  # fmt: skip
-    """Activation bytes of one micro batch of `micro_batch` sequences on `stage` (module docstring)."""
-    a = 2 if autocast else FP32
+    """Activation bytes of one micro batch of `micro_batch` sequences on `stage` (module docstring).
+
+    autocast: matmuls in bf16 (a = 2); bf16_weights: the parameters themselves are bf16 (r = 2, no
+    weight casts; implies bf16 matmuls); selective: selective recomputation in every block."""
+    a = 2 if autocast or bf16_weights else FP32
+    r = 2 if bf16_weights else FP32
     n = micro_batch * config.seq_len
     shape = StageShape.of(config, pp, stage)
-    per_block = block_bytes_per_token(config, tp, sequence_parallel, a) * n
+    per_block = block_bytes_per_token(config, tp, sequence_parallel, a, r, selective) * n
     ckpt_blocks = checkpointed_blocks(shape, checkpoint_every)
     segments = checkpointed_segments(shape, checkpoint_every)
     sigma = tp if sequence_parallel else 1
-    saved = per_block * (shape.blocks - ckpt_blocks) + segments * FP32 * config.d_model * n / sigma
+    saved = per_block * (shape.blocks - ckpt_blocks) + segments * r * config.d_model * n / sigma
     if shape.embedding:
         saved += _embedding_bytes_per_token(tp) * n + INT64 * config.seq_len  # ids, position ids
     if shape.head:
-        saved += _head_bytes_per_token(config, tp, sequence_parallel, a) * n
+        saved += _head_bytes_per_token(config, tp, sequence_parallel, a, r) * n
     if shape.pipelined and not shape.head:
-        saved += FP32 * config.d_model * n / tp  # the stage output DeepSpeed keeps (tp > 1: its 1/tp part)
+        # the stage output DeepSpeed keeps (tp > 1: its 1/tp part, or under σ its own sequence part)
+        saved += r * config.d_model * n / tp
     copies = transient = block_casts = 0
-    if autocast:
+    if autocast and not bf16_weights:
         copies, transient, block_casts = _weight_casts(config, tp, pp, stage, shape, ckpt_blocks)
     recompute = (per_block + block_casts) * min(checkpoint_every, ckpt_blocks)
     return ActivationBytes(round(saved) + copies, copies, round(recompute), round(per_block), transient)

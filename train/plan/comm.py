@@ -15,12 +15,13 @@ Tensor parallel (per micro batch, n = b·T tokens; see parallel/tensor.py):
   all-gather before and a reduce-scatter after the column/row pair, in both passes; LayerNorm
   weights and row-parallel biases all-reduce their d-sized gradients; the embedding output is
   scattered (its backward all-gathers). Element sizes: a row-parallel output is the matmul's dtype
-  (bf16 under autocast), everything else fp32.
-Pipeline (per micro batch): the stage output (n·d fp32) to the next stage forward, its gradient
-  to the previous stage backward (with tp > 1 partitioned over the tp ranks, see `pipeline`); per
-  step the tied embedding's gradient is all-reduced between the first and last stage.
+  (bf16 under autocast), everything else the residual stream's (fp32; bf16 with bf16 weights).
+Pipeline (per micro batch): the stage output (n·d in the residual dtype) to the next stage forward,
+  its gradient to the previous stage backward (with tp > 1 partitioned over the tp ranks, or under
+  sequence parallelism each rank's own part, see `pipeline`); per step the tied embedding's gradient
+  is all-reduced between the first and last stage.
 Data parallel (DeepSpeed 0.19, as its communication logger records it): ZeRO 0 all-reduces every
-  gradient once per step; ZeRO 1 too, then all-gathers the updated parameter partitions; ZeRO 2
+  gradient once per step (in the gradients' dtype); ZeRO 1 too, then all-gathers the updated parameter partitions; ZeRO 2
   all-reduces after every micro batch; ZeRO 3 all-gathers partitioned parameters for each micro
   batch, reduce-scatters gradients after each, and refreshes the persistent parameters once per step.
 """
@@ -33,6 +34,8 @@ from model import GPTConfig
 from train.plan.activations import StageShape
 from train.plan.counts import FP32, PERSISTENCE_THRESHOLD, ParamShape
 
+WEIGHT_GRADIENT = "column layer's weight-gradient GEMM"  # parallel.overlap_communication
+BACKWARD = "backward of the micro batch"  # DeepSpeed's zero_optimization.overlap_comm
 MAX_REUSE_DISTANCE = 1_000_000_000  # DeepSpeed's default stage3_max_reuse_distance (elements)
 RING_FACTOR = {"all_reduce": lambda g: 2 * (g - 1) / g, "all_gather": lambda g: (g - 1) / g,
                "reduce_scatter": lambda g: (g - 1) / g, "send": lambda g: 1.0}  # fmt: skip
@@ -49,6 +52,7 @@ class Transfer:
     count: int
     group_size: int
     what: str
+    overlaps: str = ""  # the computation it may run alongside when the layout overlaps it ("" none)
 
     @property
     def total(self) -> int:
@@ -63,17 +67,19 @@ class Transfer:
 
 def tensor_parallel(
     config: GPTConfig, shape: StageShape, tp: int, micro_batch: int, micro_batches: int, *,
-    sequence_parallel: bool = False, autocast: bool = True,
+    sequence_parallel: bool = False, autocast: bool = True, residual_bytes: int = FP32,
 ) -> list[Transfer]:  # fmt: skip
-    """Tensor-parallel collectives of one step on a stage (module docstring)."""
+    """Tensor-parallel collectives of one step on a stage (module docstring). `act32` below is a
+    tensor of the residual stream (residual_bytes an element), `act_mm` a matmul output."""
     if tp == 1:
         return []
     n = micro_batch * config.seq_len
-    act32, act_mm = n * config.d_model * FP32, n * config.d_model * (2 if autocast else FP32)
+    act32 = n * config.d_model * residual_bytes
+    act_mm = n * config.d_model * (2 if autocast or residual_bytes == 2 else FP32)
     blocks, m = shape.blocks, micro_batches
 
-    def t(op, phase, nbytes, per_mb, what):
-        return Transfer("tp", op, phase, nbytes, per_mb * m, tp, what)
+    def t(op, phase, nbytes, per_mb, what, overlaps=""):
+        return Transfer("tp", op, phase, nbytes, per_mb * m, tp, what, overlaps)
 
     out = []
     if sequence_parallel:
@@ -87,7 +93,7 @@ def tensor_parallel(
     else:
         out += [
             t("all_reduce", "forward", act_mm, 2 * blocks, "attn.proj and mlp.proj outputs"),
-            t("all_reduce", "backward", act32, 2 * blocks, "input gradients of attn.qkv and mlp.fc"),
+            t("all_reduce", "backward", act32, 2 * blocks, "input gradients of attn.qkv and mlp.fc", WEIGHT_GRADIENT),
         ]
     if shape.embedding:
         out.append(t("all_reduce", "forward", act32, 1, "vocab-parallel embedding"))
@@ -107,20 +113,22 @@ def tensor_parallel(
 
 
 def pipeline(config: GPTConfig, shape: StageShape, tp: int, pp: int, micro_batch: int, micro_batches: int,
-             tied_gradient_elements: int) -> list[Transfer]:  # fmt: skip
+             tied_gradient_elements: int, *, sequence_parallel: bool = False,
+             residual_bytes: int = FP32) -> list[Transfer]:  # fmt: skip
     """Pipeline traffic of one step by a stage: point-to-point sends, the tied-embedding all-reduce,
     and with tp > 1 DeepSpeed's partitioned sends (each tp rank sends 1/tp of the tensor and the
     receiver all-gathers it over its tp group; a stage also re-gathers its own kept output before
-    running backward from it)."""
+    running backward from it). Under sequence parallelism train/engine.py turns partitioning off:
+    each tp rank holds and sends its own 1/tp of the sequence whole, and nothing is gathered."""
     if pp == 1:
         return []
-    act = micro_batch * config.seq_len * config.d_model * FP32
+    act = micro_batch * config.seq_len * config.d_model * residual_bytes
     m, out = micro_batches, []
     if not shape.head:
         out.append(Transfer("pp", "send", "forward", act // tp, m, 2, "stage output to the next stage"))
     if not shape.embedding:
         out.append(Transfer("pp", "send", "backward", act // tp, m, 2, "input gradient to the previous stage"))
-    if tp > 1:
+    if tp > 1 and not sequence_parallel:
         gathers = m * ((not shape.embedding) + 2 * (not shape.head))
         out.append(Transfer("tp", "all_gather", "pipeline", act, gathers, tp, "partitioned pipeline tensors"))
     if shape.embedding or shape.head:
@@ -142,14 +150,14 @@ def data_parallel(
     """
     if dp == 1:
         return []
-    weights = sum(p.numel for p in params) * FP32
-    if zero_stage == 0:
-        return [Transfer("dp", "all_reduce", "step", weights, 1, dp, "gradients")]
     grads = sum(p.numel * grad_bytes(p) for p in params)
+    if zero_stage == 0:
+        return [Transfer("dp", "all_reduce", "step", grads, 1, dp, "gradients")]
     if zero_stage in (1, 2):
         reduces = 1 if zero_stage == 1 else micro_batches  # ZeRO-2 reduces after every micro batch
         return [
-            Transfer("dp", "all_reduce", "step" if zero_stage == 1 else "backward", grads, reduces, dp, "gradients"),
+            Transfer("dp", "all_reduce", "step" if zero_stage == 1 else "backward", grads, reduces, dp, "gradients",
+                     BACKWARD),
             Transfer("dp", "all_gather", "step", flat_elements * weight_bytes, 1, dp, "updated parameters"),
         ]
     padded = [(p, -(-p.numel // dp) * dp) for p in params]

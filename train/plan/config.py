@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 
 from model import GPTConfig
 from train.plan.hardware import Hardware, for_cuda_device, preset
-from train.plan.estimate import Layout, Plan, build_plan
+from train.plan.estimate import Implementation, Layout, Plan, build_plan, for_precision
 from train.config.checks import ConfigError
 from train.plan.search import layout_problem, search
 
@@ -39,15 +39,26 @@ def layout_from_config(cfg, model_cfg: GPTConfig, gpus: int) -> Layout:
             raise ValueError(f"{key}={value!r}: must be a positive integer")
     if gpus % (tp * pp):
         raise ValueError(f"plan.gpus={gpus} is not a multiple of tp·pp = {tp * pp} (parallel.tp={tp}, parallel.pp={pp})")
+    selective = par.activation_checkpointing == "selective"
     layout = Layout(
         tp=tp, pp=pp, dp=gpus // (tp * pp), global_batch=tr.global_batch_size, micro_batch=tr.micro_batch_size,
         zero_stage=par.zero_stage, offload_optimizer=bool(par.offload_optimizer),
-        sequence_parallel=bool(par.sequence_parallel), checkpoint_every=par.activation_checkpointing,
+        sequence_parallel=bool(par.sequence_parallel), checkpoint_every=0 if selective else par.activation_checkpointing,
+        selective_recompute=selective,
     )  # fmt: skip
     problem = layout_problem(model_cfg, layout)
     if problem:
         raise ValueError(problem)
     return layout
+
+
+def implementation_from_config(cfg) -> Implementation:
+    """gpt3d's implementation under the run's train.precision (auto: what it is on a GPU, bf16; the
+    planner always predicts for a GPU) and parallel.overlap_communication (default true)."""
+    precision = cfg.train.get("precision", "auto")
+    if precision == "auto":
+        precision = "bf16"
+    return for_precision(precision, bool(cfg.parallel.get("overlap_communication", True)))
 
 
 def hardware_from_config(plan_cfg) -> Hardware:
@@ -67,8 +78,8 @@ def plan_from_config(cfg) -> Plan:
     layout = layout_from_config(cfg, model_cfg, gpus_of(plan_cfg, cfg))
     _check_plan_options(plan_cfg)
     return build_plan(
-        model_cfg, layout, hardware_from_config(plan_cfg), gpus_per_node=plan_cfg.gpus_per_node,
-        reserved_gib=float(plan_cfg.reserved_gib), tokens=float(plan_cfg.tokens),
+        model_cfg, layout, hardware_from_config(plan_cfg), implementation=implementation_from_config(cfg),
+        gpus_per_node=plan_cfg.gpus_per_node, reserved_gib=float(plan_cfg.reserved_gib), tokens=float(plan_cfg.tokens),
     )  # fmt: skip
 
 
@@ -83,7 +94,8 @@ def plan_for_run(cfg, model_cfg: GPTConfig, hardware: Hardware | None = None) ->
         hardware = for_cuda_device(local) if torch.cuda.is_available() else preset("h100-80g")
     world = int(os.environ.get("WORLD_SIZE", 1))
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", min(world, 8)))
-    return build_plan(model_cfg, layout_from_config(cfg, model_cfg, world), hardware, gpus_per_node=per_node)
+    return build_plan(model_cfg, layout_from_config(cfg, model_cfg, world), hardware,
+                      implementation=implementation_from_config(cfg), gpus_per_node=per_node)  # fmt: skip
 
 
 def _check_plan_options(plan_cfg) -> None:
@@ -104,7 +116,8 @@ def layout_overrides(layout: Layout) -> str:
     return " ".join([
         f"parallel.tp={layout.tp}", f"parallel.pp={layout.pp}", f"parallel.zero_stage={layout.zero_stage}",
         f"parallel.sequence_parallel={str(layout.sequence_parallel).lower()}",
-        f"parallel.activation_checkpointing={layout.checkpoint_every}", f"train.micro_batch_size={layout.micro_batch}",
+        f"parallel.activation_checkpointing={'selective' if layout.selective_recompute else layout.checkpoint_every}",
+        f"train.micro_batch_size={layout.micro_batch}",
     ])  # fmt: skip
 
 
@@ -131,7 +144,7 @@ def preflight(plan: Plan) -> None:
         return
     alternatives = search(
         plan.model, plan.layout.gpus, plan.layout.global_batch, plan.hardware,
-        gpus_per_node=plan.gpus_per_node, reserved_gib=HEADROOM_GIB,
+        gpus_per_node=plan.gpus_per_node, reserved_gib=HEADROOM_GIB, implementation=plan.implementation,
     )[:3]  # fmt: skip
     raise ConfigError(failure_message(plan, alternatives))
 

@@ -19,10 +19,26 @@ Bytes (DeepSpeed 0.19 with the fp32 parameters gpt3d trains, Adam with two fp32 
            rank also the padding).
   ZeRO 3   every parameter is padded to a multiple of dp and cut into dp pieces: weights = the pieces
            plus full (padded) copies of "persistent" parameters (≤ 1e5 elements); gradients, master and
-           moments = one piece each. Two fixed buffers: a gradient reduce bucket of 5e8 elements per
-           communication dtype (allocated up front), counted as `buffers`.
+           moments = one piece each. Fixed buffers: a gradient reduce bucket (reduce_bucket_size,
+           DeepSpeed's default 5e8 elements) per communication dtype (allocated up front), `buffers`.
 
 With optimizer offload the master weights and moments live in host memory (`host`).
+
+With bf16 weights (train.precision=bf16, train/precision.py: DeepSpeed's "bf16": {"enabled": true};
+at zero_stage 0 and 1 DeepSpeed runs stage 1 with data_types.grad_accum_dtype fp32, which
+engine._do_optimizer_sanity_check hands to BF16_Optimizer) the weights take 2 bytes and an fp32
+master copy appears:
+
+  ZeRO 0, 1   BF16_Optimizer (bf16_optimizer.py): each group flattened and padded as ZeRO 1's;
+              weights 2·flat; gradients: the bf16 ones autograd writes (2 bytes a parameter; its
+              immediate_grad_update is off, so they live until the step) and the flat fp32
+              accumulation buffer (4·flat); fp32 master and moments of partition r only (4 and 8
+              bytes · flat/dp).
+  ZeRO 2      DeepSpeed's ZeRO optimizer, gradients accumulated in bf16: weights 2·flat, gradients
+              2 bytes of each parameter overlapping the partition, master 4·flat/dp, moments 8·flat/dp.
+  ZeRO 3      pieces and persistent copies at 2 bytes, the gradient partition buffer in the
+              accumulation dtype (2 bytes a piece), master and moments of the piece, one reduce
+              bucket of bf16 elements.
 """
 
 from __future__ import annotations
@@ -168,14 +184,18 @@ def _zero12(params: list[ParamShape], dp: int, dp_rank: int) -> tuple[int, int, 
 
 def state_bytes(
     params: list[ParamShape], zero_stage: int, dp: int, dp_rank: int = 0, offload: bool = False,
-    comm_dtype_bytes: tuple[int, ...] = (FP32,),
+    comm_dtype_bytes: tuple[int, ...] = (FP32,), bf16_weights: bool = False, reduce_bucket_size: int = REDUCE_BUCKET_SIZE,
 ) -> StateBytes:  # fmt: skip
     """The bytes a rank holding `params` keeps under ZeRO `zero_stage` over `dp` data-parallel ranks.
 
     comm_dtype_bytes: element sizes of the gradient-reduction dtypes (fp32; with autocast on a GPU
     and plain nn.Linear layers also bf16): ZeRO 3 keeps one reduce bucket per dtype.
+    bf16_weights: bf16 parameters (module docstring).
+    reduce_bucket_size: zero_optimization.reduce_bucket_size (elements).
     """
     n = sum(p.numel for p in params)
+    if bf16_weights:
+        return _bf16_state_bytes(params, zero_stage, dp, dp_rank, offload, reduce_bucket_size)
     if zero_stage == 0:
         return StateBytes(weights=FP32 * n, gradients=FP32 * n, master=0, moments=2 * FP32 * n, partition=n)
     if zero_stage in (1, 2):
@@ -193,7 +213,31 @@ def state_bytes(
         master, moments = FP32 * pieces, 2 * FP32 * pieces
         return StateBytes(
             weights=FP32 * (pieces + persistent), gradients=FP32 * pieces, master=0 if offload else master,
-            moments=0 if offload else moments, buffers=REDUCE_BUCKET_SIZE * sum(comm_dtype_bytes),
+            moments=0 if offload else moments, buffers=reduce_bucket_size * sum(comm_dtype_bytes),
+            host=master + moments if offload else 0, partition=pieces, details={"persistent": persistent},
+        )  # fmt: skip
+    raise ValueError(f"zero_stage={zero_stage!r}: must be one of [0, 1, 2, 3]")
+
+
+def _bf16_state_bytes(params, zero_stage: int, dp: int, dp_rank: int, offload: bool, reduce_bucket_size: int) -> StateBytes:
+    """state_bytes for bf16 weights (module docstring)."""
+    bf16, n = 2, sum(p.numel for p in params)
+    if zero_stage in (0, 1, 2):
+        flat, part, grads = _zero12(params, dp, dp_rank)
+        master, moments = FP32 * part, 2 * FP32 * part
+        gradients = bf16 * n + FP32 * flat if zero_stage < 2 else bf16 * grads
+        return StateBytes(
+            weights=bf16 * flat, gradients=gradients, master=0 if offload else master,
+            moments=0 if offload else moments, host=master + moments if offload else 0, partition=part,
+            details={"flat": flat},
+        )  # fmt: skip
+    if zero_stage == 3:
+        pieces = sum(-(-p.numel // dp) for p in params)
+        persistent = sum(-(-p.numel // dp) * dp for p in params if p.numel <= PERSISTENCE_THRESHOLD)
+        master, moments = FP32 * pieces, 2 * FP32 * pieces
+        return StateBytes(
+            weights=bf16 * (pieces + persistent), gradients=bf16 * pieces, master=0 if offload else master,
+            moments=0 if offload else moments, buffers=reduce_bucket_size * bf16,
             host=master + moments if offload else 0, partition=pieces, details={"persistent": persistent},
         )  # fmt: skip
     raise ValueError(f"zero_stage={zero_stage!r}: must be one of [0, 1, 2, 3]")

@@ -14,10 +14,22 @@ Step time, per rank of pipeline stage s with m micro batches (README, "How the s
              + the data-parallel collectives, tied-embedding all-reduce and optimizer (not overlapped)
 
 Collectives run at the achieved link bandwidth (NVLink inside a node, the network between nodes)
-plus a fixed latency each, and none of them overlaps compute: not the tensor-parallel ones (the
-next matmul needs their result), not the pipeline's (DeepSpeed's sends block), not the data-parallel
-ones (DeepSpeed reduces after the last micro batch) and not ZeRO-3's parameter gathers (its
-prefetching hides little: Narayanan et al.'s ZeRO-3 runs match the model only without overlap).
+plus a fixed latency each. Only what the code overlaps is hidden:
+  - with `Implementation.overlap_tp` (parallel.overlap_communication), the column layers' backward
+    input-gradient all-reduce runs while the same layer's weight-gradient GEMM computes: each is
+    exposed by max(0, collective − that GEMM). Under sequence parallelism the code does not overlap
+    (the reduce-scatter of those gradients runs after the layer's backward) and neither does the plan;
+  - with `Implementation.overlap_dp` (DeepSpeed's zero_optimization.overlap_comm; its ZeRO optimizer
+    at ZeRO 1 and 2, not bf16's BF16_Optimizer, which reduces after the backward; pp = 1), the gradient reduction runs in buckets during the backward that produces the gradients:
+    ZeRO 2 reduces each micro batch during its own backward, ZeRO 1 only at the last micro batch;
+    exposed is max(0, reduction − one micro batch's backward), the backward taken as 2/3 of the micro
+    batch's compute (its GEMM FLOPs are twice the forward's; recomputation only lengthens it). Under
+    DeepSpeed's pipeline engine the reduction waits for the end of the last backward
+    (PipeEngine._exec_reduce_grads is the only gradient-accumulation boundary), so nothing hides;
+Nothing else overlaps: not the other tensor-parallel collectives (the next matmul needs their
+result), not the pipeline's (DeepSpeed's sends block), not ZeRO 1's all-gather of the updated
+parameters, and not ZeRO-3's parameter gathers (its prefetching hides little: Narayanan et al.'s
+ZeRO-3 runs match the model only without overlap).
 A micro batch also takes at least the host time that launching its kernels costs.
 """
 
@@ -40,11 +52,13 @@ from train.plan.counts import (
     state_bytes,
 )
 from train.plan.hardware import Hardware
+from train.plan.zero_buckets import block_elements, bucket_elements
 
 GIB = 2**30
 COLLECTIVE_LATENCY_S = 15e-6  # per collective call (NCCL launch and ring start-up)
 OPTIMIZER_BYTES = 64  # memory traffic per updated element: AdamW (p, g, m, v read, p, m, v written,
 #                       foreach temporaries) plus the gradient-norm and clipping passes
+SELECTIVE_KERNELS = 3  # kernels selective recomputation adds per block: two LayerNorms and a GELU
 LOSS_BYTES = 32  # memory traffic per logit: float copy, log-softmax, its backward, cast back
 
 
@@ -61,6 +75,7 @@ class Layout:
     offload_optimizer: bool = False
     sequence_parallel: bool = False
     checkpoint_every: int = 0
+    selective_recompute: bool = False  # parallel.activation_checkpointing=selective
 
     @property
     def gpus(self) -> int:
@@ -73,7 +88,10 @@ class Layout:
 
     def describe(self) -> str:
         parts = [f"tp={self.tp}", f"pp={self.pp}", f"dp={self.dp}", f"zero={self.zero_stage}", f"micro={self.micro_batch}"]
-        parts.append(f"ckpt={self.checkpoint_every}" if self.checkpoint_every else "ckpt=off")
+        if self.selective_recompute:
+            parts.append("ckpt=selective")
+        else:
+            parts.append(f"ckpt={self.checkpoint_every}" if self.checkpoint_every else "ckpt=off")
         if self.sequence_parallel:
             parts.append("sp")
         if self.offload_optimizer:
@@ -83,18 +101,50 @@ class Layout:
 
 @dataclass(frozen=True)
 class Implementation:
-    """How the trainer runs the math. gpt3d: fp32 parameters with bf16 autocast (each micro batch
-    casts the weights), its fused attention. Published Megatron-style runs: bf16 parameters."""
+    """How the trainer runs the math. The default: gpt3d with train.precision=autocast, fp32
+    parameters with bf16 autocast (each micro batch casts the weights), its fused attention, nothing
+    overlapped (`for_precision` gives the other precisions). Published Megatron-style runs: bf16
+    parameters (fp32_weights=False, autocast=True: bf16 matmuls, no casts)."""
 
     fp32_weights: bool = True
-    autocast: bool = True
+    autocast: bool = True  # bf16 matmuls (with fp32_weights=False: the weights themselves are bf16)
+    overlap_tp: bool = False  # the column layers' input-gradient collective runs during their weight-gradient GEMM
+    overlap_dp: bool = False  # ZeRO 1/2 reduce gradients in buckets during the backward (overlap_comm)
     # measured on this project's H100 (README, "How the step time is modelled"):
     attention_efficiency: float = 0.21  # the fused attention's forward+backward, 212 of 989 TFLOP/s
     unaligned_gemm_efficiency: float = 0.1  # a GEMM with a dimension not a multiple of 8 (vocab 50257)
     kernels_per_block: int = 100  # kernels one block launches per micro batch, forward and backward
     host_seconds_per_kernel: float = 30e-6  # Python and launch time per kernel: the GPU cannot run ahead
-    grad_reduce_bytes: int | None = None  # None: gpt3d's (DeepSpeed reduces nn.Linear gradients in bf16
-    #                                       under autocast, the rest in fp32); else this size for all
+    grad_reduce_bytes: int | None = None  # None: gpt3d's (bf16 weights: bf16; fp32 weights: fp32, but
+    #                                       DeepSpeed reduces nn.Linear gradients in bf16 under autocast
+    #                                       at ZeRO ≥ 1); else this size for all
+
+    @property
+    def bf16_weights(self) -> bool:
+        """bf16 parameters and gradients (fp32 master weights in the optimizer)."""
+        return not self.fp32_weights and self.autocast
+
+    @property
+    def precision(self) -> str:
+        """The train.precision this is: fp32, autocast or bf16."""
+        return "bf16" if self.bf16_weights else "autocast" if self.autocast else "fp32"
+
+
+PRECISIONS = ("fp32", "autocast", "bf16", "fp8")
+
+
+def for_precision(precision: str, overlap_communication: bool = True) -> Implementation:
+    """gpt3d under train.precision (auto resolved by the caller): fp32 everything; autocast (fp32
+    weights, bf16 matmuls with per-micro-batch casts); bf16 (bf16 weights and gradients, fp32 master
+    weights and moments in the optimizer); fp8 predicted as bf16 (its GEMM rate is not modelled).
+    overlap_communication: parallel.overlap_communication, and DeepSpeed's overlap_comm set from
+    the plan (train/plan/zero_buckets.py)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"train.precision={precision!r}: must be one of {['auto', *PRECISIONS]}")
+    return Implementation(
+        fp32_weights=precision in ("fp32", "autocast"), autocast=precision != "fp32",
+        overlap_tp=overlap_communication, overlap_dp=overlap_communication,
+    )  # fmt: skip
 
 
 @dataclass
@@ -223,35 +273,79 @@ def _gemm_time(hw: Hardware, impl: Implementation, n: int, k: int, m: int, elem:
     return max(2 * n * k * m / rate, (n * k + k * m + n * m) * elem / hw.memory_bandwidth)
 
 
-def _stage_compute(model_cfg, layout: Layout, impl: Implementation, hw: Hardware, stage: int, shape: StageShape):
-    """(seconds, hardware FLOPs) of one micro batch's forward + backward (+ recompute) on a rank."""
+def _blocks_compute(model_cfg, layout: Layout, impl: Implementation, hw: Hardware, blocks: list[int],
+                    recomputed: int) -> tuple[float, float, float]:  # fmt: skip
+    """(seconds, hardware FLOPs, host kernels) of `blocks`' forward + backward of one micro batch on
+    a rank, `recomputed` of them inside checkpointed segments: GEMMs, attention, memory-bound
+    traffic and selective recomputation (not the weights' casts and gradient accumulation)."""
     tp, sigma = layout.tp, layout.tp if layout.sequence_parallel else 1
     d, f, n = model_cfg.d_model, model_cfg.d_ff, layout.micro_batch * model_cfg.seq_len
-    a = 2 if impl.autocast else FP32
-    blocks = list(stage_blocks(model_cfg.n_layer, layout.pp, stage))
-    recomputed = checkpointed_blocks(shape, layout.checkpoint_every)
+    a = _matmul_bytes(impl)
     gemms = [(n, d, 3 * d // tp), (n, d // tp, d), (n, d, f // tp), (n, f // tp, d)]
     fwd_gemm_t = sum(_gemm_time(hw, impl, *g, a) for g in gemms)
     fwd_gemm_f = sum(2 * x * y * z for x, y, z in gemms)
     attn_f = [4 * n * d / tp * _visible_keys(model_cfg, i) for i in blocks]  # QKᵀ and PV
     attn_rate = hw.peak_tflops * 1e12 * impl.attention_efficiency
     block_traffic = _block_traffic_per_token(d, f, tp, sigma, impl) * n
-    weights = sum(p.numel for p in rank_parameters(model_cfg, tp, layout.pp, stage))
-    per_weight = (20 if impl.fp32_weights else 10) if impl.autocast else 8  # casts and gradient accumulation
     time = len(blocks) * (3 * fwd_gemm_t + 3 * block_traffic / hw.memory_bandwidth)
     time += sum(3.5 * x for x in attn_f) / attn_rate
     attn_recomputed = recomputed * sum(attn_f) / max(len(blocks), 1)
     time += recomputed * (fwd_gemm_t + block_traffic / hw.memory_bandwidth) + attn_recomputed / attn_rate
-    time += weights * per_weight / hw.memory_bandwidth
+    kernels = impl.kernels_per_block * (len(blocks) + 0.35 * recomputed)
+    if layout.selective_recompute:
+        kept = len(blocks) - recomputed
+        time += kept * _selective_recompute_per_token(d, f, tp, layout.sequence_parallel, impl) * n / hw.memory_bandwidth
+        kernels += SELECTIVE_KERNELS * kept
     flops = len(blocks) * 3 * fwd_gemm_f + sum(3.5 * x for x in attn_f) + recomputed * fwd_gemm_f + attn_recomputed
+    return time, flops, kernels
+
+
+def _per_weight_bytes(impl: Implementation) -> int:
+    """Memory traffic per weight element and micro batch: autocast's casts and gradient accumulation."""
+    return (20 if impl.fp32_weights else 10) if impl.autocast else 8
+
+
+def block_seconds(model_cfg, layout: Layout, impl: Implementation, hw: Hardware, block: int = 0) -> float:
+    """Predicted time of transformer block `block`'s forward + backward for one micro batch on one
+    tensor-parallel rank, communication left out: what bench/shard.py measures."""
+    time, _, kernels = _blocks_compute(model_cfg, layout, impl, hw, [block], 0)
+    time += block_elements(model_cfg, layout.tp) * _per_weight_bytes(impl) / hw.memory_bandwidth
+    return max(time, kernels * impl.host_seconds_per_kernel)
+
+
+def _stage_compute(model_cfg, layout: Layout, impl: Implementation, hw: Hardware, stage: int, shape: StageShape):
+    """(seconds, hardware FLOPs) of one micro batch's forward + backward (+ recompute) on a rank."""
+    tp, d, n = layout.tp, model_cfg.d_model, layout.micro_batch * model_cfg.seq_len
+    a = _matmul_bytes(impl)
+    blocks = list(stage_blocks(model_cfg.n_layer, layout.pp, stage))
+    recomputed = checkpointed_blocks(shape, layout.checkpoint_every)
+    time, flops, host_kernels = _blocks_compute(model_cfg, layout, impl, hw, blocks, recomputed)
+    weights = sum(p.numel for p in rank_parameters(model_cfg, tp, layout.pp, stage))
+    time += weights * _per_weight_bytes(impl) / hw.memory_bandwidth
     if shape.head:
         vocab = padded_vocab_size(model_cfg.vocab_size, tp) // tp if tp > 1 else model_cfg.vocab_size
         time += 3 * _gemm_time(hw, impl, n, d, vocab, a) + LOSS_BYTES * n * vocab / hw.memory_bandwidth
         flops += 6 * n * d * vocab
     if shape.embedding:
         time += 4 * FP32 * n * d / hw.memory_bandwidth
-    host = impl.kernels_per_block * (len(blocks) + 0.35 * recomputed) * impl.host_seconds_per_kernel
-    return max(time, host), flops
+    return max(time, host_kernels * impl.host_seconds_per_kernel), flops
+
+
+def _matmul_bytes(impl: Implementation) -> int:
+    return 2 if impl.autocast else FP32
+
+
+def _residual_bytes(impl: Implementation) -> int:
+    return FP32 if impl.fp32_weights or not impl.autocast else 2
+
+
+def _selective_recompute_per_token(d: int, f: int, tp: int, sequence_parallel: bool, impl: Implementation) -> float:
+    """Bytes one token moves to recompute what selective recomputation dropped, in the backward:
+    both LayerNorm forwards (read the kept input r·d, write the output a·d) unless sequence
+    parallelism keeps their gathered outputs, and GELU's forward (read and write a·f/p)."""
+    a, r = _matmul_bytes(impl), _residual_bytes(impl)
+    gelu = 2 * a * f / tp
+    return gelu if sequence_parallel else gelu + 2 * (r + a) * d
 
 
 def _block_traffic_per_token(d: int, f: int, tp: int, sigma: int, impl: Implementation) -> float:
@@ -260,12 +354,17 @@ def _block_traffic_per_token(d: int, f: int, tp: int, sigma: int, impl: Implemen
     GELU (read, write) and the head-merge copy; with gpt3d's fp32 residual stream under autocast
     also the bf16 casts of the two LayerNorm outputs the matmuls read. Backward moves about twice
     as much."""
-    a = 2 if impl.autocast else FP32
-    r = FP32 if impl.fp32_weights or not impl.autocast else 2
+    a, r = _matmul_bytes(impl), _residual_bytes(impl)
     layer_norms = 2 * 2 * r * d / sigma
     residuals = 2 * (2 * r + a) * d / sigma
     casts = 2 * (r + a) * d if impl.autocast and r != a else 0
     return layer_norms + residuals + casts + 2 * a * (d + f) / tp
+
+
+def zero_optimizer_reduces(zero_stage: int, impl: Implementation) -> bool:
+    """DeepSpeed's ZeRO optimizer (stage_1_and_2.py, stage3.py) holds the gradients: ZeRO ≥ 1, except
+    bf16 at ZeRO 1, which DeepSpeed hands to BF16_Optimizer (train/plan/counts.py)."""
+    return zero_stage >= 2 or (zero_stage == 1 and not impl.bf16_weights)
 
 
 def _comm_time(transfers, hw: Hardware, inter_node: dict) -> float:
@@ -273,7 +372,7 @@ def _comm_time(transfers, hw: Hardware, inter_node: dict) -> float:
 
 
 def _memory(model_cfg, layout: Layout, impl: Implementation, params, state: StateBytes, acts: ActivationBytes,
-            shape: StageShape, in_flight: int) -> dict:  # fmt: skip
+            shape: StageShape, in_flight: int, reduce_bucket: int) -> dict:  # fmt: skip
     """Bytes by kind at the rank's peak: the larger of the backward phase (activations of the micro
     batches in flight, gradients as they accumulate) and the optimizer step (gradients as ZeRO
     hands them over, AdamW's foreach temporaries, DeepSpeed's flattened buffers)."""
@@ -283,14 +382,18 @@ def _memory(model_cfg, layout: Layout, impl: Implementation, params, state: Stat
     logits = layout.micro_batch * model_cfg.seq_len * vocab
     loss_transient = ((2 if impl.autocast else FP32) + 2 * FP32) * logits if shape.head else 0
     common = {"weights": state.weights, "master": state.master, "moments": state.moments, "buffers": state.buffers}
-    grads_backward = {0: state.gradients, 1: FP32 * n_local, 2: state.gradients + FP32 * min(REDUCE_BUCKET_SIZE, n_local),
+    g = 2 if impl.bf16_weights else FP32  # a gradient element
+    bf16_optimizer = impl.bf16_weights and zero <= 1  # its gradients are all there from the start
+    grads_backward = {0: state.gradients, 1: state.gradients if bf16_optimizer else g * n_local,
+                      2: state.gradients + g * min(reduce_bucket, n_local),
                       3: state.gradients}[zero]  # fmt: skip
     backward = {**common, "gradients": grads_backward, "activations": in_flight * acts.activations,
                 "weight_copies": in_flight * acts.weight_copies,
                 "transient": max(acts.recompute, acts.cast_transient - acts.weight_copies, loss_transient)}  # fmt: skip
     largest_group = max(sum(p.numel for p in params if p.decay), sum(p.numel for p in params if not p.decay))
-    step_extra = FP32 * (largest_group if zero == 0 else state.partition)  # foreach sqrt of the second moment
-    if zero in (1, 2):
+    partitioned = zero > 0 or bf16_optimizer
+    step_extra = FP32 * (state.partition if partitioned else largest_group)  # foreach sqrt of the second moment
+    if zero_optimizer_reduces(zero, impl) and zero < 3:
         step_extra += FP32 * state.partition  # the flattened fp32 gradient partition
     if zero == 0 and dp > 1:
         step_extra += FP32 * min(REDUCE_BUCKET_SIZE, n_local)  # the flattened all-reduce bucket
@@ -302,42 +405,76 @@ def _rank(model_cfg, layout: Layout, impl: Implementation, hw: Hardware, stage: 
     tp, pp, dp, m = layout.tp, layout.pp, layout.dp, layout.micro_batches
     params = rank_parameters(model_cfg, tp, pp, stage)
     shape = StageShape.of(model_cfg, pp, stage)
+    bf16_weights, r = impl.bf16_weights, _residual_bytes(impl)
     comm_dtypes = (FP32, 2) if impl.autocast and tp == 1 else (FP32,)
-    state = state_bytes(params, layout.zero_stage, dp, 0, layout.offload_optimizer, comm_dtypes)
+    bucket = bucket_elements(model_cfg, tp)  # what train/plan/zero_buckets.py sets
+    state = state_bytes(params, layout.zero_stage, dp, 0, layout.offload_optimizer, comm_dtypes,
+                        bf16_weights=bf16_weights, reduce_bucket_size=bucket)  # fmt: skip
     acts = micro_batch_activations(
         model_cfg, tp, pp, stage, layout.micro_batch, sequence_parallel=layout.sequence_parallel,
-        checkpoint_every=layout.checkpoint_every, autocast=impl.autocast,
+        checkpoint_every=layout.checkpoint_every, autocast=impl.autocast, bf16_weights=bf16_weights,
+        selective=layout.selective_recompute,
     )  # fmt: skip
     in_flight = min(pp - stage, m) if pp > 1 else 1
-    memory = _memory(model_cfg, layout, impl, params, state, acts, shape, in_flight)
+    memory = _memory(model_cfg, layout, impl, params, state, acts, shape, in_flight, bucket)
 
     if impl.grad_reduce_bytes is not None:
         grad_bytes = lambda p: impl.grad_reduce_bytes  # noqa: E731
-    else:
-        grad_bytes = lambda p: 2 if impl.autocast and p.linear else FP32  # noqa: E731
+    elif bf16_weights:  # BF16_Optimizer (ZeRO ≤ 1) reduces its fp32 accumulation buffer
+        grad_bytes = lambda p: FP32 if layout.zero_stage <= 1 else 2  # noqa: E731
+    else:  # fp32 gradients; under autocast ZeRO ≥ 1 reduces plain nn.Linear ones in bf16
+        grad_bytes = lambda p: 2 if impl.autocast and p.linear and layout.zero_stage > 0 else FP32  # noqa: E731
     tied = sum(p.numel for p in params if p.name.endswith("wte.weight"))
     transfers = (
-        plan_comm.tensor_parallel(model_cfg, shape, tp, layout.micro_batch, m,
-                                  sequence_parallel=layout.sequence_parallel, autocast=impl.autocast)
-        + plan_comm.pipeline(model_cfg, shape, tp, pp, layout.micro_batch, m, tied)
-        + plan_comm.data_parallel(params, dp, layout.zero_stage, m, flat_elements=state.details.get("flat", 0),
+        plan_comm.tensor_parallel(model_cfg, shape, tp, layout.micro_batch, m, sequence_parallel=layout.sequence_parallel,
+                                  autocast=impl.autocast, residual_bytes=r)
+        + plan_comm.pipeline(model_cfg, shape, tp, pp, layout.micro_batch, m, tied,
+                             sequence_parallel=layout.sequence_parallel, residual_bytes=r)
+        # bf16 at ZeRO 0: BF16_Optimizer partitions the optimizer and so, like ZeRO 1, all-gathers the
+        # updated weights after its step
+        + plan_comm.data_parallel(params, dp, 1 if bf16_weights and layout.zero_stage == 0 else layout.zero_stage,
+                                  m, flat_elements=state.details.get("flat", 0),
                                   grad_bytes=grad_bytes, weight_bytes=FP32 if impl.fp32_weights else 2)
     )  # fmt: skip
     compute_s, flops = _stage_compute(model_cfg, layout, impl, hw, stage, shape)
-    tp_s = _comm_time([t for t in transfers if t.group == "tp"], hw, inter_node) / m
+    tp_transfers = [t for t in transfers if t.group == "tp"]
+    overlapped = [t for t in tp_transfers if impl.overlap_tp and t.overlaps == plan_comm.WEIGHT_GRADIENT]
+    tp_s = _comm_time([t for t in tp_transfers if t not in overlapped], hw, inter_node) / m
+    tp_s += _exposed_behind_weight_gradients(model_cfg, layout, impl, hw, overlapped, inter_node) / m
     pp_s = _comm_time([t for t in transfers if t.group == "pp" and t.op == "send"], hw, inter_node) / m
     gathers = [t for t in transfers if t.group == "dp" and t.phase == "forward"]
     gather_s = _comm_time(gathers, hw, inter_node) / m
     exposed = [t for t in transfers if t not in gathers and (t.group == "dp" or (t.group == "pp" and t.op != "send"))]
+    overlap_dp = impl.overlap_dp and pp == 1 and zero_optimizer_reduces(layout.zero_stage, impl)
+    hidden = [t for t in exposed if overlap_dp and t.overlaps == plan_comm.BACKWARD]
+    backward_s = 2 / 3 * compute_s  # one micro batch's backward (module docstring)
+    dp_s = _comm_time([t for t in exposed if t not in hidden], hw, inter_node)
+    for t in hidden:  # ZeRO 2: each micro batch's reduction behind its backward; ZeRO 1: the last one's
+        dp_s += t.count * max(0.0, _comm_time([t], hw, inter_node) / t.count - backward_s)
     updated = sum(p.numel for p in params) if layout.zero_stage == 0 else state.partition
     time = {
         "compute_s": compute_s, "tp_comm_s": tp_s, "pp_comm_s": pp_s, "zero3_gather_s": gather_s,
         "micro_batch_s": compute_s + gather_s + tp_s + pp_s,
-        "dp_comm_s": _comm_time(exposed, hw, inter_node),
+        "dp_comm_s": dp_s,
         "optimizer_s": 0.0 if layout.offload_optimizer else OPTIMIZER_BYTES * updated / hw.memory_bandwidth,
     }  # fmt: skip
     parameters = sum(p.numel for p in params)
     return RankPlan(stage, parameters, state, acts, in_flight, memory, sum(memory.values()), flops * m, transfers, time)
+
+
+def _exposed_behind_weight_gradients(model_cfg, layout: Layout, impl: Implementation, hw: Hardware, transfers,
+                                     inter_node: dict) -> float:  # fmt: skip
+    """Seconds per step of the column layers' input-gradient collectives that their weight-gradient
+    GEMMs do not hide: each block's attn.qkv and mlp.fc collective against that layer's GEMM
+    (n×d)ᵀ·(n×3d/p), (n×d)ᵀ·(n×f/p)."""
+    tp, n, d = layout.tp, layout.micro_batch * model_cfg.seq_len, model_cfg.d_model
+    a = _matmul_bytes(impl)
+    gemms = (_gemm_time(hw, impl, d, n, 3 * d // tp, a), _gemm_time(hw, impl, d, n, model_cfg.d_ff // tp, a))
+    exposed = 0.0
+    for t in transfers:  # count: 2 per block and micro batch, one for each column layer
+        each = _comm_time([t], hw, inter_node) / t.count
+        exposed += t.count / 2 * sum(max(0.0, each - gemm) for gemm in gemms)
+    return exposed
 
 
 def build_plan(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from train.plan.estimate import GIB, Plan
+from train.plan.estimate import GIB, Plan, zero_optimizer_reduces
 
 STAGE_NAMES = {1: ["every stage"], 2: ["first stage", "last stage"], 3: ["first stage", "middle stage", "last stage"]}
 
@@ -43,12 +43,13 @@ def format_plan(plan: Plan) -> str:
     ranks = plan.ranks
     names = STAGE_NAMES[len(ranks)]
     peak_total = {r.stage: r.peak_bytes for r in ranks}
+    weights = "bf16" if plan.implementation.precision == "bf16" else "fp32"
     rows = [
         ("pipeline stage", [str(r.stage) for r in ranks]),
         ("transformer blocks", [str(len(_blocks(plan, r.stage))) for r in ranks]),
         ("parameters", [_count(r.parameters) for r in ranks]),
-        ("weights (fp32)", [_gib(r.state.weights) for r in ranks]),
-        ("gradients (fp32) at the step", [_gib(r.state.gradients) for r in ranks]),
+        (f"weights ({weights})", [_gib(r.state.weights) for r in ranks]),
+        (f"gradients ({weights}) at the step", [_gib(r.state.gradients) for r in ranks]),
         ("fp32 master weights", [_gib(r.state.master) for r in ranks]),
         ("Adam moments", [_gib(r.state.moments) for r in ranks]),
         ("ZeRO buffers", [_gib(r.state.buffers) for r in ranks]),
@@ -72,6 +73,8 @@ def format_plan(plan: Plan) -> str:
         f"{cfg.name}: {_count(plan.parameters)} parameters, {cfg.n_layer} layers, "
         f"d_model {cfg.d_model}, {cfg.n_head} heads, sequence {cfg.seq_len}",
         f"layout: {lay.describe()} on {lay.gpus} × {hw.name} ({hw.memory_gib:g} GiB, {hw.peak_tflops:g} TFLOP/s bf16)",
+        f"precision: {plan.implementation.precision}; communication overlapped: "
+        f"{_overlaps(plan) or 'none'}",
         f"batch: {lay.global_batch} sequences = {_count(plan.tokens_per_step)} tokens per step, "
         f"{lay.micro_batches} micro batches of {lay.micro_batch} per replica, pipeline bubble {100 * plan.bubble:.1f}%",
         "",
@@ -84,6 +87,7 @@ def format_plan(plan: Plan) -> str:
         else:
             lines.append(f"{name:<{label}}" + "".join(f"{v:>{width}}" for v in values))
     verdict = "fits" if plan.fits else "DOES NOT FIT"
+    lines += ["", *format_breakdown(plan)]
     lines += [
         "",
         f"peak memory {plan.peak_memory_gib:.2f} GiB + {plan.reserved_gib:g} GiB reserved of {hw.memory_gib:g} GiB: {verdict}",
@@ -93,6 +97,38 @@ def format_plan(plan: Plan) -> str:
     ]
     lines += [f"note: {note}" for note in plan.notes]
     return "\n".join(lines)
+
+
+def _overlaps(plan: Plan) -> str:
+    impl, parts = plan.implementation, []
+    if impl.overlap_tp and plan.layout.tp > 1:
+        parts.append("tensor-parallel input gradients behind weight gradients")
+    lay = plan.layout
+    if impl.overlap_dp and lay.dp > 1 and lay.pp == 1 and zero_optimizer_reduces(lay.zero_stage, impl) and lay.zero_stage < 3:
+        parts.append("ZeRO gradient reduction behind the backward")
+    return ", ".join(parts)
+
+
+def format_breakdown(plan: Plan) -> list[str]:
+    """Where the step goes: the pipeline's slots of the slowest stage's micro batch by part, the
+    bubble's share of them, and what follows the last micro batch."""
+    lay = plan.layout
+    slots = lay.micro_batches + lay.pp - 1
+    slowest = max(plan.ranks, key=lambda r: r.time["micro_batch_s"])
+    last = max(plan.ranks, key=lambda r: r.time["dp_comm_s"] + r.time["optimizer_s"])
+    parts = [("compute (GEMMs, attention, memory-bound kernels)", slowest.time["compute_s"] * slots),
+             ("tensor-parallel communication, exposed", slowest.time["tp_comm_s"] * slots),
+             ("pipeline sends", slowest.time["pp_comm_s"] * slots),
+             ("ZeRO-3 parameter gathers", slowest.time["zero3_gather_s"] * slots),
+             ("data-parallel communication, exposed", last.time["dp_comm_s"]),
+             ("optimizer step", last.time["optimizer_s"])]  # fmt: skip
+    lines = [f"step time {plan.step_time_s:.3f} s: {slots} slots of stage {slowest.stage}'s micro batch "
+             f"({_ms(slowest.time['micro_batch_s'])}, {lay.pp - 1} of them the bubble), then the step"]  # fmt: skip
+    lines += [f"  {name:<52}{seconds:>9.3f} s {100 * seconds / plan.step_time_s:>6.1f}%" for name, seconds in parts if seconds]
+    bubble = (lay.pp - 1) * slowest.time["micro_batch_s"]
+    if bubble:
+        lines.append(f"  {'of the above, the pipeline bubble':<52}{bubble:>9.3f} s {100 * bubble / plan.step_time_s:>6.1f}%")
+    return lines
 
 
 def _blocks(plan: Plan, stage: int):

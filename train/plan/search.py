@@ -2,10 +2,10 @@
 
 A layout is valid when the trainer would accept it (parallel/topology.check_layout, and the rules of
 train/config/checks.py): tp divides the heads and d_ff, pp ≤ layers, tp·pp·dp = GPUs, ZeRO ≤ 1 with
-pp > 1, sequence parallelism only with tp > 1, pp = 1 and a sequence length divisible by tp, and
-the global batch divisible by micro batch × dp. The search keeps tensor parallelism inside a node
-(tp ≤ GPUs per node: across nodes it is never faster) and tries micro batches up to 16 sequences
-and activation checkpointing off or every block.
+pp > 1, sequence parallelism only with tp > 1 and a sequence length divisible by tp, and the global
+batch divisible by micro batch × dp. The search keeps tensor parallelism inside a node (tp ≤ GPUs
+per node: across nodes it is never faster) and tries micro batches up to 16 sequences, sequence
+parallelism on and off (at any pp), and activation checkpointing off, every block, or selective.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from train.plan.hardware import Hardware
 from train.plan.estimate import Implementation, Layout, Plan, build_plan
 
 MAX_MICRO_BATCH = 16
+RECOMPUTATION = ((0, False), (1, False), (0, True))  # (checkpoint_every, selective): off, every block, selective
 
 
 def layout_problem(model_cfg: GPTConfig, layout: Layout) -> str | None:
@@ -32,10 +33,11 @@ def layout_problem(model_cfg: GPTConfig, layout: Layout) -> str | None:
         return f"parallel.zero_stage={layout.zero_stage} with parallel.pp={layout.pp}: use ZeRO 0 or 1 with pp > 1"
     if layout.offload_optimizer and layout.zero_stage == 0:
         return "parallel.offload_optimizer=true needs parallel.zero_stage ≥ 1"
-    if layout.sequence_parallel and (layout.pp > 1 or layout.tp == 1 or model_cfg.seq_len % layout.tp):
-        return "parallel.sequence_parallel=true needs tp > 1, pp = 1 and model.seq_len divisible by tp"
-    if layout.checkpoint_every < 0:
-        return f"parallel.activation_checkpointing={layout.checkpoint_every}: must be 0 (off) or a positive block count"
+    if layout.sequence_parallel and (layout.tp == 1 or model_cfg.seq_len % layout.tp):
+        return "parallel.sequence_parallel=true needs tp > 1 and model.seq_len divisible by tp"
+    if layout.checkpoint_every < 0 or (layout.selective_recompute and layout.checkpoint_every):
+        return (f"parallel.activation_checkpointing={layout.checkpoint_every}: must be 0 (off), a positive block "
+                f"count, or selective")  # fmt: skip
     if layout.micro_batch < 1 or layout.global_batch % (layout.micro_batch * layout.dp):
         return (
             f"train.global_batch_size={layout.global_batch} is not divisible by train.micro_batch_size="
@@ -56,11 +58,11 @@ def candidate_layouts(model_cfg: GPTConfig, gpus: int, global_batch: int, gpus_p
                 continue
             micro = [b for b in divisors(global_batch // dp) if b <= MAX_MICRO_BATCH]
             zero = (0, 1) if pp > 1 else (0, 1, 2, 3)
-            sequence = (False, True) if tp > 1 and pp == 1 and model_cfg.seq_len % tp == 0 else (False,)
-            for z, b, ckpt, sp in itertools.product(zero, micro, (0, 1), sequence):
+            sequence = (False, True) if tp > 1 and model_cfg.seq_len % tp == 0 else (False,)
+            for z, b, (ckpt, selective), sp in itertools.product(zero, micro, RECOMPUTATION, sequence):
                 if dp == 1 and z > 0:
                     continue  # ZeRO over one replica partitions nothing
-                layout = Layout(tp, pp, dp, global_batch, b, z, False, sp, ckpt)
+                layout = Layout(tp, pp, dp, global_batch, b, z, False, sp, ckpt, selective)
                 if layout_problem(model_cfg, layout) is None:
                     out.append(layout)
     return out

@@ -6,7 +6,9 @@ them, parameters left out, are what one micro batch holds until its backward. Th
 (train/plan/activations.py) must be within 10% of it: for the toy model and a GPT-3 shape
 (125M: 12 layers, d_model 768) at a short sequence, with and without activation checkpointing, in
 fp32 and under bf16 autocast (whose saved weight casts the planner counts as weight copies), and
-tensor-parallel over 2 processes with and without sequence parallelism.
+tensor-parallel over 2 processes with and without sequence parallelism. Selective recomputation
+(LayerNorm and GELU outputs recomputed in backward) must match within a few bytes, on one process
+and at tp = 2 with and without sequence parallelism.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from distributed import run_distributed
 TOY = GPTConfig(name="toy", n_layer=4, n_head=4, d_model=128, seq_len=128)
 GPT3_125M_SHORT = GPTConfig(name="gpt3-125m", n_layer=12, n_head=12, d_model=768, seq_len=64)
 MICRO_BATCH = 2
+SELECTIVE_SLACK_BYTES = 64  # "within a few bytes": the planner counts what autograd keeps, to the tensor
 
 
 def saved_bytes(model, cfg: GPTConfig, micro_batch: int, autocast: bool, seed: int = 0) -> int:
@@ -76,8 +79,8 @@ def test_checkpointing_saves_most_of_the_block_activations():
     assert checkpointed < 0.5 * full
 
 
-def _tensor_parallel_saved(cfg_dict: dict) -> dict[bool, int]:
-    """Saved bytes on this rank of a tp=2 GPT, without and with sequence parallelism."""
+def _tensor_parallel_saved(cfg_dict: dict) -> dict[tuple[bool, bool], int]:
+    """Saved bytes on this rank of a tp=2 GPT, by (sequence parallelism, selective recomputation)."""
     from parallel.tensor import shard
     from parallel.topology import Topology
 
@@ -86,14 +89,30 @@ def _tensor_parallel_saved(cfg_dict: dict) -> dict[bool, int]:
         with torch.device("meta"):
             model = GPT(cfg)
         shard(model, topology, sequence_parallel=sequence_parallel)
-        out[sequence_parallel] = saved_bytes(model.materialize("cpu", seed=0), cfg, MICRO_BATCH, autocast=False)
+        model = model.materialize("cpu", seed=0)
+        for selective in (False, True):
+            model.activation_checkpointing = "selective" if selective else 0
+            out[sequence_parallel, selective] = saved_bytes(model, cfg, MICRO_BATCH, autocast=False)
     return out
 
 
 def test_tensor_parallel_saved_activations_match_the_planner():
+    """Within 10% without recomputation (in fact a few bytes), within a few bytes with selective."""
     cfg = dict(name="toy", n_layer=2, n_head=4, d_model=128, seq_len=128)
     for rank, measured in enumerate(run_distributed(_tensor_parallel_saved, 2, cfg)):
-        for sequence_parallel, rank_bytes in measured.items():
-            predicted = micro_batch_activations(GPTConfig(**cfg), 2, 1, 0, MICRO_BATCH,
-                                                sequence_parallel=sequence_parallel, autocast=False)  # fmt: skip
-            assert predicted.saved == pytest.approx(rank_bytes, rel=0.10), (rank, sequence_parallel, predicted, rank_bytes)
+        for (sequence_parallel, selective), rank_bytes in measured.items():
+            predicted = micro_batch_activations(GPTConfig(**cfg), 2, 1, 0, MICRO_BATCH, sequence_parallel=sequence_parallel,
+                                                autocast=False, selective=selective)  # fmt: skip
+            where = (rank, sequence_parallel, selective, predicted, rank_bytes)
+            if selective:
+                assert abs(predicted.saved - rank_bytes) <= SELECTIVE_SLACK_BYTES, where
+            else:
+                assert predicted.saved == pytest.approx(rank_bytes, rel=0.10), where
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_selective_recomputation_saved_activations_match_the_planner(autocast):
+    cfg = TOY
+    measured = saved_bytes(_build(cfg, "selective"), cfg, MICRO_BATCH, autocast)
+    predicted = micro_batch_activations(cfg, 1, 1, 0, MICRO_BATCH, autocast=autocast, selective=True)
+    assert abs(predicted.saved - measured) <= SELECTIVE_SLACK_BYTES, (predicted.saved, measured)

@@ -1,0 +1,207 @@
+"""One tensor-parallel rank's share of one transformer block, timed against the planner's prediction.
+
+  python -m bench.shard model=gpt3-175b parallel.tp=8                      # micro batch 1, T = seq_len
+  python -m bench.shard model=gpt3-13b parallel.tp=2 train.micro_batch_size=2 parallel.sequence_parallel=true
+  python -m bench.shard model=toy parallel.tp=2 bench.iterations=3         # a CPU smoke run
+
+The block is the model's first one (layer 1 of the flat list, model/gpt.make_layer), sharded by
+the project's own tensor-parallel plan (parallel.tensor.shard_layer) as rank 0 of a *fake* process
+group of tp ranks (torch's "fake" backend, as the planner's dry run uses): every collective the
+shard issues (all-reduce, or under sequence parallelism all-gather and reduce-scatter) is a local
+no-op on a tensor of the shape the real one has. The fake backend leaves a gathered or scattered
+output uninitialised; the bench fills it with copies of the rank's own input (`defined_outputs`),
+so no stray NaN or denormal enters the math and slows it (on a CPU, a 200× slowdown). So the shard
+runs alone on one device with exactly the work of one rank: d_model-wide LayerNorms and residual adds (1/tp of the sequence under
+sequence parallelism), n_head/tp heads, d_ff/tp of the MLP, on micro batch × seq_len tokens.
+
+Each iteration is the block's forward and backward (a gradient of ones-shaped random values into
+its output, parameter gradients accumulated as training does). Precision as training runs it:
+train.precision (auto: bf16 on CUDA, fp32 on a CPU); bf16 casts the block's weights to bf16,
+autocast runs fp32 weights under torch.autocast. Timed after bench.warmup iterations, over
+bench.iterations: on CUDA with events around each iteration (the median), on a CPU wall time (the
+minimum). Printed next to it: the planner's prediction for the same block, rank and micro batch
+(train.plan.estimate.block_seconds, communication left out) on plan.hardware (on CUDA: the
+visible GPU's preset), and the ratio measured / predicted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import sys
+import time
+
+import torch
+
+from train.config.entry import EXIT_BAD_INPUT
+
+BENCH_DEFAULTS = {"iterations": 10, "warmup": 3, "seed": 0}  # bench.* overrides
+
+
+def _split(argv: list[str]) -> tuple[list[str], dict]:
+    """The Hydra overrides, and the bench.* ones (iterations, warmup, seed) as integers."""
+    options, overrides = dict(BENCH_DEFAULTS), []
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key.startswith("bench."):
+            name = key.removeprefix("bench.")
+            if name not in BENCH_DEFAULTS or not value.isdigit() or (name == "iterations" and int(value) < 1):
+                raise ValueError(f"{arg!r}: bench options are {sorted(BENCH_DEFAULTS)}, each a non-negative integer "
+                                 f"(iterations ≥ 1)")  # fmt: skip
+            options[name] = int(value)
+        else:
+            overrides.append(arg)
+    return overrides, options
+
+
+@contextlib.contextmanager
+def fake_tensor_parallel_rank(tp: int):
+    """This process as rank 0 of a fake world of tp processes (collectives do nothing); the topology."""
+    from parallel.topology import Topology
+    from train.engine import skip_shared_memory_op
+    from train.plan.dry_run import _fake_world
+
+    skip_shared_memory_op()  # DeepSpeed would compile an op the shard never calls
+    with _fake_world(0, tp), defined_outputs():
+        yield Topology.create(tp, 1)
+
+
+@contextlib.contextmanager
+def defined_outputs():
+    """The fake backend's gathers and scatters, their outputs filled from this rank's input."""
+    import torch.distributed as dist
+
+    originals = {name: getattr(dist, name) for name in ("all_gather", "all_gather_into_tensor", "reduce_scatter",
+                                                         "reduce_scatter_tensor")}  # fmt: skip
+
+    def all_gather(tensors, tensor, *args, **kwargs):
+        work = originals["all_gather"](tensors, tensor, *args, **kwargs)
+        for t in tensors:
+            t.copy_(tensor)
+        return work
+
+    def all_gather_into_tensor(output, tensor, *args, **kwargs):
+        work = originals["all_gather_into_tensor"](output, tensor, *args, **kwargs)
+        output.view(-1, tensor.numel()).copy_(tensor.reshape(1, -1))  # (p, numel) ← each piece
+        return work
+
+    def reduce_scatter(output, tensors, *args, **kwargs):
+        work = originals["reduce_scatter"](output, tensors, *args, **kwargs)
+        output.copy_(tensors[0])
+        return work
+
+    def reduce_scatter_tensor(output, tensor, *args, **kwargs):
+        work = originals["reduce_scatter_tensor"](output, tensor, *args, **kwargs)
+        output.copy_(tensor.reshape(-1)[: output.numel()].view_as(output))
+        return work
+
+    replacements = {"all_gather": all_gather, "all_gather_into_tensor": all_gather_into_tensor,
+                    "reduce_scatter": reduce_scatter, "reduce_scatter_tensor": reduce_scatter_tensor}  # fmt: skip
+    for name, function in replacements.items():
+        setattr(dist, name, function)
+    try:
+        yield
+    finally:
+        for name, function in originals.items():
+            setattr(dist, name, function)
+
+
+def build_block_shard(model_cfg, topology, sequence_parallel: bool, device: torch.device) -> torch.nn.Module:
+    """Rank 0's shard of the model's first block on `device`, with small random weights."""
+    from model.gpt import make_layer
+    from model.init import materialize_
+    from parallel.tensor import TP_PLAN, shard_layer
+
+    with torch.device("meta"):
+        block = make_layer(model_cfg, 1)
+    shard_layer(block, topology, TP_PLAN, sequence_parallel, 1)
+    materialize_(block, device)
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(0.02 * torch.randn(p.shape, generator=generator))
+    return block
+
+
+def precision_of(cfg, device: torch.device) -> str:
+    precision = cfg.train.get("precision", "auto")
+    return ("bf16" if device.type == "cuda" else "fp32") if precision == "auto" else precision
+
+
+def time_block(block, micro_batch: int, tokens: int, d_model: int, precision: str, device: torch.device,
+               iterations: int, warmup: int, seed: int) -> float:  # fmt: skip
+    """Seconds of one forward + backward of `block` on (micro_batch, tokens, d_model) inputs."""
+    dtype = torch.bfloat16 if precision in ("bf16", "fp8") else torch.float32
+    block.to(dtype)
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    h = torch.randn(micro_batch, tokens, d_model, generator=generator).to(device, dtype).requires_grad_()  # (b, T/σ, d)
+    grad = torch.randn(h.shape, generator=generator).to(device, dtype)  # (b, T/σ, d)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "autocast")
+
+    def step():
+        with autocast:
+            out = block(h)  # (b, T/σ, d)
+        out.backward(grad)
+
+    for _ in range(warmup):
+        step()
+    seconds = []
+    for _ in range(iterations):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            torch.cuda.synchronize()
+            seconds.append(start.elapsed_time(end) / 1e3)
+        else:
+            begin = time.perf_counter()
+            step()
+            seconds.append(time.perf_counter() - begin)
+    return statistics.median(seconds) if device.type == "cuda" else min(seconds)
+
+
+def run(argv: list[str], out=sys.stdout, err=sys.stderr) -> int:
+    from train.plan.__main__ import compose
+    from train.plan.config import hardware_from_config, model_config
+    from train.plan.estimate import Layout, block_seconds, for_precision
+    from train.plan.hardware import for_cuda_device
+
+    with contextlib.redirect_stdout(err):  # DeepSpeed announces its accelerator on import
+        import deepspeed.runtime.utils  # noqa: F401
+    try:
+        overrides, options = _split(argv)
+        cfg = compose(overrides)
+        model_cfg = model_config(cfg)
+        tp, sp, micro = cfg.parallel.tp, bool(cfg.parallel.sequence_parallel), cfg.train.micro_batch_size
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        precision = precision_of(cfg, device)
+        implementation = for_precision(precision)
+        hardware = for_cuda_device() if device.type == "cuda" else hardware_from_config(cfg.plan)
+        from parallel.topology import check_layout
+
+        check_layout(model_cfg.n_head, model_cfg.d_ff, tp, 1, model_cfg.n_layer, tp)
+        if sp and model_cfg.seq_len % tp:
+            raise ValueError(f"parallel.sequence_parallel=true needs model.seq_len={model_cfg.seq_len} divisible by tp={tp}")
+    except Exception as error:  # Hydra's and the checks' messages name the bad value
+        print(f"gpt3d bench.shard: error: {'; '.join(str(error).splitlines()[:2])}", file=err)
+        return EXIT_BAD_INPUT
+    layout = Layout(tp, 1, 1, micro, micro, sequence_parallel=sp)
+    predicted = block_seconds(model_cfg, layout, implementation, hardware)
+    with fake_tensor_parallel_rank(tp) as topology:
+        block = build_block_shard(model_cfg, topology, sp, device)
+        tokens = model_cfg.seq_len // tp if sp else model_cfg.seq_len
+        measured = time_block(block, micro, tokens, model_cfg.d_model, precision, device, options["iterations"],
+                              options["warmup"], options["seed"])  # fmt: skip
+    heads = model_cfg.n_head // tp
+    print(f"{model_cfg.name}: one block, tensor-parallel rank 0 of {tp}{' with sequence parallelism' if sp else ''}: "
+          f"d_model {model_cfg.d_model}, {heads} of {model_cfg.n_head} heads, d_ff {model_cfg.d_ff // tp} of "
+          f"{model_cfg.d_ff}, micro batch {micro} × T {model_cfg.seq_len}, {precision} on "
+          f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}", file=out)  # fmt: skip
+    print(f"forward + backward per block: measured {measured * 1e3:.3f} ms, predicted {predicted * 1e3:.3f} ms "
+          f"({hardware.name}), measured / predicted {measured / predicted:.2f}", file=out)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run(sys.argv[1:]))

@@ -1,0 +1,78 @@
+"""train.precision and selective recomputation in the planner, against hand-computed bytes.
+
+State bytes follow DeepSpeed 0.19 under train.precision=bf16's settings (train/plan/counts.py docstring);
+the numbers below are worked out by hand for a rank holding one 8×4 matrix and one 4-vector over
+dp = 2 (each group flattened and padded to a multiple of 2·dp = 4 elements: 32 and 4, partitions of
+16 and 2 elements). Activations: the per-token terms of train/plan/activations.py's docstring.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from model import GPTConfig
+from train.plan.activations import micro_batch_activations
+from train.plan.counts import ParamShape, state_bytes
+from train.plan.estimate import Implementation, Layout, build_plan, for_precision
+from train.plan.hardware import preset
+
+PARAMS = [ParamShape("w", (8, 4), 32), ParamShape("b", (4,), 4)]
+TOY = GPTConfig(name="toy", n_layer=2, n_head=4, d_model=128, seq_len=64)
+
+
+@pytest.mark.parametrize("zero, expected", [
+    # weights, gradients, master, moments (bytes)
+    (0, (2 * 36, 2 * 36 + 4 * 36, 4 * 18, 8 * 18)),  # BF16_Optimizer: bf16 grads + fp32 accumulation buffer
+    (1, (2 * 36, 2 * 36 + 4 * 36, 4 * 18, 8 * 18)),  # the same optimizer (DeepSpeed runs both at stage 1)
+    (2, (2 * 36, 2 * 36, 4 * 18, 8 * 18)),  # ZeRO optimizer: rank 0's partitions overlap both parameters
+    (3, (2 * (18 + 36), 2 * 18, 4 * 18, 8 * 18)),  # pieces + both persistent (≤ 1e5) in full
+])  # fmt: skip
+def test_bf16_state_bytes_per_zero_stage(zero, expected):
+    state = state_bytes(PARAMS, zero, 2, 0, bf16_weights=True, reduce_bucket_size=1000)
+    assert (state.weights, state.gradients, state.master, state.moments) == expected
+    assert state.buffers == (2 * 1000 if zero == 3 else 0)  # one bf16 reduce bucket
+
+
+def test_bf16_keeps_no_weight_casts_and_a_bf16_residual_stream():
+    n, d = 2 * TOY.seq_len, TOY.d_model
+    autocast = micro_batch_activations(TOY, 1, 1, 0, 2, autocast=True)
+    bf16 = micro_batch_activations(TOY, 1, 1, 0, 2, autocast=True, bf16_weights=True)
+    assert autocast.weight_copies > 0 and bf16.weight_copies == 0
+    # each block's two LayerNorm inputs and the head's final-norm input: 4 → 2 bytes an element
+    assert autocast.activations - bf16.activations == (2 * TOY.n_layer + 1) * 2 * n * d
+
+
+@pytest.mark.parametrize("tp, sequence_parallel", [(1, False), (2, False), (2, True)])
+def test_selective_recomputation_drops_layernorm_and_gelu_outputs(tp, sequence_parallel):
+    n, d, f, a = 2 * TOY.seq_len, TOY.d_model, TOY.d_ff, 2
+    kwargs = dict(sequence_parallel=sequence_parallel, autocast=True, bf16_weights=True)
+    full = micro_batch_activations(TOY, tp, 1, 0, 2, **kwargs)
+    selective = micro_batch_activations(TOY, tp, 1, 0, 2, selective=True, **kwargs)
+    per_block = a * f // tp * n + (0 if sequence_parallel else 2 * a * d * n)  # GELU out; ln_1, ln_2 out
+    assert full.saved - selective.saved == TOY.n_layer * per_block
+
+
+def test_selective_recomputation_costs_its_memory_bound_recompute():
+    """Selective adds, per block and micro batch, LayerNorm and GELU forwards at HBM bandwidth (and
+    three kernel launches, below the device time here) and nothing else."""
+    cfg = GPTConfig(name="1.3b", n_layer=24, n_head=16, d_model=2048, seq_len=2048)
+    hw, impl = preset("h100-80g"), for_precision("bf16")
+    plain = build_plan(cfg, Layout(1, 1, 1, 4, 4), hw, implementation=impl)
+    selective = build_plan(cfg, Layout(1, 1, 1, 4, 4, selective_recompute=True), hw, implementation=impl)
+    n, d, f = 4 * 2048, 2048, 8192
+    extra = 24 * n * (2 * (2 + 2) * d + 2 * 2 * f) / hw.memory_bandwidth  # LayerNorm r·d in, a·d out, twice; GELU
+    assert selective.ranks[0].time["compute_s"] - plain.ranks[0].time["compute_s"] == pytest.approx(extra, rel=1e-9)
+
+
+def test_precision_from_the_config():
+    from train.plan.__main__ import compose
+    from train.plan.config import implementation_from_config, plan_from_config
+
+    base = ["model=gpt3-1.3b", "plan.gpus=8", "train.global_batch_size=64", "train.micro_batch_size=4"]
+    assert implementation_from_config(compose(base)).precision == "bf16"  # auto: bf16, as on a GPU
+    for precision in ("fp32", "autocast", "bf16"):
+        cfg = compose([*base, f"++train.precision={precision}"])
+        assert plan_from_config(cfg).implementation.precision == precision
+    assert for_precision("autocast", overlap_communication=False) == Implementation()  # today's model
+    with pytest.raises(ValueError, match="train.precision='fp16'.*auto"):
+        plan_from_config(compose([*base, "++train.precision=fp16"]))

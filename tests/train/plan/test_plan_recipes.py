@@ -1,0 +1,33 @@
+"""The recipes in configs/recipe/: each composes with the training config, is a layout the planner
+accepts, fits with the default headroom (pre-flight passes), and its shards cover the model (the
+dry run). The 175B recipe's dry run builds its 128 shards at one block per stage (model.n_layer=16:
+the same tp × pp shards with fewer blocks, seconds instead of minutes); 13B's builds the model whole."""
+
+from __future__ import annotations
+
+import pytest
+
+from train.plan.__main__ import compose
+from train.plan.config import model_config, plan_from_config, preflight
+from train.plan.dry_run import dry_run
+
+RECIPES = {  # recipe: (GPUs, the model it sets, layout it must hold, blocks for the dry run)
+    "gpt3-175b-h100x1024": (1024, "gpt3-175b", "tp=8 pp=16 dp=8 zero=1 micro=2 ckpt=off", 16),
+    "gpt3-13b-h100x64": (64, "gpt3-13b", "tp=2 pp=1 dp=32 zero=2 micro=8 ckpt=selective", None),
+}
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_recipe_fits_passes_preflight_and_its_shards_cover_the_model(recipe):
+    gpus, model, layout, blocks = RECIPES[recipe]
+    cfg = compose([f"+recipe={recipe}", f"plan.gpus={gpus}"])
+    plan = plan_from_config(cfg)
+    assert plan.model.name == model and plan.layout.describe() == layout
+    assert plan.implementation.precision == "bf16" and plan.fits
+    assert plan.peak_memory_gib + 2 <= plan.hardware.memory_gib  # the headroom pre-flight leaves
+    preflight(plan)  # raises ConfigError when the layout does not fit
+    assert plan.predicted_mfu >= 0.40
+    shrunk = compose([f"+recipe={recipe}", f"model.n_layer={blocks}"]) if blocks else cfg
+    report = dry_run(model_config(shrunk), cfg.parallel.tp, cfg.parallel.pp)
+    assert report.ok, report.problems[:5]
+    assert report.shards == cfg.parallel.tp * cfg.parallel.pp
