@@ -100,14 +100,20 @@ def skip_shared_memory_op() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
-def deepspeed_config(cfg, dp_size: int, device: torch.device) -> dict:
+def deepspeed_config(cfg, dp_size: int, device: torch.device, plan=None) -> dict:
     """DeepSpeed's config from ours: batch geometry, ZeRO stage and offload, clipping, mixed
-    precision, pipeline activation transfer, then any `deepspeed.*` extras (already validated) on top."""
+    precision, pipeline activation transfer, then any `deepspeed.*` extras (already validated) on top.
+    With the run's plan (train/plan/, on CUDA) ZeRO's buckets, overlap and prefetch are the plan's
+    (train/plan/zero_buckets.py) instead of DeepSpeed's defaults; the precision's ZeRO stage wins."""
     train, parallel = cfg.train, cfg.parallel
     accumulation = train.global_batch_size // (train.micro_batch_size * dp_size)
     precision = resolve_precision(train.precision, device)
     settings = deepspeed_settings(precision, int(parallel.zero_stage))
     zero = settings.pop("zero_optimization")
+    if plan is not None:
+        from train.plan.zero_buckets import zero_optimization
+
+        zero = {**zero_optimization(plan), **zero}
     if parallel.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": device.type == "cuda"}
     config = {

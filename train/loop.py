@@ -206,7 +206,7 @@ def build(spec: RunSpec) -> Trainer:
         model,
         optimizer,
         lr,
-        engines.deepspeed_config(cfg, topology.dp_size, device),
+        engines.deepspeed_config(cfg, topology.dp_size, device, spec.plan),
         mpu=None if pipelined else mpu,
     )
     # Ranks of one data-parallel replica (its tp and pp ranks) read the same windows.

@@ -246,3 +246,14 @@ def _bf16_state_bytes(params, zero_stage: int, dp: int, dp_rank: int, offload: b
 def count_full_parameters(config: GPTConfig) -> int:
     """Parameters of the whole (unsharded, tied) model: what count_parameters(GPT(config)) gives."""
     return sum(p.full_numel for p in rank_parameters(config, 1, 1, 0))
+
+
+def block_elements(model_cfg: GPTConfig, tp: int) -> int:
+    """Elements of one transformer block's parameters on one tensor-parallel rank."""
+    return sum(math.prod(shard.local_shape) for shard in layer_shards(model_cfg, 1, tp).values())
+
+
+def bucket_elements(model_cfg: GPTConfig, tp: int) -> int:
+    """The reduce, all-gather and prefetch bucket (train/plan/zero_buckets.py): one block on a rank, at most
+    DeepSpeed's default bucket."""
+    return min(block_elements(model_cfg, tp), REDUCE_BUCKET_SIZE)

@@ -138,7 +138,8 @@ def dry_run(model_cfg: GPTConfig, tp: int, pp: int, log=None) -> DryRunReport:
     started = time.perf_counter()
     with torch.device("meta"):
         full_model = GPT(model_cfg)  # the one-process model: the names and shapes to cover
-    full = {name: tuple(p.shape) for name, p in full_model.named_parameters()}
+    # the shapes checkpoints name: the padded vocabulary's (V, d), not its (Vp, d) storage (model/vocab.py)
+    full = {name: tuple(getattr(p, "full_shape", p.shape)) for name, p in full_model.named_parameters()}
     pieces, problems = [], []
     for stage in range(pp):
         expected = rank_parameters(model_cfg, tp, pp, stage)

@@ -46,13 +46,14 @@ from train.plan.counts import (
     FP32,
     REDUCE_BUCKET_SIZE,
     StateBytes,
+    block_elements,
+    bucket_elements,
     count_full_parameters,
     rank_parameters,
     stage_blocks,
     state_bytes,
 )
 from train.plan.hardware import Hardware
-from train.plan.zero_buckets import block_elements, bucket_elements
 
 GIB = 2**30
 COLLECTIVE_LATENCY_S = 15e-6  # per collective call (NCCL launch and ring start-up)

@@ -25,26 +25,8 @@ buckets (ZeRO 2's reduce bucket, ZeRO 3's buffers). ZeRO 0 returns only the stag
 
 from __future__ import annotations
 
-import math
-from typing import TYPE_CHECKING
-
-from model import GPTConfig
-from parallel.naming import layer_shards
-from train.plan.counts import PERSISTENCE_THRESHOLD, REDUCE_BUCKET_SIZE
-
-if TYPE_CHECKING:
-    from train.plan.estimate import Plan
-
-
-def block_elements(model_cfg: GPTConfig, tp: int) -> int:
-    """Elements of one transformer block's parameters on one tensor-parallel rank."""
-    return sum(math.prod(shard.local_shape) for shard in layer_shards(model_cfg, 1, tp).values())
-
-
-def bucket_elements(model_cfg: GPTConfig, tp: int) -> int:
-    """The reduce, all-gather and prefetch bucket (module docstring): one block on a rank, at most
-    DeepSpeed's default bucket."""
-    return min(block_elements(model_cfg, tp), REDUCE_BUCKET_SIZE)
+from train.plan.counts import PERSISTENCE_THRESHOLD, bucket_elements
+from train.plan.estimate import Plan
 
 
 def zero_optimization(plan: Plan) -> dict:

@@ -19,7 +19,8 @@ from train.plan import comm as plan_comm
 from train.plan.estimate import COLLECTIVE_LATENCY_S, Layout, build_plan, for_precision
 from train.plan.hardware import preset
 from train.plan.search import candidate_layouts, layout_problem
-from train.plan.zero_buckets import block_elements, zero_optimization
+from train.plan.counts import block_elements
+from train.plan.zero_buckets import zero_optimization
 
 H100 = preset("h100-80g")
 CFG = GPTConfig(name="1.3b", n_layer=4, n_head=16, d_model=2048, seq_len=2048)

@@ -31,3 +31,21 @@ def test_recipe_fits_passes_preflight_and_its_shards_cover_the_model(recipe):
     report = dry_run(model_config(shrunk), cfg.parallel.tp, cfg.parallel.pp)
     assert report.ok, report.problems[:5]
     assert report.shards == cfg.parallel.tp * cfg.parallel.pp
+
+
+def test_the_13b_recipe_gives_deepspeed_one_block_per_bucket_and_overlapped_reduction():
+    """On CUDA the engine's ZeRO settings come from the plan: buckets of one block's parameters on a
+    rank, counted here from the block's shapes (12·d² + 7·d of tensor-parallel matrices and vectors,
+    split over tp, and 6·d replicated: the row layers' biases and both LayerNorms)."""
+    import torch
+
+    from train.engine import deepspeed_config
+
+    cfg = compose(["+recipe=gpt3-13b-h100x64", "plan.gpus=64"])
+    plan = plan_from_config(cfg)
+    d, tp = plan.model.d_model, cfg.parallel.tp
+    zero = deepspeed_config(cfg, 64 // tp, torch.device("cuda"), plan)["zero_optimization"]
+    block = (12 * d * d + 7 * d) // tp + 6 * d
+    assert zero["stage"] == 2 and zero["overlap_comm"] is True and zero["contiguous_gradients"] is True
+    assert zero["reduce_bucket_size"] == zero["allgather_bucket_size"] == block
+    assert deepspeed_config(cfg, 64 // tp, torch.device("cuda"))["zero_optimization"] == {"stage": 2}
