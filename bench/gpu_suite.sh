@@ -82,6 +82,8 @@ section "Training step: gpt3d (Triton kernel, SDPA, DeepSpeed engine by precisio
   "$PY" -m bench.train_speed model=gpt3-125m model=gpt3-350m --json "${RESULT%.md}-train-speed.json"
 section "Training step, larger models (micro batch 8 for 760m, 2 for 1.3b)" 420 \
   "$PY" -m bench.train_speed model=gpt3-760m model=gpt3-1.3b --json "${RESULT%.md}-train-speed-large.json"
+section "One tensor-parallel rank's block, measured vs the planner (gpt3-175b at tp=8, gpt3-13b at tp=2)" 120 \
+  bash -c "'$PY' -m bench.shard model=gpt3-175b parallel.tp=8 train.micro_batch_size=1 && '$PY' -m bench.shard model=gpt3-13b parallel.tp=2 train.micro_batch_size=1"
 section "Profile: where a step of gpt3-125m goes (python -m train's loop, bf16, micro batch 8)" 240 \
   "$PY" -m bench.profile model=gpt3-125m train.micro_batch_size=8 train.global_batch_size=8 \
   --run-dir "${RESULT%.md}-profile"

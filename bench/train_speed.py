@@ -9,7 +9,9 @@ Hugging Face `transformers` GPT-2 of the same shape (what a user would otherwise
 
 Rows, on the same batches:
   gpt3d attention_impl=triton  gpt3d's model with the fused kernel (on the CPU: attention_impl=torch)
-  gpt3d attention_impl=sdpa    the same model with torch's scaled_dot_product_attention, selected by
+                               and training's loss: the fused, chunked unembedding + cross-entropy
+  gpt3d attention_impl=… plain loss   the same with full logits, then cross-entropy (train.fused_loss=false)
+  gpt3d attention_impl=sdpa    the same model (fused loss) with torch's scaled_dot_product_attention, selected by
                                the model config key `model.attention_impl=sdpa` (the switch for
                                comparison and fallback; "auto" keeps the kernel on GPUs)
   hf-gpt2 sdpa                 transformers.GPT2LMHeadModel, same layers, widths, heads, vocabulary,
@@ -19,7 +21,7 @@ Rows, on the same batches:
                                `python -m train` builds it through train.loop.build) for train.precision
                                P: autocast and bf16 on a GPU (fp32 and bf16 on the CPU), and fp8,
                                reported as SKIPPED with the reason where it cannot run
-The first three rows' step is the math of gpt3d's training loop, written out in plain torch: forward under bf16
+The first four rows' step is the math of gpt3d's training loop, written out in plain torch: forward under bf16
 autocast (fp32 weights; no autocast on the CPU), mean next-token cross-entropy in fp32, backward,
 gradient clipping at 1.0, torch.optim.AdamW(fused=True, betas=(0.9, 0.95), eps=1e-8,
 weight_decay=0.1). DeepSpeed's engine (not installed where this was first run), its bookkeeping
@@ -56,6 +58,7 @@ import torch
 
 from model import GPT, GPTConfig, build, count_parameters, flops_per_token
 from model.layers import lm_loss
+from parallel.tensor import loss_for
 from train import metrics
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "model"
@@ -90,6 +93,14 @@ def hf_gpt2(config: GPTConfig, device):
         model = GPT2LMHeadModel(hf_config)
     if model.config._attn_implementation != "sdpa":
         raise RuntimeError(f"transformers chose attention {model.config._attn_implementation!r}, not 'sdpa'")
+    return model
+
+
+def with_loss(model, fused_loss: bool):
+    """The model with training's loss: fused unembedding + cross-entropy (train.fused_loss, the
+    default; model/fused_loss.py), or full logits then cross-entropy."""
+    model.head.emits_hidden = fused_loss
+    model.loss_fn = loss_for(model.head)
     return model
 
 
@@ -155,11 +166,13 @@ def benchmark(name, config: GPTConfig, micro_batch, warmup, steps, device, peak_
     per step and the FLOPs per token."""
     gpt3d_impl = "triton" if device.type == "cuda" else "torch"
 
-    def gpt3d(impl):
-        return lambda: build(GPTConfig.from_dict({**vars(config), "attention_impl": impl}), device=device, seed=0)
+    def gpt3d(impl, fused_loss=True):
+        return lambda: with_loss(build(GPTConfig.from_dict({**vars(config), "attention_impl": impl}), device=device,
+                                       seed=0), fused_loss)
 
     rows = [Row("hf-gpt2 sdpa", lambda: hf_gpt2(config, device), hf_loss, device),
             Row(f"gpt3d attention_impl={gpt3d_impl}", gpt3d(gpt3d_impl), gpt3d_loss, device),
+            Row(f"gpt3d attention_impl={gpt3d_impl} plain loss", gpt3d(gpt3d_impl, fused_loss=False), gpt3d_loss, device),
             Row("gpt3d attention_impl=sdpa", gpt3d("sdpa"), gpt3d_loss, device)]
     n_params = count_parameters(build_meta(config), exclude_positions=True)
     flops_tok = flops_per_token(n_params, config.n_layer, config.d_model, config.seq_len)
