@@ -37,12 +37,16 @@ def one_process(tmp_path_factory, corpus):
         ("deepspeed", 2, ["parallel.zero_stage=2"]),
         ("torchrun", 2, ["parallel.zero_stage=3"]),
         ("torchrun", 2, ["parallel.zero_stage=1", "parallel.offload_optimizer=true"]),
+        # ZeRO's reduction in small buckets, overlapped with backward as the planner sets it on GPUs
+        # (train/plan/zero_buckets.py): several buckets per step
         ("torchrun", 4, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.zero_stage=2",
-                         "parallel.activation_checkpointing=selective"]),
+                         "parallel.activation_checkpointing=selective",
+                         "+deepspeed.zero_optimization={overlap_comm:true,contiguous_gradients:true,"
+                         "reduce_bucket_size:20000,allgather_bucket_size:20000}"]),
         ("deepspeed", 2, ["parallel.pp=2", "parallel.activation_checkpointing=1"]),
     ],
     ids=["tp2", "pp2", "pp3", "tp2-pp2", "zero1-dp2", "zero2-dp2-deepspeed", "zero3-dp2", "offload-dp2",
-         "tp2-sp-dp2-zero2-selective", "pp2-ckpt-deepspeed"],
+         "tp2-sp-dp2-zero2-selective-buckets", "pp2-ckpt-deepspeed"],
 )
 def test_layout_matches_one_process(tmp_path, corpus, one_process, kind, nproc, layout):
     train(tmp_path, corpus, *STEPS, *layout, kind=kind, nproc=nproc)
