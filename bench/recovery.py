@@ -71,6 +71,7 @@ class Runs:
         self.root, self.device = root, device
         self.base = [*COMMON, *SETTINGS[device]["overrides"], "train.max_steps=" + str(SETTINGS[device]["steps"])]
         self.user = user_overrides
+        self.started: list[subprocess.Popen] = []  # every run, so that none outlives an interrupted benchmark
         self.straight_rc: int | None = None  # the exit code of `straight` once it ran (function straight)
         self.env = {k: v for k, v in os.environ.items()
                     if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
@@ -87,8 +88,17 @@ class Runs:
     def start(self, name: str, overrides: list[str]) -> subprocess.Popen:
         """In a session of its own, so that a signal reaches the run and nothing else."""
         with open(self.root / f"{name}.log", "a") as log:
-            return subprocess.Popen(self.command(name, overrides), cwd=REPO, env=self.env, stdout=log,
+            proc = subprocess.Popen(self.command(name, overrides), cwd=REPO, env=self.env, stdout=log,
                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.started.append(proc)
+        return proc
+
+    def stop_all(self) -> None:
+        """SIGKILL every run still going (its session: the run and anything it started)."""
+        for proc in self.started:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
 
     def run(self, name: str, overrides: list[str]) -> int:
         proc = self.start(name, overrides)
@@ -197,7 +207,8 @@ def check_sigterm(runs: Runs) -> dict:
 
 
 def check_nonfinite(runs: Runs) -> dict:
-    rc = runs.run("nonfinite", ["optim.lr=1e6", f"train.max_consecutive_skips={MAX_SKIPS}", "train.checkpoint_interval=0"])
+    rc = runs.run("nonfinite",
+                  ["optim.lr=1e6", f"train.max_consecutive_skips={MAX_SKIPS}", "train.checkpoint_interval=0"])
     rows = runs.records("nonfinite")
     counts = [r["train/skipped_steps"] for r in rows]
     first = next((r["step"] for r in rows if r["train/skipped_steps"]), None)
@@ -308,11 +319,33 @@ def format_numbers(numbers: dict) -> str:
     return ", ".join(f"{k}={show(v)}" for k, v in numbers.items())
 
 
+def run_checks(runs: Runs, checks: list[str], kept: bool, json_path: Path | None) -> list[dict]:
+    """Each check in turn, its record printed as it ends and the records so far written to `json_path`
+    (temporary name, then renamed: an interrupted benchmark leaves the checks it finished)."""
+    records = []
+    for name in checks:
+        started = time.monotonic()
+        record = CHECK_FUNCTIONS[name](runs)
+        record.update(device=runs.device, commit=commit(), seconds=round(time.monotonic() - started, 1))
+        records.append(record)
+        print(f"{'PASS' if record['ok'] else 'FAIL'} {name} ({record['seconds']} s): "
+              f"{format_numbers(record['numbers'])}", flush=True)
+        if not record["ok"]:
+            print(f"  logs: {runs.root}/*.log" + ("" if kept else " (removed at the end; keep them with --run-dir)"),
+                  flush=True)
+        if json_path:
+            tmp = json_path.with_name(json_path.name + ".tmp")
+            tmp.write_text(json.dumps(finite_or_null(records), indent=1) + "\n")
+            tmp.replace(json_path)
+    return records
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*", help="training overrides for every run, after the device's own")
     parser.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when available, else cpu")
-    parser.add_argument("--checks", default=",".join(CHECK_FUNCTIONS), help=f"comma-separated, of {', '.join(CHECK_FUNCTIONS)} (default all)")
+    parser.add_argument("--checks", default=",".join(CHECK_FUNCTIONS),
+                        help=f"comma-separated, of {', '.join(CHECK_FUNCTIONS)} (default all)")
     parser.add_argument("--json", type=Path, help="also write the records as JSON to this file")
     parser.add_argument("--run-dir", type=Path, help="keep the run folders here (default: a temporary folder)")
     args = parser.parse_args()
@@ -322,7 +355,8 @@ def main() -> None:
     checks = [c for c in args.checks.split(",") if c]
     unknown = [c for c in checks if c not in CHECK_FUNCTIONS]
     if unknown or not checks:
-        parser.error(f"--checks {args.checks!r}: unknown {', '.join(unknown) or '(none given)'}; valid: {', '.join(CHECK_FUNCTIONS)}")
+        parser.error(f"--checks {args.checks!r}: unknown {', '.join(unknown) or '(none given)'}; "
+                     f"valid: {', '.join(CHECK_FUNCTIONS)}")
 
     with tempfile.TemporaryDirectory(prefix="recovery-") as scratch:
         root = args.run_dir or Path(scratch)
@@ -330,21 +364,10 @@ def main() -> None:
         runs = Runs(root, device, args.overrides)
         print(f"recovery checks on {device}, runs in {root}: python -m train {' '.join(runs.base + runs.user)}",
               flush=True)
-        records = []
-        for name in checks:
-            started = time.monotonic()
-            record = CHECK_FUNCTIONS[name](runs)
-            record.update(device=device, commit=commit(), seconds=round(time.monotonic() - started, 1))
-            records.append(record)
-            print(f"{'PASS' if record['ok'] else 'FAIL'} {name} ({record['seconds']} s): "
-                  f"{format_numbers(record['numbers'])}", flush=True)
-            if not record["ok"]:
-                print(f"  logs: {root}/*.log" + ("" if args.run_dir else " (removed at the end; keep them with --run-dir)"),
-                      flush=True)
-    if args.json:
-        tmp = args.json.with_name(args.json.name + ".tmp")
-        tmp.write_text(json.dumps(finite_or_null(records), indent=1) + "\n")
-        tmp.replace(args.json)
+        try:
+            records = run_checks(runs, checks, kept=args.run_dir is not None, json_path=args.json)
+        finally:  # Ctrl-C or a time limit's SIGINT: no run left behind on the device
+            runs.stop_all()
     sys.exit(0 if all(r["ok"] for r in records) else 1)
 
 
