@@ -113,8 +113,10 @@ class Runs:
         return (self.root / f"{name}.log").read_text()
 
     def records(self, name: str) -> list[dict]:
+        """The complete lines of the run's metrics.jsonl (not one it is still writing)."""
         path = self.folder(name) / "metrics.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        lines = path.read_text().split("\n")[:-1] if path.exists() else []
+        return [json.loads(line) for line in lines if line]
 
     def latest_step(self, name: str) -> int | None:
         latest = self.folder(name) / "checkpoints" / "latest"
