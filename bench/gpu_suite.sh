@@ -3,11 +3,12 @@
 # Writes DIR/<gpu>-<date>.md (DIR defaults to bench/results) while it runs: the device, driver and
 # library versions, then each section's exact command and unedited output, appended as it comes;
 # the attention and training-speed benchmarks' rows also as JSON beside it (DIR/<gpu>-<date>-attention.json,
-# DIR/<gpu>-<date>-train-speed.json, DIR/<gpu>-<date>-train-speed-large.json).
+# DIR/<gpu>-<date>-train-speed.json, DIR/<gpu>-<date>-train-speed-large.json), and the recovery checks'
+# records (DIR/<gpu>-<date>-recovery.json).
 # Every section has a time limit and the whole suite a deadline (SUITE_SECONDS, default 560 s,
 # under a 10-minute job limit): a section that fails or runs out of time is recorded as such and
 # the next one still runs; whatever was finished stays in the file even if the suite is killed.
-# The default deadline reaches the first training-speed section; SUITE_SECONDS=1500 runs them all.
+# The default deadline reaches the first training-speed section; SUITE_SECONDS=1800 runs them all.
 #
 #   bash bench/gpu_suite.sh                 # → bench/results/NVIDIA-H100-80GB-HBM3-2026-11-22.md
 #   PYTHON=.venv/bin/python bash bench/gpu_suite.sh /tmp/results
@@ -87,6 +88,8 @@ section "One tensor-parallel rank's block, measured vs the planner (gpt3-175b at
 section "Profile: where a step of gpt3-125m goes (python -m train's loop, bf16, micro batch 8)" 240 \
   "$PY" -m bench.profile model=gpt3-125m train.micro_batch_size=8 train.global_batch_size=8 \
   --run-dir "${RESULT%.md}-profile"
+section "Recovery: kill -9 and resume (bit-exact), SIGTERM, skipped non-finite steps, batch ramp, checkpoint GB/s, async vs sync pause (gpt3-125m, seq 512)" 240 \
+  "$PY" -m bench.recovery --device cuda --json "${RESULT%.md}-recovery.json"
 
 echo "gpu_suite: results in $RESULT" >&2
 exit "$FAILED"
