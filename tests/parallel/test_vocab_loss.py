@@ -1,9 +1,11 @@
 """At tp = 2 the padded, vocab-parallel model computes the unpadded one-process model, with the plain
 loss and with the fused one (model/fused_loss.py through parallel.tensor.VocabParallelUnembedding), with
-and without sequence parallelism: its loss and every gradient, assembled from the two ranks' pieces,
-equal a float64 reference on the full (V, d) embedding (tests/helpers/reference_gpt.py), and the
+and without sequence parallelism, and with its blocks compiled (model.compile, CPU inductor): its
+loss and every gradient, assembled from the two ranks' pieces, equal a float64 reference on the full (V, d) embedding (tests/helpers/reference_gpt.py), and the
 padding rows' gradients are exactly zero. The fused loss alone, on a vocabulary shard with chunks that
 do not divide the tokens, equals float64 autograd on the full logits. One 2-process run holds it all."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -20,6 +22,7 @@ CASES = {
     "plain-sequence-parallel": {"sequence_parallel": True},
     "fused": {"fused_loss": True},
     "fused-sequence-parallel": {"fused_loss": True, "sequence_parallel": True},
+    "fused-compiled": {"fused_loss": True, "compile": True},  # model.compile: CPU inductor
 }
 V, VP, D, N = 300, 512, 16, 37  # padded to 128·tp = 256: each rank holds 256 rows, rank 1 only 44 real
 
@@ -43,10 +46,13 @@ def shard_inputs():
 def model_case(topology, options: dict) -> dict:
     """Loss, evaluation loss, and {full name: (region of the full tensor, this rank's gradient of it,
     the largest gradient on the rank's padding)} for every parameter the rank holds."""
+    from model.layers import Block
     from parallel.build import BuildOptions, build_model
     from parallel.naming import parameter_map
 
-    part = build_model(CONFIG, topology, SEED, "cpu", BuildOptions(**options))
+    options = dict(options)
+    config = dataclasses.replace(CONFIG, compile=options.pop("compile", False))
+    part = build_model(config, topology, SEED, "cpu", BuildOptions(**options))
     idx, targets = batch()
     loss = part(idx, targets)
     loss.backward()
@@ -61,7 +67,8 @@ def model_case(topology, options: dict) -> dict:
     part.eval()
     with torch.no_grad():
         eval_loss = part(idx, targets).item()
-    return {"loss": loss.item(), "eval_loss": eval_loss, "pieces": pieces}
+    compiled = [layer._compiled_call_impl is not None for layer in part.layers if isinstance(layer, Block)]
+    return {"loss": loss.item(), "eval_loss": eval_loss, "pieces": pieces, "compiled": compiled}
 
 
 def shard_case(topology, chunk: int) -> dict:
@@ -107,6 +114,7 @@ def test_tp2_loss_and_every_gradient_equal_the_unpadded_reference(ranks, referen
     ref_loss, ref_grads = reference
     results = [r[case] for r in ranks]
     for r in results:
+        assert r["compiled"] == [CASES[case].get("compile", False)] * CONFIG.n_layer  # not a silent eager fallback
         assert abs(r["loss"] - ref_loss) <= 1e-5 * ref_loss
         assert abs(r["eval_loss"] - ref_loss) <= 1e-5 * ref_loss  # evaluation: the same loss
     assert set(results[0]["pieces"]) == set(ref_grads)
