@@ -19,8 +19,10 @@ from train.plan.hardware import preset
 from train.plan.estimate import Implementation, Layout, build_plan
 
 A100 = preset("a100-80g")
-# Megatron-LM and Megatron-DeepSpeed: bf16 (or fp16) parameters, fused kernels, fp32 gradient reduction.
-MEGATRON = Implementation(fp32_weights=False, attention_efficiency=0.5, kernels_per_block=40, grad_reduce_bytes=4)
+# Megatron-LM and Megatron-DeepSpeed: bf16 (or fp16) parameters, fused kernels, fp32 gradient reduction,
+# the plain vocab-parallel loss (the logits kept).
+MEGATRON = Implementation(fp32_weights=False, attention_efficiency=0.5, kernels_per_block=40, grad_reduce_bytes=4,
+                          fused_loss=False)
 # DeepSpeed ZeRO-3 as Narayanan et al. ran it: fp16 parameters gathered and gradients reduced in 2 bytes.
 ZERO3 = dataclasses.replace(MEGATRON, grad_reduce_bytes=2)
 # BLOOM's Jean Zay nodes: 4 × 100 Gb/s Omni-Path per node of 8 GPUs.
