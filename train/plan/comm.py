@@ -11,7 +11,8 @@ Tensor parallel (per micro batch, n = b·T tokens; see parallel/tensor.py):
   without sequence parallelism, each block all-reduces n·d twice forward (after attn.proj and
   mlp.proj) and twice backward (input gradients of attn.qkv and mlp.fc); outside the blocks the
   embedding (forward) and the unembedding's input gradient (backward) all-reduce n·d and the loss
-  three vectors of n floats. With sequence parallelism each all-reduce of a block becomes an
+  three vectors of n floats (the fused loss: three of C floats for each chunk of C tokens,
+  model/fused_loss.py token_chunk). With sequence parallelism each all-reduce of a block becomes an
   all-gather before and a reduce-scatter after the column/row pair, in both passes; LayerNorm
   weights and row-parallel biases all-reduce their d-sized gradients; the embedding output is
   scattered (its backward all-gathers). Element sizes: a row-parallel output is the matmul's dtype
@@ -31,7 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from model import GPTConfig
-from train.plan.activations import StageShape
+from model.fused_loss import token_chunk
+from train.plan.activations import StageShape, unembedding_rows
 from train.plan.counts import FP32, PERSISTENCE_THRESHOLD, ParamShape
 
 WEIGHT_GRADIENT = "column layer's weight-gradient GEMM"  # parallel.overlap_communication
@@ -67,7 +69,7 @@ class Transfer:
 
 def tensor_parallel(
     config: GPTConfig, shape: StageShape, tp: int, micro_batch: int, micro_batches: int, *,
-    sequence_parallel: bool = False, autocast: bool = True, residual_bytes: int = FP32,
+    sequence_parallel: bool = False, autocast: bool = True, residual_bytes: int = FP32, fused_loss: bool = True,
 ) -> list[Transfer]:  # fmt: skip
     """Tensor-parallel collectives of one step on a stage (module docstring). `act32` below is a
     tensor of the residual stream (residual_bytes an element), `act_mm` a matmul output."""
@@ -108,7 +110,11 @@ def tensor_parallel(
             ]
         else:
             out.append(t("all_reduce", "backward", act32, 1, "input gradient of the unembedding"))
-        out.append(t("all_reduce", "forward", n * FP32, 3, "vocab-parallel loss (max, target logit, sum)"))
+        what = "vocab-parallel loss (max, target logit, sum)"
+        chunk = token_chunk(n, config.d_model, unembedding_rows(config, tp)) if fused_loss else n
+        full, rest = divmod(n, chunk)
+        out.append(t("all_reduce", "forward", chunk * FP32, 3 * full, what))
+        out.append(t("all_reduce", "forward", rest * FP32, 3 if rest else 0, what))
     return [x for x in out if x.count]
 
 

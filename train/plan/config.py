@@ -54,11 +54,15 @@ def layout_from_config(cfg, model_cfg: GPTConfig, gpus: int) -> Layout:
 
 def implementation_from_config(cfg) -> Implementation:
     """gpt3d's implementation under the run's train.precision (auto: what it is on a GPU, bf16; the
-    planner always predicts for a GPU) and parallel.overlap_communication (default true)."""
+    planner always predicts for a GPU), parallel.overlap_communication and train.fused_loss (both
+    true by default)."""
     precision = cfg.train.get("precision", "auto")
     if precision == "auto":
         precision = "bf16"
-    return for_precision(precision, bool(cfg.parallel.get("overlap_communication", True)))
+    overlap, fused_loss = cfg.parallel.get("overlap_communication", True), cfg.train.get("fused_loss", True)
+    if not isinstance(fused_loss, bool):
+        raise ValueError(f"train.fused_loss={fused_loss!r}: must be true or false")
+    return for_precision(precision, bool(overlap), fused_loss)
 
 
 def hardware_from_config(plan_cfg) -> Hardware:

@@ -39,9 +39,14 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from model import GPTConfig, flops_per_token
-from parallel.tensor import padded_vocab_size
 from train.plan import comm as plan_comm
-from train.plan.activations import ActivationBytes, StageShape, checkpointed_blocks, micro_batch_activations
+from train.plan.activations import (
+    ActivationBytes,
+    StageShape,
+    checkpointed_blocks,
+    micro_batch_activations,
+    unembedding_rows,
+)
 from train.plan.counts import (
     FP32,
     REDUCE_BUCKET_SIZE,
@@ -104,13 +109,15 @@ class Layout:
 class Implementation:
     """How the trainer runs the math. The default: gpt3d with train.precision=autocast, fp32
     parameters with bf16 autocast (each micro batch casts the weights), its fused attention, nothing
-    overlapped (`for_precision` gives the other precisions). Published Megatron-style runs: bf16
-    parameters (fp32_weights=False, autocast=True: bf16 matmuls, no casts)."""
+    overlapped, the fused loss (`for_precision` gives the other precisions). Published
+    Megatron-style runs: bf16 parameters (fp32_weights=False, autocast=True: bf16 matmuls, no
+    casts) and the plain vocab-parallel loss (fused_loss=False)."""
 
     fp32_weights: bool = True
     autocast: bool = True  # bf16 matmuls (with fp32_weights=False: the weights themselves are bf16)
     overlap_tp: bool = False  # the column layers' input-gradient collective runs during their weight-gradient GEMM
     overlap_dp: bool = False  # ZeRO 1/2 reduce gradients in buckets during the backward (overlap_comm)
+    fused_loss: bool = True  # train.fused_loss: the loss unembeds chunk by chunk, no (n, Vp/p) logits kept
     # measured on this project's H100 (README, "How the step time is modelled"):
     attention_efficiency: float = 0.21  # the fused attention's forward+backward, 212 of 989 TFLOP/s
     unaligned_gemm_efficiency: float = 0.1  # a GEMM with a dimension not a multiple of 8 (vocab 50257)
@@ -134,17 +141,17 @@ class Implementation:
 PRECISIONS = ("fp32", "autocast", "bf16", "fp8")
 
 
-def for_precision(precision: str, overlap_communication: bool = True) -> Implementation:
+def for_precision(precision: str, overlap_communication: bool = True, fused_loss: bool = True) -> Implementation:
     """gpt3d under train.precision (auto resolved by the caller): fp32 everything; autocast (fp32
     weights, bf16 matmuls with per-micro-batch casts); bf16 (bf16 weights and gradients, fp32 master
     weights and moments in the optimizer); fp8 predicted as bf16 (its GEMM rate is not modelled).
     overlap_communication: parallel.overlap_communication, and DeepSpeed's overlap_comm set from
-    the plan (train/plan/zero_buckets.py)."""
+    the plan (train/plan/zero_buckets.py); fused_loss: train.fused_loss."""
     if precision not in PRECISIONS:
         raise ValueError(f"train.precision={precision!r}: must be one of {['auto', *PRECISIONS]}")
     return Implementation(
         fp32_weights=precision in ("fp32", "autocast"), autocast=precision != "fp32",
-        overlap_tp=overlap_communication, overlap_dp=overlap_communication,
+        overlap_tp=overlap_communication, overlap_dp=overlap_communication, fused_loss=fused_loss,
     )  # fmt: skip
 
 
@@ -323,8 +330,8 @@ def _stage_compute(model_cfg, layout: Layout, impl: Implementation, hw: Hardware
     time, flops, host_kernels = _blocks_compute(model_cfg, layout, impl, hw, blocks, recomputed)
     weights = sum(p.numel for p in rank_parameters(model_cfg, tp, layout.pp, stage))
     time += weights * _per_weight_bytes(impl) / hw.memory_bandwidth
-    if shape.head:
-        vocab = padded_vocab_size(model_cfg.vocab_size, tp) // tp if tp > 1 else model_cfg.vocab_size
+    if shape.head:  # the unembedding's GEMMs run over the padded vocabulary, Vp/p rows a rank
+        vocab = unembedding_rows(model_cfg, tp)
         time += 3 * _gemm_time(hw, impl, n, d, vocab, a) + LOSS_BYTES * n * vocab / hw.memory_bandwidth
         flops += 6 * n * d * vocab
     if shape.embedding:
@@ -372,16 +379,13 @@ def _comm_time(transfers, hw: Hardware, inter_node: dict) -> float:
     return sum(t.sent / hw.link_bandwidth(inter_node[t.group]) + t.count * COLLECTIVE_LATENCY_S for t in transfers)
 
 
-def _memory(model_cfg, layout: Layout, impl: Implementation, params, state: StateBytes, acts: ActivationBytes,
-            shape: StageShape, in_flight: int, reduce_bucket: int) -> dict:  # fmt: skip
+def _memory(layout: Layout, impl: Implementation, params, state: StateBytes, acts: ActivationBytes,
+            in_flight: int, reduce_bucket: int) -> dict:  # fmt: skip
     """Bytes by kind at the rank's peak: the larger of the backward phase (activations of the micro
     batches in flight, gradients as they accumulate) and the optimizer step (gradients as ZeRO
     hands them over, AdamW's foreach temporaries, DeepSpeed's flattened buffers)."""
-    tp, dp, zero = layout.tp, layout.dp, layout.zero_stage
+    dp, zero = layout.dp, layout.zero_stage
     n_local = sum(p.numel for p in params)
-    vocab = padded_vocab_size(model_cfg.vocab_size, tp) // tp if tp > 1 else model_cfg.vocab_size
-    logits = layout.micro_batch * model_cfg.seq_len * vocab
-    loss_transient = ((2 if impl.autocast else FP32) + 2 * FP32) * logits if shape.head else 0
     common = {"weights": state.weights, "master": state.master, "moments": state.moments, "buffers": state.buffers}
     g = 2 if impl.bf16_weights else FP32  # a gradient element
     bf16_optimizer = impl.bf16_weights and zero <= 1  # its gradients are all there from the start
@@ -390,7 +394,7 @@ def _memory(model_cfg, layout: Layout, impl: Implementation, params, state: Stat
                       3: state.gradients}[zero]  # fmt: skip
     backward = {**common, "gradients": grads_backward, "activations": in_flight * acts.activations,
                 "weight_copies": in_flight * acts.weight_copies,
-                "transient": max(acts.recompute, acts.cast_transient - acts.weight_copies, loss_transient)}  # fmt: skip
+                "transient": max(acts.recompute, acts.cast_transient - acts.weight_copies, acts.loss_transient)}  # fmt: skip
     largest_group = max(sum(p.numel for p in params if p.decay), sum(p.numel for p in params if not p.decay))
     partitioned = zero > 0 or bf16_optimizer
     step_extra = FP32 * (state.partition if partitioned else largest_group)  # foreach sqrt of the second moment
@@ -414,10 +418,10 @@ def _rank(model_cfg, layout: Layout, impl: Implementation, hw: Hardware, stage: 
     acts = micro_batch_activations(
         model_cfg, tp, pp, stage, layout.micro_batch, sequence_parallel=layout.sequence_parallel,
         checkpoint_every=layout.checkpoint_every, autocast=impl.autocast, bf16_weights=bf16_weights,
-        selective=layout.selective_recompute,
+        selective=layout.selective_recompute, fused_loss=impl.fused_loss,
     )  # fmt: skip
     in_flight = min(pp - stage, m) if pp > 1 else 1
-    memory = _memory(model_cfg, layout, impl, params, state, acts, shape, in_flight, bucket)
+    memory = _memory(layout, impl, params, state, acts, in_flight, bucket)
 
     if impl.grad_reduce_bytes is not None:
         grad_bytes = lambda p: impl.grad_reduce_bytes  # noqa: E731
@@ -428,7 +432,7 @@ def _rank(model_cfg, layout: Layout, impl: Implementation, hw: Hardware, stage: 
     tied = sum(p.numel for p in params if p.name.endswith("wte.weight"))
     transfers = (
         plan_comm.tensor_parallel(model_cfg, shape, tp, layout.micro_batch, m, sequence_parallel=layout.sequence_parallel,
-                                  autocast=impl.autocast, residual_bytes=r)
+                                  autocast=impl.autocast, residual_bytes=r, fused_loss=impl.fused_loss)
         + plan_comm.pipeline(model_cfg, shape, tp, pp, layout.micro_batch, m, tied,
                              sequence_parallel=layout.sequence_parallel, residual_bytes=r)
         # bf16 at ZeRO 0: BF16_Optimizer partitions the optimizer and so, like ZeRO 1, all-gathers the

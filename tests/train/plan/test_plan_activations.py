@@ -9,6 +9,10 @@ fp32 and under bf16 autocast (whose saved weight casts the planner counts as wei
 tensor-parallel over 2 processes with and without sequence parallelism. Selective recomputation
 (LayerNorm and GELU outputs recomputed in backward) must match within a few bytes, on one process
 and at tp = 2 with and without sequence parallelism.
+
+The head is built as parallel.build does for train.fused_loss: the plain loss (logits, then
+cross-entropy: the log-softmax kept) or the fused one (the Head emits hidden states, the loss keeps
+∂L/∂h and ∂L/∂W); both are measured, and the head's bytes must match within a few bytes in either.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import pytest
 import torch
 
 from model import GPT, GPTConfig
+from parallel.tensor import loss_for
 from train.plan.activations import micro_batch_activations
 from distributed import run_distributed
 
@@ -56,8 +61,16 @@ def _model(cfg: GPTConfig) -> GPT:
     return model.materialize("cpu", seed=0)
 
 
-def _build(cfg: GPTConfig, checkpoint_every: int) -> GPT:
-    model = _model(cfg)  # built once per shape; the weights do not matter here
+def use_fused_loss(model: GPT, fused_loss: bool) -> GPT:
+    """The loss parallel.build gives for train.fused_loss: the Head emits hidden states and
+    loss_for(head) unembeds them chunk by chunk, or the Head emits logits and the plain loss."""
+    model.head.emits_hidden = fused_loss
+    model.loss_fn = loss_for(model.head)
+    return model
+
+
+def _build(cfg: GPTConfig, checkpoint_every: int, fused_loss: bool = False) -> GPT:
+    model = use_fused_loss(_model(cfg), fused_loss)  # built once per shape; the weights do not matter here
     model.activation_checkpointing = checkpoint_every
     model.zero_grad(set_to_none=True)
     return model
@@ -68,8 +81,20 @@ def _build(cfg: GPTConfig, checkpoint_every: int) -> GPT:
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
 def test_saved_activations_match_the_planner(cfg, checkpoint_every, autocast):
     measured = saved_bytes(_build(cfg, checkpoint_every), cfg, MICRO_BATCH, autocast)
-    predicted = micro_batch_activations(cfg, 1, 1, 0, MICRO_BATCH, checkpoint_every=checkpoint_every, autocast=autocast)
+    predicted = micro_batch_activations(cfg, 1, 1, 0, MICRO_BATCH, checkpoint_every=checkpoint_every, autocast=autocast,
+                                        fused_loss=False)  # fmt: skip
     assert predicted.saved == pytest.approx(measured, rel=0.10), (predicted, measured)
+
+
+@pytest.mark.parametrize("fused_loss", [False, True], ids=["plain-loss", "fused-loss"])
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_head_saved_activations_match_the_planner_for_either_loss(autocast, fused_loss):
+    """Without recomputation the whole micro batch within a few bytes, so the head's to the byte
+    with either loss (they differ by megabytes: the plain loss keeps 4·V bytes a token)."""
+    cfg = TOY
+    measured = saved_bytes(_build(cfg, 0, fused_loss), cfg, MICRO_BATCH, autocast)
+    predicted = micro_batch_activations(cfg, 1, 1, 0, MICRO_BATCH, autocast=autocast, fused_loss=fused_loss)
+    assert abs(predicted.saved - measured) <= SELECTIVE_SLACK_BYTES, (predicted.saved, measured)
 
 
 def test_checkpointing_saves_most_of_the_block_activations():
@@ -79,8 +104,9 @@ def test_checkpointing_saves_most_of_the_block_activations():
     assert checkpointed < 0.5 * full
 
 
-def _tensor_parallel_saved(cfg_dict: dict) -> dict[tuple[bool, bool], int]:
-    """Saved bytes on this rank of a tp=2 GPT, by (sequence parallelism, selective recomputation)."""
+def _tensor_parallel_saved(cfg_dict: dict) -> dict[tuple[bool, bool, bool], int]:
+    """Saved bytes on this rank of a tp=2 GPT, by (sequence parallelism, selective recomputation,
+    fused loss)."""
     from parallel.tensor import shard
     from parallel.topology import Topology
 
@@ -92,27 +118,32 @@ def _tensor_parallel_saved(cfg_dict: dict) -> dict[tuple[bool, bool], int]:
         model = model.materialize("cpu", seed=0)
         for selective in (False, True):
             model.activation_checkpointing = "selective" if selective else 0
-            out[sequence_parallel, selective] = saved_bytes(model, cfg, MICRO_BATCH, autocast=False)
+            for fused_loss in (False, True):
+                use_fused_loss(model, fused_loss)
+                out[sequence_parallel, selective, fused_loss] = saved_bytes(model, cfg, MICRO_BATCH, autocast=False)
     return out
 
 
 def test_tensor_parallel_saved_activations_match_the_planner():
-    """Within 10% without recomputation (in fact a few bytes), within a few bytes with selective."""
+    """Within 10% without recomputation (in fact a few bytes), within a few bytes with selective
+    recomputation or the fused loss."""
     cfg = dict(name="toy", n_layer=2, n_head=4, d_model=128, seq_len=128)
     for rank, measured in enumerate(run_distributed(_tensor_parallel_saved, 2, cfg)):
-        for (sequence_parallel, selective), rank_bytes in measured.items():
+        for (sequence_parallel, selective, fused_loss), rank_bytes in measured.items():
             predicted = micro_batch_activations(GPTConfig(**cfg), 2, 1, 0, MICRO_BATCH, sequence_parallel=sequence_parallel,
-                                                autocast=False, selective=selective)  # fmt: skip
-            where = (rank, sequence_parallel, selective, predicted, rank_bytes)
-            if selective:
+                                                autocast=False, selective=selective, fused_loss=fused_loss)  # fmt: skip
+            where = (rank, sequence_parallel, selective, fused_loss, predicted, rank_bytes)
+            if selective or fused_loss:
                 assert abs(predicted.saved - rank_bytes) <= SELECTIVE_SLACK_BYTES, where
             else:
                 assert predicted.saved == pytest.approx(rank_bytes, rel=0.10), where
 
 
+@pytest.mark.parametrize("fused_loss", [False, True], ids=["plain-loss", "fused-loss"])
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
-def test_selective_recomputation_saved_activations_match_the_planner(autocast):
+def test_selective_recomputation_saved_activations_match_the_planner(autocast, fused_loss):
     cfg = TOY
-    measured = saved_bytes(_build(cfg, "selective"), cfg, MICRO_BATCH, autocast)
-    predicted = micro_batch_activations(cfg, 1, 1, 0, MICRO_BATCH, autocast=autocast, selective=True)
+    measured = saved_bytes(_build(cfg, "selective", fused_loss), cfg, MICRO_BATCH, autocast)
+    predicted = micro_batch_activations(cfg, 1, 1, 0, MICRO_BATCH, autocast=autocast, selective=True,
+                                        fused_loss=fused_loss)  # fmt: skip
     assert abs(predicted.saved - measured) <= SELECTIVE_SLACK_BYTES, (predicted.saved, measured)

@@ -196,7 +196,7 @@ def test_preflight_stops_a_layout_that_cannot_fit_and_names_three_that_do(monkey
 
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    cfg = compose(["model=gpt3-1.3b", "train.global_batch_size=64", "train.micro_batch_size=8"])
+    cfg = compose(["model=gpt3-1.3b", "train.global_batch_size=128", "train.micro_batch_size=16"])
     with pytest.raises(ConfigError) as raised:
         preflight(plan_for_run(cfg, model_config(cfg), preset("a100-40g")))
     message = str(raised.value)

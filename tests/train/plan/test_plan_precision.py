@@ -76,3 +76,31 @@ def test_precision_from_the_config():
     assert for_precision("autocast", overlap_communication=False) == Implementation()  # today's model
     with pytest.raises(ValueError, match="train.precision='fp16'.*auto"):
         plan_from_config(compose([*base, "++train.precision=fp16"]))
+
+
+def test_fused_loss_from_the_config():
+    """train.fused_loss (default true) picks the loss the head's memory is counted for: by hand, at
+    tp = 1 in bf16 the plain loss keeps the unembedding's input (2·d), the log-softmax (4·V) and the
+    targets (8) a token, the fused one ∂L/∂h (4·d a token) and ∂L/∂W (4·Vp·d)."""
+    from train.plan.__main__ import compose
+    from train.plan.config import plan_from_config
+
+    base = ["model=gpt3-1.3b", "plan.gpus=8", "train.global_batch_size=64", "train.micro_batch_size=4"]
+    fused, plain = plan_from_config(compose(base)), plan_from_config(compose([*base, "train.fused_loss=false"]))
+    assert fused.implementation.fused_loss and not plain.implementation.fused_loss
+    n, d, v, vp = 4 * 2048, 2048, 50257, 50304
+    difference = n * (2 * d + 4 * v + 8) - (4 * n * d + 4 * vp * d)
+    assert plain.ranks[-1].activations.saved - fused.ranks[-1].activations.saved == difference
+    with pytest.raises(ValueError, match="train.fused_loss='yes'"):
+        plan_from_config(compose([*base, "train.fused_loss=yes"]))
+
+
+def test_the_unembedding_gemms_run_over_the_padded_vocabulary_at_tp1():
+    """Vocabularies 50257 and 50304 pad to the same 50304 rows: the same hardware FLOPs and step
+    time; the model FLOPs (MFU's) still count the real vocabulary."""
+    hw, layout = preset("h100-80g"), Layout(1, 1, 1, 4, 4)
+    shape = dict(name="1.3b", n_layer=24, n_head=16, d_model=2048, seq_len=2048)
+    odd, padded = (build_plan(GPTConfig(**shape, vocab_size=v), layout, hw) for v in (50257, 50304))
+    assert odd.hardware_flops_per_step == padded.hardware_flops_per_step
+    assert odd.step_time_s == padded.step_time_s
+    assert padded.model_flops_per_step - odd.model_flops_per_step == pytest.approx(6 * 47 * 2048 * 4 * 2048)
