@@ -115,7 +115,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench.plan_check measures training steps on a GPU; no CUDA device is visible")
     from train.plan.hardware import for_cuda_device, preset
-    from train.plan.estimate import Layout, build_plan
+    from train.plan.estimate import Layout, build_plan, for_precision
 
     hardware = preset(args.hardware) if args.hardware else for_cuda_device()
     measured = ceilings()
@@ -132,7 +132,8 @@ def main() -> None:
         n_layer, n_head, d_model = SHAPES[name]
         cfg = GPTConfig(name=name, n_layer=n_layer, n_head=n_head, d_model=d_model, seq_len=2048)
         layout = Layout(1, 1, 1, micro_batch * micro_batches, micro_batch, checkpoint_every=ckpt)
-        plan = build_plan(cfg, layout, hardware)
+        # what measure() runs: fp32 weights under bf16 autocast, the plain loss of a bare GPT, one GPU
+        plan = build_plan(cfg, layout, hardware, implementation=for_precision("autocast", fused_loss=False))
         seconds, peak = measure(cfg, micro_batch, micro_batches, ckpt)
         label = f"{name} micro={micro_batch}×{micro_batches} ckpt={ckpt}"
         pred_gib, peak_gib = plan.peak_memory_gib, peak / 2**30
