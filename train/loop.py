@@ -126,9 +126,11 @@ def loop(trainer: Trainer, progress: Progress, logger: metrics.MetricsLogger, me
          writer: CheckpointWriter) -> bool:
     """Step, log (+ evaluate), checkpoint until train.max_steps; True when a signal stopped it early.
 
-    A step's metrics record is logged after its checkpoint is staged, with the checkpoint times
-    (train/checkpoint/writer.py); a save in the background is announced at the first step boundary
-    after its write ended, and the last step's, and a stop's, are waited for.
+    A step's metrics record is logged before its checkpoint is saved, so a checkpoint never holds a
+    step whose record a kill could lose; a record carries the checkpoint times of the saves before it
+    (train/checkpoint/writer.py), and the last step's record, logged after the final save and its
+    write, that save's too. A save in the background is announced at the first step boundary after
+    its write ended, and the last step's, and a stop's, are waited for.
 
     Faults (train/guard/safeguards.py): a step skipped for a non-finite loss or gradient is counted, and too
     many in a row raise NonFiniteError; SIGTERM / SIGINT / SIGUSR1 on any rank end the loop on every
@@ -150,6 +152,10 @@ def loop(trainer: Trainer, progress: Progress, logger: metrics.MetricsLogger, me
             _say(trainer, _progress_line(record, last, meter.eta_s))
             meter.restart()
         saved = _due(progress.step, cfg.train.checkpoint_interval, last)
+        if record is not None and progress.step < last:
+            # before the save: a checkpoint is never published ahead of the records of the steps it holds
+            logger.log({**record, **writer.times()})
+            record = None
         try:
             guard.check_skips(progress.step, trainer.device)  # too many skipped in a row: NonFiniteError
             with meter.paused():  # saving time is not training throughput

@@ -164,7 +164,7 @@ def test_a_used_run_folder_is_refused_or_moved_aside_and_wandb_records_each_run(
     commit = sp.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     run_info = config["run"]["value"] if "value" in config["run"] else config["run"]
     assert run_info["git_commit"] == commit and run_info["gpt3d_version"] == "0.1.0"
-    assert run_info["layout"] == {"tp": 1, "pp": 1, "dp": 1, "zero_stage": 0}
+    assert run_info["layout"] == {"tp": 1, "pp": 1, "dp": 1, "zero_stage": 0, "micro_batch": 2, "activation_checkpointing": 0}
     assert run_info["global_batch_sequences"] == 4 and run_info["global_batch_tokens"] == 128
     optim = config["optim"]["value"] if "value" in config["optim"] else config["optim"]
     assert optim["lr"] == 3e-3 and optim["warmup_tokens"] == 32 and optim["decay_tokens"] == 2000
