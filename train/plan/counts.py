@@ -194,53 +194,33 @@ def state_bytes(
     reduce_bucket_size: zero_optimization.reduce_bucket_size (elements).
     """
     n = sum(p.numel for p in params)
-    if bf16_weights:
-        return _bf16_state_bytes(params, zero_stage, dp, dp_rank, offload, reduce_bucket_size)
-    if zero_stage == 0:
+    width = 2 if bf16_weights else FP32  # bytes of a parameter the model computes with
+    if zero_stage == 0 and not bf16_weights:  # the weights are the masters; nothing partitioned
         return StateBytes(weights=FP32 * n, gradients=FP32 * n, master=0, moments=2 * FP32 * n, partition=n)
-    if zero_stage in (1, 2):
+    if zero_stage in (0, 1, 2):  # bf16 runs ZeRO 0 as DeepSpeed's bf16 optimizer, partitioned like ZeRO 1
         flat, part, grads = _zero12(params, dp, dp_rank)
-        master, moments = FP32 * part, 2 * FP32 * part
-        host = master + moments if offload else 0
-        return StateBytes(
-            weights=FP32 * flat, gradients=FP32 * grads, master=0 if offload else master,
-            moments=0 if offload else moments, host=host, partition=part, details={"flat": flat},
-        )  # fmt: skip
+        if not bf16_weights:
+            gradients = FP32 * grads
+        else:  # ZeRO 0/1: bf16 gradients plus the fp32 accumulation buffer; ZeRO 2: bf16 partitions
+            gradients = 2 * n + FP32 * flat if zero_stage < 2 else 2 * grads
+        return _with_optimizer(width * flat, gradients, part, offload, details={"flat": flat})
     if zero_stage == 3:
         pieces = sum(-(-p.numel // dp) for p in params)
         # a persistent parameter stays gathered, in the padded buffer it was all-gathered into
         persistent = sum(-(-p.numel // dp) * dp for p in params if p.numel <= PERSISTENCE_THRESHOLD)
-        master, moments = FP32 * pieces, 2 * FP32 * pieces
-        return StateBytes(
-            weights=FP32 * (pieces + persistent), gradients=FP32 * pieces, master=0 if offload else master,
-            moments=0 if offload else moments, buffers=reduce_bucket_size * sum(comm_dtype_bytes),
-            host=master + moments if offload else 0, partition=pieces, details={"persistent": persistent},
-        )  # fmt: skip
+        buffers = reduce_bucket_size * (2 if bf16_weights else sum(comm_dtype_bytes))
+        return _with_optimizer(width * (pieces + persistent), width * pieces, pieces, offload, buffers=buffers,
+                               details={"persistent": persistent})  # fmt: skip
     raise ValueError(f"zero_stage={zero_stage!r}: must be one of [0, 1, 2, 3]")
 
 
-def _bf16_state_bytes(params, zero_stage: int, dp: int, dp_rank: int, offload: bool, reduce_bucket_size: int) -> StateBytes:
-    """state_bytes for bf16 weights (module docstring)."""
-    bf16, n = 2, sum(p.numel for p in params)
-    if zero_stage in (0, 1, 2):
-        flat, part, grads = _zero12(params, dp, dp_rank)
-        master, moments = FP32 * part, 2 * FP32 * part
-        gradients = bf16 * n + FP32 * flat if zero_stage < 2 else bf16 * grads
-        return StateBytes(
-            weights=bf16 * flat, gradients=gradients, master=0 if offload else master,
-            moments=0 if offload else moments, host=master + moments if offload else 0, partition=part,
-            details={"flat": flat},
-        )  # fmt: skip
-    if zero_stage == 3:
-        pieces = sum(-(-p.numel // dp) for p in params)
-        persistent = sum(-(-p.numel // dp) * dp for p in params if p.numel <= PERSISTENCE_THRESHOLD)
-        master, moments = FP32 * pieces, 2 * FP32 * pieces
-        return StateBytes(
-            weights=bf16 * (pieces + persistent), gradients=bf16 * pieces, master=0 if offload else master,
-            moments=0 if offload else moments, buffers=reduce_bucket_size * bf16,
-            host=master + moments if offload else 0, partition=pieces, details={"persistent": persistent},
-        )  # fmt: skip
-    raise ValueError(f"zero_stage={zero_stage!r}: must be one of [0, 1, 2, 3]")
+def _with_optimizer(weights: int, gradients: int, partition: int, offload: bool, **extra) -> StateBytes:
+    """StateBytes with the optimizer's fp32 master and two moments of `partition` elements, on the
+    GPU or, offloaded, in host memory."""
+    master, moments = FP32 * partition, 2 * FP32 * partition
+    return StateBytes(weights=weights, gradients=gradients, master=0 if offload else master,
+                      moments=0 if offload else moments, host=master + moments if offload else 0,
+                      partition=partition, **extra)  # fmt: skip
 
 
 def count_full_parameters(config: GPTConfig) -> int:
