@@ -13,6 +13,7 @@ import torch
 
 from model import GPTConfig
 from model.gpt import build
+from saved_bytes import saved_bytes
 
 CFG = GPTConfig(name="toy", n_layer=2, n_head=2, d_model=32, seq_len=32, vocab_size=100)
 MICRO_BATCH = 2
@@ -35,20 +36,8 @@ def _saved_bytes(cfg: GPTConfig, mode) -> int:
     """Bytes of the distinct non-parameter storages autograd keeps for one micro batch's backward."""
     model = build(cfg, "cpu", seed=1)
     model.activation_checkpointing = mode
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in params:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
     tokens = _tokens(cfg)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(tokens[:, :-1], tokens[:, 1:])
-    del loss
-    return sum(storages.values())
+    return saved_bytes(model, tokens[:, :-1], tokens[:, 1:])
 
 
 @pytest.mark.parametrize("impl", ["torch", "reference"])

@@ -19,6 +19,7 @@ from parallel.comm import record_comm, record_overlap
 from parallel.tensor import shard
 from parallel.topology import Topology
 from distributed import run_distributed
+from saved_bytes import saved_bytes
 
 CONFIG = GPTConfig(name="overlap-test", n_layer=2, n_head=4, d_model=32, seq_len=16, vocab_size=300)
 SEED, BATCH, TP = 5, 2, 2
@@ -33,19 +34,7 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 def _saved_bytes(model: GPT) -> int:
     """Bytes of the distinct non-parameter storages autograd keeps for one micro batch's backward."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in params:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(*_batch())
-    del loss
-    return sum(storages.values())
+    return saved_bytes(model, *_batch())
 
 
 def overlap_worker() -> dict:

@@ -26,6 +26,7 @@ from model import GPT, GPTConfig
 from parallel.tensor import loss_for
 from train.plan.activations import micro_batch_activations
 from distributed import run_distributed
+from saved_bytes import saved_bytes as count_saved_bytes
 
 TOY = GPTConfig(name="toy", n_layer=4, n_head=4, d_model=128, seq_len=128)
 GPT3_125M_SHORT = GPTConfig(name="gpt3-125m", n_layer=12, n_head=12, d_model=768, seq_len=64)
@@ -35,23 +36,11 @@ SELECTIVE_SLACK_BYTES = 64  # "within a few bytes": the planner counts what auto
 
 def saved_bytes(model, cfg: GPTConfig, micro_batch: int, autocast: bool, seed: int = 0) -> int:
     """Bytes of the distinct non-parameter storages autograd keeps for one micro batch's backward."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in params:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len + 1), generator=generator)
     model.train()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-            torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):  # fmt: skip
-        loss = model(tokens[:, :-1], tokens[:, 1:])
-    del loss  # the graph and everything it saved are freed; nothing needs the backward pass
-    return sum(storages.values())
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        return count_saved_bytes(model, tokens[:, :-1], tokens[:, 1:])
 
 
 @functools.cache
