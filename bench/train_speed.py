@@ -136,29 +136,35 @@ class Row:
             torch.cuda.empty_cache()
 
     def step(self, x, y, timed: bool):
-        """One training step; records its time (synchronised) when timed."""
+        """One training step (train_step); records its time (synchronised) when timed, its loss and peak."""
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
             torch.cuda.synchronize(self.device)
         start = time.perf_counter()
         try:
-            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cuda):
-                loss = self.loss_fn(self.model, x, y)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0, foreach=True)
-            self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
-            if cuda:
-                torch.cuda.synchronize(self.device)
+            loss = self.train_step(x, y)
         except Exception as err:  # out of memory, a kernel that fails: reported, the others go on
             self.fail(err)
             return
         if timed:
             self.step_s.append(time.perf_counter() - start)
-        self.losses.append(loss.item())
+        self.losses.append(float(loss))
         if cuda:
             self.peak_gib = max(self.peak_gib, torch.cuda.max_memory_allocated(self.device) / 2**30)
+
+    def train_step(self, x, y) -> torch.Tensor:
+        """The plain step: forward under bf16 autocast (GPU), backward, clipping, AdamW; synchronised."""
+        cuda = self.device.type == "cuda"
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cuda):
+            loss = self.loss_fn(self.model, x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0, foreach=True)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        return loss.detach()
 
 
 def benchmark(name, config: GPTConfig, micro_batch, warmup, steps, device, peak_tflops):
@@ -239,23 +245,9 @@ class EngineRow(Row):
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def step(self, x, y, timed: bool):
-        cuda = self.device.type == "cuda"
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
-            torch.cuda.synchronize(self.device)
-        start = time.perf_counter()
-        try:
-            result = self.trainer.step(torch.cat([x, y[:, -1:]], dim=1))  # the windows (B, T + 1)
-            loss = float(result.loss)  # the step's one host sync, as the loop's logging makes
-        except Exception as err:
-            self.fail(err)
-            return
-        if timed:
-            self.step_s.append(time.perf_counter() - start)
-        self.losses.append(loss)
-        if cuda:
-            self.peak_gib = max(self.peak_gib, torch.cuda.max_memory_allocated(self.device) / 2**30)
+    def train_step(self, x, y) -> float:
+        result = self.trainer.step(torch.cat([x, y[:, -1:]], dim=1))  # the windows (B, T + 1)
+        return float(result.loss)  # the step's one host sync, as the loop's logging makes
 
 
 def engine_trainer(model_name, precision, micro_batch, seq_len, device):
