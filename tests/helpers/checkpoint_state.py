@@ -68,3 +68,16 @@ def non_finite_tensors(folder: Path) -> list[str]:
     for name, content in load_folder(folder).items():
         walk(content, name)
     return found
+
+
+def save_checkpoint(trainer) -> None:
+    """The loop's save, with the loop's safeguards around it (they refuse non-finite weights)."""
+    from train import loop
+    from train.checkpoint.writer import CheckpointWriter
+    from train.guard.safeguards import Safeguards
+
+    guard = Safeguards(trainer.cfg, trainer.run_dir, trainer.engine, trainer.topology.rank, print)
+    try:
+        loop.save_checkpoint(trainer, guard, CheckpointWriter(False, keep=3, keep_every=0))
+    finally:
+        guard.close()

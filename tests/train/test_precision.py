@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from checkpoint_state import load_folder
+from checkpoint_state import load_folder, save_checkpoint
 from cli import TINY
 from distributed import run_distributed
 from train.config.spec import resolve
@@ -70,18 +70,6 @@ def autograd_gradient(trainer, batch: torch.Tensor) -> dict[str, torch.Tensor]:
     return total
 
 
-def save(trainer) -> None:
-    from train import loop
-    from train.checkpoint.writer import CheckpointWriter
-    from train.guard.safeguards import Safeguards
-
-    guard = Safeguards(trainer.cfg, trainer.run_dir, trainer.engine, trainer.topology.rank, print)
-    try:
-        loop.save_checkpoint(trainer, guard, CheckpointWriter(False, keep=3, keep_every=0))
-    finally:
-        guard.close()
-
-
 def fp32_worker(corpus: str, run_dir: str) -> list[float]:
     from train import loop
 
@@ -130,7 +118,7 @@ def bf16_worker(corpus: str, run_dir: str) -> dict:
         current = masters(trainer)  # the bf16 weights are the masters rounded, after every update
         assert all(torch.equal(p.detach(), current[name].bfloat16()) for name, p in module.named_parameters())
         if seed == 1:
-            save(trainer)
+            save_checkpoint(trainer)
             at_save = current
     return {"losses": losses, "norms": norm_pairs, "first_moments": first_moments, "at_save": at_save,
             "final": masters(trainer)}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from checkpoint_state import save_checkpoint
 from cli import TINY
 from model import GPTConfig
 from parallel.naming import full_shapes
@@ -71,19 +72,6 @@ def save_worker(corpus: str, run_dir: str) -> dict:
         progress.advance(trainer.ramp.size_at(progress.tokens) * trainer.model_cfg.seq_len)
     save_checkpoint(trainer)
     return whole_state(trainer)
-
-
-def save_checkpoint(trainer) -> None:
-    """The loop's save, with the loop's safeguards around it (they refuse non-finite weights)."""
-    from train import loop
-    from train.checkpoint.writer import CheckpointWriter
-    from train.guard.safeguards import Safeguards
-
-    guard = Safeguards(trainer.cfg, trainer.run_dir, trainer.engine, trainer.topology.rank, print)
-    try:
-        loop.save_checkpoint(trainer, guard, CheckpointWriter(False, keep=3, keep_every=0))
-    finally:
-        guard.close()
 
 
 def resume_worker(corpus: str, run_dir: str, layout: list[str]) -> dict:
