@@ -11,7 +11,6 @@ value exits with EXIT_BAD_INPUT (2), a run that started and cannot go on with EX
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -20,7 +19,9 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from train.config.entry import CONFIG_DIR, EXIT_BAD_INPUT, EXIT_FAILED, drop_launcher_arguments, register_resolvers
+from train.config.entry import (
+    CONFIG_DIR, EXIT_BAD_INPUT, EXIT_FAILED, drop_launcher_arguments, quiet_library_warnings, register_resolvers,
+)
 from train.config.launch import is_rank_zero
 
 
@@ -80,16 +81,6 @@ def _check_command_line(arguments: list[str]) -> None:
         _refuse(err)
 
 
-def _quiet_libraries() -> None:
-    """On a machine without a GPU DeepSpeed warns "Setting accelerator to CPU. If you have GPU ..." each time it
-    is imported; naming its accelerator (DS_ACCELERATOR=cpu, DeepSpeed's own setting, unless the user set one)
-    says the same thing to DeepSpeed without the warning."""
-    import torch
-
-    if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
-        os.environ["DS_ACCELERATOR"] = "cpu"
-
-
 def _discard_if_empty(run_dir: Path) -> None:
     """Remove a run directory that holds nothing but Hydra's own bookkeeping (a run that never started)."""
     if run_dir.is_dir() and all(p.name == ".hydra" or p.suffix == ".log" for p in run_dir.iterdir()):
@@ -100,5 +91,5 @@ if __name__ == "__main__":
     sys.argv = drop_launcher_arguments(sys.argv)
     register_resolvers()
     _check_command_line(sys.argv[1:])
-    _quiet_libraries()
+    quiet_library_warnings()
     main()

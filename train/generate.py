@@ -22,7 +22,9 @@ import torch
 from omegaconf import DictConfig
 
 from model import GPTConfig
-from train.config.entry import CONFIG_DIR, EXIT_BAD_INPUT, drop_launcher_arguments, register_resolvers
+from train.config.entry import (
+    CONFIG_DIR, EXIT_BAD_INPUT, drop_launcher_arguments, quiet_library_warnings, register_resolvers,
+)
 from train.metrics import write_atomically
 from train.sample import sample_text
 
@@ -83,4 +85,5 @@ def main(cfg: DictConfig) -> None:
 if __name__ == "__main__":
     sys.argv = drop_launcher_arguments(sys.argv)
     register_resolvers()
+    quiet_library_warnings()
     main()

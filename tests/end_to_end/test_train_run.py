@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import math
 import subprocess
@@ -42,6 +44,7 @@ def test_run_writes_metrics_wandb_checkpoints_and_a_sample(tmp_path, corpus):
     assert (ckpt / "latest").read_text().strip() == "step00000006"
     assert (ckpt / "step00000003").is_dir() and (ckpt / "step00000006").is_dir()
     assert "sample:" in proc.stdout
+    assert "Setting accelerator" not in proc.stderr  # DeepSpeed's warning that tells a CPU user nothing
     # the same numbers reached the offline W&B run
     (wandb_file,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
     history = [h for h in wandb_log.history(wandb_file) if "train/loss" in h]
@@ -194,9 +197,20 @@ def test_a_used_run_folder_is_refused_or_moved_aside_and_wandb_records_each_run(
     assert [r["step"] for r in metrics(run_dir)] == [1, 2]
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step*")) == ["step00000002"]
 
-    # the default resume continues the new run (step 2), under its W&B id, marked resumed
-    resumed = train(run_dir, corpus, "train.max_steps=4", *WANDB)
+    # the default resume continues the new run (step 2), under its W&B id, marked resumed; asked to, it
+    # logs its checkpoint as an artifact holding exactly the folder's files
+    resumed = train(run_dir, corpus, "train.max_steps=4", *WANDB, "logging.wandb.log_checkpoints=true")
     assert f"resumed from {run_dir / 'checkpoints' / 'step00000002'}" in resumed.stdout
     assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3, 4]
-    runs = [wandb_log.run_file(f)["run"] for f in sorted(run_dir.glob(f"wandb/offline-run-*-{second_id}/*.wandb"))]
-    assert [(r["id"], r["resumed"]) for r in runs] == [(second_id, False), (second_id, True)]
+    segments = [wandb_log.run_file(f) for f in sorted(run_dir.glob(f"wandb/offline-run-*-{second_id}/*.wandb"))]
+    assert [(s["run"]["id"], s["run"]["resumed"]) for s in segments] == [(second_id, False), (second_id, True)]
+    def checkpoints_logged(run_file):
+        return [a for a in run_file["artifacts"] if a["type"] == "checkpoint"]
+
+    assert checkpoints_logged(got) == [] and checkpoints_logged(segments[0]) == []  # off unless asked
+    folder = run_dir / "checkpoints" / "step00000004"
+    files = {p.relative_to(folder).as_posix(): (base64.b64encode(hashlib.md5(p.read_bytes()).digest()).decode(), p.stat().st_size)
+             for p in folder.rglob("*") if p.is_file()}
+    assert len(files) >= 3
+    assert checkpoints_logged(segments[1]) == [{"type": "checkpoint", "name": f"{second_id}-checkpoint", "aliases": ["step4", "latest"],
+                                         "metadata": {"step": 4}, "files": files}]

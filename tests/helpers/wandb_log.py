@@ -68,7 +68,7 @@ def _items(items) -> dict:
 def run_file(path: Path) -> dict:
     """What a run file holds besides the history: the run record (id, name, group, tags, notes, job type,
     resumed), the config and the summary (the last value of each key), the metric definitions and the
-    artifacts logged."""
+    artifacts logged (type, name, aliases, metadata, and each file's path: (base64 md5, size))."""
     out = {"run": None, "config": {}, "summary": {}, "metrics": [], "artifacts": []}
     for record in parsed(path):
         kind = record.WhichOneof("record_type")
@@ -84,5 +84,10 @@ def run_file(path: Path) -> dict:
         elif kind == "metric":
             out["metrics"].append((record.metric.name or record.metric.glob_name, record.metric.step_metric))
         elif kind == "artifact":
-            out["artifacts"].append({"type": record.artifact.type, "name": record.artifact.name})
+            artifact = record.artifact
+            out["artifacts"].append({
+                "type": artifact.type, "name": artifact.name, "aliases": list(artifact.aliases),
+                "metadata": json.loads(artifact.metadata or "{}"),
+                "files": {entry.path: (entry.digest, entry.size) for entry in artifact.manifest.contents},
+            })
     return out

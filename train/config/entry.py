@@ -5,6 +5,7 @@
   uses, so that all ranks of one launch agree on the run directory and only rank 0 writes Hydra's
   record of the config (.hydra/). Call it before composing (hydra.main or hydra.compose).
 - drop_launcher_arguments(): the deepspeed launcher appends --local_rank=N; Hydra takes only overrides.
+- quiet_library_warnings(): silences library warnings that tell the user nothing (call before importing them).
 - Exit codes: EXIT_BAD_INPUT (2) for anything refused before the run starts, EXIT_FAILED (1) for a run
   that started and could not go on (a bad record under data.on_bad_record=error, no usable checkpoint,
   too many non-finite steps).
@@ -12,6 +13,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -42,3 +44,13 @@ def drop_launcher_arguments(argv: list[str]) -> list[str]:
         else:
             kept.append(arg)
     return kept
+
+
+def quiet_library_warnings() -> None:
+    """On a machine without a GPU DeepSpeed warns "Setting accelerator to CPU. If you have GPU ..." each time it
+    is imported; naming its accelerator (DS_ACCELERATOR=cpu, DeepSpeed's own setting, unless the user set one)
+    says the same thing to DeepSpeed without the warning."""
+    import torch
+
+    if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"

@@ -2,11 +2,12 @@
 matches: each is passed over with one warning for the previous intact checkpoint, or refused in one
 line, never loaded and never a traceback.
 
-One run (one process, 4 steps, checkpoints at steps 2 and 4) is the fixture. A case tampers with a
-copy's step 4; resuming it must warn once, take step 2 and log steps 3 and 4 exactly as the
+One run (one process, 4 steps, checkpoints at steps 2 and 4) is the fixture for the cases one at a
+time: a case tampers with a copy's step 4, and `select` (what a resume uses) must pass it over with
+one warning. Through the CLI, every case at once: a run with one checkpoint per case, each tampered
+with one case, must warn once for each, take step 2 and log every later step exactly as the
 uninterrupted run did (resuming is exact: DESIGN.md invariant 5), which is the independent reference
-for "the run continues as from the intact checkpoint". The many cases that need no training check
-which checkpoint `select` (what a resume uses) takes.
+for "the run continues as from the intact checkpoint".
 """
 
 from __future__ import annotations
@@ -177,21 +178,39 @@ def resumed(run_dir: Path, corpus, *overrides) -> tuple[list[str], str]:
     return [line for line in proc.stderr.splitlines() if line.startswith("gpt3d: warning:")], proc.stdout
 
 
-THROUGH_CLI = ("peak-lr-stale-manifest", "batch-stale-manifest", "negative-step", "boolean-step", "chunk-outside",
-               "int-dtype", "no-sharding-entry", "rng-truncated")
+@pytest.fixture(scope="module")
+def one_checkpoint_per_case(tmp_path_factory, corpus):
+    """A run with a checkpoint every 2 steps, one more than there are cases: step 2 stays intact, and
+    case k will tamper with step 2k + 4."""
+    steps = 2 * (len(CASES) + 1)
+    run_dir = tmp_path_factory.mktemp("tamper-every-case") / "run"
+    train(run_dir, corpus, *RUN, f"train.max_steps={steps}", f"train.keep_checkpoints={len(CASES) + 1}")
+    return run_dir, steps
 
 
-@pytest.mark.parametrize("tamper", [c[1] for c in CASES if c[0] in THROUGH_CLI], ids=THROUGH_CLI)
-def test_the_run_continues_exactly_as_from_the_previous_checkpoint(run, corpus, tamper, trained):
-    """Through the CLI: one warning, resumed at step 2, steps 3 and 4 logged as the run that never
-    stopped logged them (so nothing of the rejected checkpoint's schedule or batch is used)."""
-    tamper(step_folder(run, 4))
-    warnings, stdout = resumed(run, corpus)
-    assert len(warnings) == 1 and "step00000004" in warnings[0]
-    assert "step00000002 at step 2" in stdout
-    rows = [[r[k] for k in KEYS] for r in metrics(run)]
-    assert rows == [[r[k] for k in KEYS] for r in metrics(trained)]
-    assert checkpoint.select(run / "checkpoints", warn=pytest.fail).name == "step00000004"  # saved anew, intact
+def test_every_tampered_checkpoint_is_passed_over_through_the_cli(one_checkpoint_per_case, tmp_path, corpus):
+    """Through the CLI, every case at once: each tampered checkpoint (newest first) is passed over with
+    its one warning naming the folder and the fault, the run resumes from the intact step 2 and logs
+    steps 3 onwards exactly as the run that never stopped logged them (so nothing of a rejected
+    checkpoint's schedule, batch or state is used), and its saves replace the tampered folders."""
+    trained, steps = one_checkpoint_per_case
+    run = Path(shutil.copytree(trained, tmp_path / "run", symlinks=True))
+    expected = {}
+    for k, (name, tamper, words) in enumerate(CASES):
+        step = 2 * k + 4
+        tamper(step_folder(run, step))
+        expected[files.step_tag(step)] = (name, words.replace("named for step 4", f"named for step {step}"))
+    linked_to = (run / "elsewhere.json").read_bytes()
+    proc = train(run, corpus, *RUN, f"train.max_steps={steps}", f"train.keep_checkpoints={len(CASES) + 1}")
+    assert "Traceback" not in proc.stderr
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("gpt3d: warning:")]
+    assert len(warnings) == len(CASES), warnings
+    for warning, (tag, (name, words)) in zip(warnings, sorted(expected.items(), reverse=True)):
+        assert f"{tag} is damaged or incomplete" in warning and words in warning, (name, warning)
+    assert "step00000002 at step 2" in proc.stdout
+    assert [[r[k] for k in KEYS] for r in metrics(run)] == [[r[k] for k in KEYS] for r in metrics(trained)]
+    assert checkpoint.select(run / "checkpoints", warn=pytest.fail).name == files.step_tag(steps)  # saved anew
+    assert (run / "elsewhere.json").read_bytes() == linked_to  # what the state-symlink case pointed at: only read
 
 
 def test_a_misnamed_copy_never_displaces_a_real_checkpoint(run, corpus, trained):
