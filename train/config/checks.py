@@ -11,7 +11,7 @@ import math
 import os
 from pathlib import Path
 
-from omegaconf import OmegaConf
+from omegaconf import ListConfig, OmegaConf
 
 from model import GPTConfig
 
@@ -269,7 +269,7 @@ def check_train(cfg) -> None:
         if wandb[key] is not None and not isinstance(wandb[key], str):
             raise ConfigError(f"logging.wandb.{key}={wandb[key]!r}: must be text (or null)")
     tags = wandb.tags
-    if tags is not None and (isinstance(tags, str) or not all(isinstance(t, str) and t for t in tags)):
+    if tags is not None and (not isinstance(tags, (list, ListConfig)) or not all(isinstance(t, str) and t for t in tags)):
         raise ConfigError(f"logging.wandb.tags={tags!r}: must be a list of words, e.g. 'logging.wandb.tags=[baseline,125m]'")
     if not isinstance(wandb.log_checkpoints, bool):
         raise ConfigError(f"logging.wandb.log_checkpoints={wandb.log_checkpoints!r}: must be true or false")

@@ -107,3 +107,33 @@ def test_reset_schedule_follows_the_new_values(two_steps, tmp_path, corpus):
     # the 4-step schedule at the step reached: peak 1e-3, warmup min(32, 512 / 10) = 32 tokens
     for r in rows[2:]:
         assert r["train/lr"] == pytest.approx(gpt3_lr(1e-3, 32, 2000, r["tokens"]), rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("logging.wandb.tags=5", "logging.wandb.tags=5: must be a list of words"),
+        ("logging.wandb.tags=solo", "logging.wandb.tags='solo': must be a list of words"),
+        ("logging.wandb.tags=[a,'']", "must be a list of words"),
+        ("logging.wandb.tags=[a,3]", "must be a list of words"),
+        ("logging.wandb.group=5", "logging.wandb.group=5: must be text (or null)"),
+        ("logging.wandb.mode=sometimes", "logging.wandb.mode='sometimes': must be one of ['offline', 'online', 'disabled']"),
+        ("logging.wandb.log_checkpoints=maybe", "logging.wandb.log_checkpoints='maybe': must be true or false"),
+    ],
+)
+def test_wandb_settings_of_the_wrong_kind_are_one_line(override, message):
+    """What W&B would be handed is checked before the run starts (a ConfigError: the command exits 2),
+    never a traceback from inside the check or from wandb.init."""
+    from hydra import compose, initialize_config_dir
+
+    from train.config.checks import ConfigError, check_train
+    from train.config.entry import CONFIG_DIR, register_resolvers
+
+    register_resolvers()
+    with initialize_config_dir(version_base=None, config_dir=str(CONFIG_DIR), job_name="test"):
+        cfg = compose("config", overrides=[override])
+    with pytest.raises(ConfigError) as refused:
+        check_train(cfg)
+    assert message in str(refused.value)
+    with initialize_config_dir(version_base=None, config_dir=str(CONFIG_DIR), job_name="test"):
+        check_train(compose("config", overrides=["logging.wandb.tags=[a,b]", "logging.wandb.group=g"]))  # valid: passes
