@@ -172,20 +172,22 @@ def test_retention_never_counts_folders_named_for_later_steps(tmp_path):
     assert sorted(p.name for p in root.iterdir()) == ["step00000002", "step00000003", "step00000099"]
 
 
-def resumed(run_dir: Path, corpus, *overrides) -> tuple[list[str], str]:
-    proc = train(run_dir, corpus, *RUN, "train.max_steps=4", *overrides)
+def resumed(run_dir: Path, corpus, *overrides, steps: int = 4) -> tuple[list[str], str]:
+    proc = train(run_dir, corpus, *RUN, f"train.max_steps={steps}", *overrides)
     assert "Traceback" not in proc.stderr
     return [line for line in proc.stderr.splitlines() if line.startswith("gpt3d: warning:")], proc.stdout
 
 
+EVERY_CASE_STEPS = 2 * (len(CASES) + 1)  # a checkpoint every 2 steps: step 2 intact, case k at step 2k + 4
+KEEP_EVERY_CASE = f"train.keep_checkpoints={len(CASES) + 1}"
+
+
 @pytest.fixture(scope="module")
 def one_checkpoint_per_case(tmp_path_factory, corpus):
-    """A run with a checkpoint every 2 steps, one more than there are cases: step 2 stays intact, and
-    case k will tamper with step 2k + 4."""
-    steps = 2 * (len(CASES) + 1)
+    """A run with one checkpoint per case, plus step 2, which stays intact."""
     run_dir = tmp_path_factory.mktemp("tamper-every-case") / "run"
-    train(run_dir, corpus, *RUN, f"train.max_steps={steps}", f"train.keep_checkpoints={len(CASES) + 1}")
-    return run_dir, steps
+    train(run_dir, corpus, *RUN, f"train.max_steps={EVERY_CASE_STEPS}", KEEP_EVERY_CASE)
+    return run_dir
 
 
 def test_every_tampered_checkpoint_is_passed_over_through_the_cli(one_checkpoint_per_case, tmp_path, corpus):
@@ -193,7 +195,7 @@ def test_every_tampered_checkpoint_is_passed_over_through_the_cli(one_checkpoint
     its one warning naming the folder and the fault, the run resumes from the intact step 2 and logs
     steps 3 onwards exactly as the run that never stopped logged them (so nothing of a rejected
     checkpoint's schedule, batch or state is used), and its saves replace the tampered folders."""
-    trained, steps = one_checkpoint_per_case
+    trained = one_checkpoint_per_case
     run = Path(shutil.copytree(trained, tmp_path / "run", symlinks=True))
     expected = {}
     for k, (name, tamper, words) in enumerate(CASES):
@@ -201,15 +203,13 @@ def test_every_tampered_checkpoint_is_passed_over_through_the_cli(one_checkpoint
         tamper(step_folder(run, step))
         expected[files.step_tag(step)] = (name, words.replace("named for step 4", f"named for step {step}"))
     linked_to = (run / "elsewhere.json").read_bytes()
-    proc = train(run, corpus, *RUN, f"train.max_steps={steps}", f"train.keep_checkpoints={len(CASES) + 1}")
-    assert "Traceback" not in proc.stderr
-    warnings = [line for line in proc.stderr.splitlines() if line.startswith("gpt3d: warning:")]
+    warnings, stdout = resumed(run, corpus, KEEP_EVERY_CASE, steps=EVERY_CASE_STEPS)
     assert len(warnings) == len(CASES), warnings
     for warning, (tag, (name, words)) in zip(warnings, sorted(expected.items(), reverse=True)):
         assert f"{tag} is damaged or incomplete" in warning and words in warning, (name, warning)
-    assert "step00000002 at step 2" in proc.stdout
+    assert "step00000002 at step 2" in stdout
     assert [[r[k] for k in KEYS] for r in metrics(run)] == [[r[k] for k in KEYS] for r in metrics(trained)]
-    assert checkpoint.select(run / "checkpoints", warn=pytest.fail).name == files.step_tag(steps)  # saved anew
+    assert checkpoint.select(run / "checkpoints", warn=pytest.fail).name == files.step_tag(EVERY_CASE_STEPS)  # saved anew
     assert (run / "elsewhere.json").read_bytes() == linked_to  # what the state-symlink case pointed at: only read
 
 
