@@ -144,6 +144,11 @@ def _wandb_file(run_dir, run_id):
     return found
 
 
+def checkpoints_logged(run_file: dict) -> list[dict]:
+    """The checkpoint artifacts of a run file (wandb_log.run_file); the sample table is an artifact too."""
+    return [a for a in run_file["artifacts"] if a["type"] == "checkpoint"]
+
+
 def test_a_used_run_folder_is_refused_or_moved_aside_and_wandb_records_each_run(tmp_path, corpus):
     import subprocess as sp
 
@@ -204,13 +209,11 @@ def test_a_used_run_folder_is_refused_or_moved_aside_and_wandb_records_each_run(
     assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3, 4]
     segments = [wandb_log.run_file(f) for f in sorted(run_dir.glob(f"wandb/offline-run-*-{second_id}/*.wandb"))]
     assert [(s["run"]["id"], s["run"]["resumed"]) for s in segments] == [(second_id, False), (second_id, True)]
-    def checkpoints_logged(run_file):
-        return [a for a in run_file["artifacts"] if a["type"] == "checkpoint"]
-
     assert checkpoints_logged(got) == [] and checkpoints_logged(segments[0]) == []  # off unless asked
     folder = run_dir / "checkpoints" / "step00000004"
-    files = {p.relative_to(folder).as_posix(): (base64.b64encode(hashlib.md5(p.read_bytes()).digest()).decode(), p.stat().st_size)
+    files = {p.relative_to(folder).as_posix(): (base64.b64encode(hashlib.md5(p.read_bytes()).digest()).decode(),
+                                                p.stat().st_size)
              for p in folder.rglob("*") if p.is_file()}
     assert len(files) >= 3
-    assert checkpoints_logged(segments[1]) == [{"type": "checkpoint", "name": f"{second_id}-checkpoint", "aliases": ["step4", "latest"],
-                                         "metadata": {"step": 4}, "files": files}]
+    assert checkpoints_logged(segments[1]) == [{"type": "checkpoint", "name": f"{second_id}-checkpoint",
+                                                "aliases": ["latest", "step4"], "metadata": {"step": 4}, "files": files}]

@@ -68,7 +68,8 @@ def _items(items) -> dict:
 def run_file(path: Path) -> dict:
     """What a run file holds besides the history: the run record (id, name, group, tags, notes, job type,
     resumed), the config and the summary (the last value of each key), the metric definitions and the
-    artifacts logged (type, name, aliases, metadata, and each file's path: (base64 md5, size))."""
+    artifacts logged (type, name, aliases sorted (W&B keeps no order), metadata, and each file's path:
+    (base64 md5, size))."""
     out = {"run": None, "config": {}, "summary": {}, "metrics": [], "artifacts": []}
     for record in parsed(path):
         kind = record.WhichOneof("record_type")
@@ -86,7 +87,7 @@ def run_file(path: Path) -> dict:
         elif kind == "artifact":
             artifact = record.artifact
             out["artifacts"].append({
-                "type": artifact.type, "name": artifact.name, "aliases": list(artifact.aliases),
+                "type": artifact.type, "name": artifact.name, "aliases": sorted(artifact.aliases),
                 "metadata": json.loads(artifact.metadata or "{}"),
                 "files": {entry.path: (entry.digest, entry.size) for entry in artifact.manifest.contents},
             })
