@@ -22,6 +22,7 @@ import time
 import torch
 
 from model import GPT, GPTConfig
+from model.modes import LayerModes
 
 SHAPES = {  # name: (n_layer, n_head, d_model)
     "gpt3-350m": (24, 16, 1024),
@@ -80,9 +81,8 @@ def ceilings() -> dict:
 def measure(cfg: GPTConfig, micro_batch: int, micro_batches: int, checkpoint_every: int) -> tuple[float, float]:
     """(median step seconds, peak bytes) of one-GPU training steps."""
     with torch.device("meta"):
-        model = GPT(cfg)
+        model = GPT(cfg, modes=LayerModes(activation_checkpointing=checkpoint_every))
     model.materialize("cuda", seed=0)
-    model.activation_checkpointing = checkpoint_every
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
     tokens = torch.randint(0, cfg.vocab_size, (micro_batches, micro_batch, cfg.seq_len + 1), device="cuda")
 

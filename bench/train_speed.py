@@ -57,8 +57,8 @@ from pathlib import Path
 import torch
 
 from model import GPT, GPTConfig, build, count_parameters, flops_per_token
-from model.layers import lm_loss
-from parallel.tensor import loss_for
+from model.modes import LayerModes
+from model.vocab import lm_loss
 from train import metrics
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "model"
@@ -93,14 +93,6 @@ def hf_gpt2(config: GPTConfig, device):
         model = GPT2LMHeadModel(hf_config)
     if model.config._attn_implementation != "sdpa":
         raise RuntimeError(f"transformers chose attention {model.config._attn_implementation!r}, not 'sdpa'")
-    return model
-
-
-def with_loss(model, fused_loss: bool):
-    """The model with training's loss: fused unembedding + cross-entropy (train.fused_loss, the
-    default; model/fused_loss.py), or full logits then cross-entropy."""
-    model.head.emits_hidden = fused_loss
-    model.loss_fn = loss_for(model.head)
     return model
 
 
@@ -173,8 +165,10 @@ def benchmark(name, config: GPTConfig, micro_batch, warmup, steps, device, peak_
     gpt3d_impl = "triton" if device.type == "cuda" else "torch"
 
     def gpt3d(impl, fused_loss=True):
-        return lambda: with_loss(build(GPTConfig.from_dict({**vars(config), "attention_impl": impl}), device=device,
-                                       seed=0), fused_loss)
+        # training's loss: fused unembedding + cross-entropy (train.fused_loss, the default;
+        # model/fused_loss.py), or full logits then cross-entropy
+        return lambda: build(GPTConfig.from_dict({**vars(config), "attention_impl": impl}), device=device, seed=0,
+                             modes=LayerModes(fused_loss=fused_loss))
 
     rows = [Row("hf-gpt2 sdpa", lambda: hf_gpt2(config, device), hf_loss, device),
             Row(f"gpt3d attention_impl={gpt3d_impl}", gpt3d(gpt3d_impl), gpt3d_loss, device),

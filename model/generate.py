@@ -48,8 +48,8 @@ class Decoder:
     def last_logits(self, tokens: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
         """Logits (B, V) of the position after the last token."""
         if isinstance(self.model, GPT):
-            hidden = run_layers(self.model.layers[:-1], tokens, cache)  # (B, t, d)
-            return self.model.head.logits(hidden[:, -1:])[:, 0]  # (B, V)
+            hidden = run_layers(self.model.layers[:-1], tokens, cache=cache)  # (B, t, d)
+            return self.model.head(hidden[:, -1:])[:, 0]  # (B, V)
         logits = self.model(tokens) if cache is None else self.model(tokens, cache=cache)  # (B, t, V)
         return logits[:, -1, :]
 

@@ -17,27 +17,28 @@ from torch.utils.checkpoint import checkpoint
 
 from model.config import GPTConfig
 from model.init import init_layer_, init_parameter_, materialize_
-from model.layers import Block, Embedding, Head, lm_loss
+from model.layers import Block, Embedding, Head
+from model.modes import LayerModes
 
 # The tied matrix: (layer index, name) of the copy in the Head → of the owner in the Embedding.
 TIED_COPY, TIED_OWNER = "lm_head.weight", (0, "wte.weight")
-SELECTIVE = "selective"  # the activation_checkpointing mode that recomputes LayerNorm and GELU outputs only
 
 
-def make_layer(config: GPTConfig, index: int) -> nn.Module:
-    """Layer `index` of the flat list (untied, uninitialised): 0 Embedding, 1 … L Block, L + 1 Head."""
+def make_layer(config: GPTConfig, index: int, modes: LayerModes = LayerModes()) -> nn.Module:
+    """Layer `index` of the flat list (untied, uninitialised), built in `modes`: 0 Embedding,
+    1 … L Block, L + 1 Head."""
     if index == 0:
         return Embedding(config)
     if 1 <= index <= config.n_layer:
-        return Block(config, index - 1)
+        return Block(config, index - 1, selective_recomputation=modes.selective)
     if index == config.n_layer + 1:
-        return Head(config)
+        return Head(config, fused_loss=modes.fused_loss)
     raise IndexError(f"layer {index} of a {config.n_layer}-block GPT: layers are 0 … {config.n_layer + 1}")
 
 
-def layer_list(config: GPTConfig) -> list[nn.Module]:
+def layer_list(config: GPTConfig, modes: LayerModes = LayerModes()) -> list[nn.Module]:
     """The model as a flat list: [Embedding, Block_0, …, Block_{L-1}, Head] (untied, uninitialised)."""
-    return [make_layer(config, i) for i in range(config.n_layer + 2)]
+    return [make_layer(config, i, modes) for i in range(config.n_layer + 2)]
 
 
 def tied_names(config: GPTConfig) -> dict[str, str]:
@@ -65,31 +66,19 @@ def init_layers_(layers: dict[int, nn.Module], config: GPTConfig, seed: int) -> 
 class GPT(nn.Module):
     """A decoder-only transformer; `layers[i]` maps one tensor to the next.
 
-    forward(idx) returns logits (B, T, V); forward(idx, targets) returns the mean cross-entropy
-    (`loss_fn` of the Head's output: logits, or with head.emits_hidden the hidden states it turns
-    into the loss without the full logits, model/fused_loss.py);
-    forward(idx, cache=KVCache()) encodes only the new tokens idx after those the cache holds.
-    Construct under `torch.device("meta")` to get shapes without memory, then `materialize`.
+    forward(idx) returns logits (B, T, V); forward(idx, targets) the mean cross-entropy, computed by
+    the Head (model.layers.Head), in the loss mode it was built with; forward(idx, cache=KVCache())
+    encodes only the new tokens idx after those the cache holds. `checkpoint_every` = k > 0
+    recomputes each run of k blocks in backward (LayerModes.checkpoint_every). Construct under
+    `torch.device("meta")` to get shapes without memory, then `materialize`.
     """
 
-    def __init__(self, config: GPTConfig, layers: list[nn.Module] | None = None):
+    def __init__(self, config: GPTConfig, layers: list[nn.Module] | None = None, modes: LayerModes = LayerModes()):
         super().__init__()
         self.config = config
-        self.layers = nn.ModuleList(layers if layers is not None else layer_list(config))
-        self.loss_fn = lm_loss  # (head output, targets) → scalar; parallel.tensor.loss_for picks the others
-        self.activation_checkpointing = 0
+        self.layers = nn.ModuleList(layers if layers is not None else layer_list(config, modes))
+        self.checkpoint_every = modes.checkpoint_every
         self.tie_weights()
-
-    @property
-    def activation_checkpointing(self) -> int | str:
-        """0: keep every activation; k > 0: recompute each run of k blocks in backward; "selective":
-        every block recomputes its LayerNorm and GELU outputs in backward (see model.layers.Block)."""
-        return self._activation_checkpointing
-
-    @activation_checkpointing.setter
-    def activation_checkpointing(self, mode: int | str) -> None:
-        set_selective_recomputation(self.layers, mode == SELECTIVE)
-        self._activation_checkpointing = mode
 
     @property
     def embedding(self) -> Embedding:
@@ -121,44 +110,53 @@ class GPT(nn.Module):
             raise ValueError(
                 f"sequence of {seen + idx.shape[1]} tokens exceeds model.seq_len={self.config.seq_len}"
             )
-        k = self.activation_checkpointing
-        if cache is not None:
-            x = run_layers(self.layers, idx, cache)
-        elif k != SELECTIVE and k and self.training and torch.is_grad_enabled():
-            blocks = list(self.layers[1:-1])
-            x = self.embedding(idx)  # (B, T, d)
-            for start in range(0, len(blocks), k):  # keep only each segment's input; recompute inside
-                x = checkpoint(run_layers, blocks[start : start + k], x, use_reentrant=False)
-            x = self.head(x)  # (B, T, V)
-        else:
-            x = run_layers(self.layers, idx)
-        if targets is not None:
-            return self.loss_fn(x, targets)
-        return self.head.lm_head(x) if self.head.emits_hidden else x  # (B, T, V)
+        every = self.checkpoint_every if self.training else 0
+        return run_layers(self.layers, idx, targets, cache, every)  # (B, T, V) logits, or the loss
 
 
-def set_selective_recomputation(layers, on: bool) -> None:
-    """Make every Block among `layers` recompute its LayerNorm and GELU outputs in backward (or not)."""
-    for layer in layers:
-        if isinstance(layer, Block):
-            layer.selective_recomputation = on
-
-
-def run_layers(layers, x: torch.Tensor, cache=None) -> torch.Tensor:
-    """x through `layers` in order; with a KVCache, each layer attends to the cached tokens too and
-    the cache then counts x's tokens as seen."""
+def run_layers(layers, x: torch.Tensor, targets: torch.Tensor | None = None, cache=None,
+               checkpoint_every: int = 0) -> torch.Tensor:
+    """x through `layers` in order (the whole flat list, or a pipeline stage's run of it). A Head
+    among them gets `targets` (and then returns the loss). With checkpoint_every = k > 0 and gradients
+    on, each run of up to k consecutive Blocks keeps only its input and recomputes inside in backward.
+    With a KVCache each layer also attends to the cached tokens, and the cache then counts x's tokens."""
     tokens = x.shape[1]
-    for layer in layers:
-        x = layer(x) if cache is None else layer(x, cache=cache)
+    every = checkpoint_every if cache is None and torch.is_grad_enabled() else 0
+    for part in _segments(layers, every):
+        if isinstance(part, list):  # keep only the segment's input; recompute inside
+            x = checkpoint(_run_blocks, part, x, use_reentrant=False)  # (B, T, d)
+        elif isinstance(part, Head):
+            x = part(x, targets, cache=cache)  # (B, T, V) logits, or the loss
+        else:
+            x = part(x) if cache is None else part(x, cache=cache)  # (B, T, d)
     if cache is not None:
         cache.advance(tokens)
     return x
 
 
-def build(config: GPTConfig, device: torch.device | str = "cpu", seed: int = 0) -> GPT:
-    """Build and initialise a GPT on `device` (built on meta first, so nothing is allocated twice)."""
+def _segments(layers, every: int) -> list:
+    """The layers in order, each run of up to `every` consecutive Blocks grouped into a list (0: none)."""
+    parts: list = []
+    for layer in layers:
+        if not (every and isinstance(layer, Block)):
+            parts.append(layer)
+        elif parts and isinstance(parts[-1], list) and len(parts[-1]) < every:
+            parts[-1].append(layer)
+        else:
+            parts.append([layer])
+    return parts
+
+
+def _run_blocks(blocks: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    for block in blocks:
+        x = block(x)  # (B, T, d)
+    return x
+
+
+def build(config: GPTConfig, device: torch.device | str = "cpu", seed: int = 0, modes: LayerModes = LayerModes()) -> GPT:
+    """Build and initialise a GPT in `modes` on `device` (built on meta first, so nothing is allocated twice)."""
     with torch.device("meta"):
-        model = GPT(config)
+        model = GPT(config, modes=modes)
     return model.materialize(device, seed)
 
 

@@ -3,22 +3,26 @@
 Each maps one tensor to one tensor, so a pipeline can cut the sequence anywhere between layers:
   Embedding: token ids (B, T) → hidden (B, T, d)
   Block:     hidden → hidden, h + Attn(LN(h)) then h + MLP(LN(h))   (pre-LayerNorm)
-  Head:      hidden → logits (B, T, V) = LN(h) Wᵀ, W tied to the token embedding
+  Head:      hidden → logits (B, T, V) = LN(h) Wᵀ, W tied to the token embedding; given the targets
+             (B, T) too, hidden → their mean cross-entropy (the training loss, computed inside the Head)
 The token embedding and the unembedding hold the vocabulary padded to Vp rows (model/vocab.py);
 logits keep only the V real columns.
 Attention reshapes heads with −1, so a column-sharded QKV projection just yields fewer local heads.
+How a layer computes (its loss, its recomputation) is fixed when it is built (model/modes.py).
 Each layer also takes an optional KVCache (model/kv_cache.py): the Embedding then numbers the new
 tokens after those already seen, and attention attends to the cached keys and values as well.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from model.attention import attention
 from model.config import GPTConfig
+from model.modes import Fixed
 from model.recompute import Linear, Recompute
 from model.vocab import PaddedEmbedding, PaddedUnembedding
 
@@ -92,7 +96,7 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """One pre-LayerNorm transformer block.
 
-    With `selective_recomputation` set (parallel.activation_checkpointing=selective; Korthikanti et
+    Built with `selective_recomputation` (parallel.activation_checkpointing=selective; Korthikanti et
     al. 2022) and gradients enabled, backward recomputes three tensors instead of keeping them: the
     outputs of ln_1 and ln_2 (the inputs of attn.qkv and mlp.fc), from the LayerNorm input that the
     LayerNorm's backward keeps anyway, and the GELU output (the input of mlp.proj), from the fc output
@@ -109,13 +113,15 @@ class Block(nn.Module):
     MLP's activation output is kept too (only the 2·B·T·d term applies).
     """
 
-    def __init__(self, config: GPTConfig, layer_index: int):
+    selective_recomputation = Fixed()
+
+    def __init__(self, config: GPTConfig, layer_index: int, selective_recomputation: bool = False):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.d_model, eps=config.ln_eps)
         self.attn = SelfAttention(config, layer_index)
         self.ln_2 = nn.LayerNorm(config.d_model, eps=config.ln_eps)
         self.mlp = MLP(config)
-        self.selective_recomputation = False
+        self.selective_recomputation = selective_recomputation
 
     def forward(self, h: torch.Tensor, cache=None) -> torch.Tensor:
         if not (self.selective_recomputation and cache is None and torch.is_grad_enabled()):
@@ -134,26 +140,31 @@ class Block(nn.Module):
 class Head(nn.Module):
     """Final LayerNorm and the unembedding; `lm_head.weight` is tied to `Embedding.wte.weight`.
 
-    forward gives the logits, or with `emits_hidden` set the normalised hidden states LN(h) (B, T, d):
-    then the loss applies the unembedding itself, chunk by chunk (model/fused_loss.py), and whoever
-    wants logits asks `logits` (generation) or applies `lm_head` (GPT.forward without targets).
+    forward(h) gives the logits (B, T, V); forward(h, targets) the training loss, their mean
+    cross-entropy, computed here, inside the model's (or the last pipeline stage's) forward, so that
+    the loss's use of the tied weight happens inside whatever wraps that forward (ZeRO-3's gathers,
+    DeepSpeed's backward hooks on the output). How it is computed is the unembedding's mode, fixed
+    when the Head is built (fused_loss: chunk by chunk without the full logits, model/fused_loss.py).
+    With gradients on the loss is flagged (flag_non_finite), so a non-finite loss makes the whole
+    gradient non-finite.
     """
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, fused_loss: bool = False):
         super().__init__()
         self.ln_f = nn.LayerNorm(config.d_model, eps=config.ln_eps)
-        self.lm_head = PaddedUnembedding(config.d_model, config.vocab_size)
-        self.emits_hidden = False
+        self.lm_head = PaddedUnembedding(config.d_model, config.vocab_size, fused_loss=fused_loss)
 
-    def forward(self, h: torch.Tensor, cache=None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None, cache=None) -> torch.Tensor:
         h = self.ln_f(h)  # (B, T, d); nothing of the head is cached
-        return h if self.emits_hidden else self.lm_head(h)  # (B, T, d) or (B, T, V)
+        if targets is None:
+            return self.lm_head(h)  # (B, T, V) (a vocab-parallel unembedding: this rank's (B, T, Vp/p))
+        loss = self.lm_head.loss(h, targets)  # scalar
+        return flag_non_finite(loss) if torch.is_grad_enabled() else loss
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Logits (B, T, V) (a vocab-parallel unembedding: this rank's (B, T, Vp/p)), whatever forward emits."""
-        return self.lm_head(self.ln_f(h))
 
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy; logits (B, T, V), targets (B, T)."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+def flag_non_finite(loss: torch.Tensor) -> torch.Tensor:
+    """loss · 1 when the loss is finite, loss · NaN when it is not, with no host sync. Every gradient
+    of a non-finite loss is then NaN, on this rank and, through the gradient reductions, on every rank,
+    so the optimizers' norm check skips the step everywhere (train/guard/nonfinite.py). For a finite
+    loss the factor is exactly 1: the gradient is bit for bit what it was without it."""
+    return loss * torch.where(torch.isfinite(loss), 1.0, math.nan).to(loss.dtype)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.fused_loss import fused_linear_cross_entropy
+from model.modes import Fixed
 
 VOCAB_MULTIPLE = 128
 
@@ -56,16 +57,30 @@ class PaddedEmbedding(nn.Embedding):
 class PaddedUnembedding(nn.Linear):
     """Logits h Eᵀ over the real vocabulary: (B, T, d) → (B, T, V), computed with the padded E (Vp, d)
     (normally the embedding's own weight) and its padding columns dropped, so nothing downstream
-    (loss, sampling) ever sees them. Given targets (B, T) it returns their mean cross-entropy
-    instead, without making all the logits at once (model/fused_loss.py); as a call of this module,
-    so that whatever gathers its weight around a forward (ZeRO-3) does so for the loss too."""
+    (loss, sampling) ever sees them.
 
-    def __init__(self, in_features: int, vocab_size: int, device=None, dtype=None):
+    `loss(h, targets)` is the mean next-token cross-entropy, in the mode fixed at construction: with
+    `fused_loss`, without making all the logits at once (model/fused_loss.py), else from the logits
+    (lm_loss). Both run inside the calling Head's forward, so whatever wraps the model's forward (ZeRO-3
+    gathering the weight, DeepSpeed's backward hooks on its output) sees the loss's use of the weight."""
+
+    fused_loss = Fixed()
+
+    def __init__(self, in_features: int, vocab_size: int, device=None, dtype=None, fused_loss: bool = False):
         super().__init__(in_features, padded_vocab_size(vocab_size), bias=False, device=device, dtype=dtype)
-        self.vocab_size = vocab_size
+        self.vocab_size, self.fused_loss = vocab_size, fused_loss
         _mark_padded(self.weight, vocab_size)
 
-    def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
-        if targets is not None:
-            return fused_linear_cross_entropy(h, self.weight, targets, self.vocab_size, chunk=chunk)
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(h, self.weight)[..., : self.vocab_size]  # (B, T, Vp) → (B, T, V)
+
+    def loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy of the logits of h (B, T, d) against targets (B, T)."""
+        if self.fused_loss:
+            return fused_linear_cross_entropy(h, self.weight, targets, self.vocab_size)
+        return lm_loss(self(h), targets)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy; logits (B, T, V), targets (B, T)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())

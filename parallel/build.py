@@ -1,8 +1,10 @@
 """One build path for every layout: this rank's part of the model.
 
-    model.gpt.layer_list(config)   [Embedding, Block_0 … Block_{L-1}, Head], on the meta device
+    model.gpt.layer_list(config)   [Embedding, Block_0 … Block_{L-1}, Head], on the meta device, built
+                                   in their modes (the Head's loss, the blocks' recomputation)
       → this stage's layers        all of them when pp = 1 (parallel/pipeline.py: stage_bounds)
-      → tensor-parallel plan       parallel/tensor.py: shard_layer, the same for every layer
+      → tensor-parallel plan       parallel/tensor.py: shard_layer, the same for every layer, each
+                                   replacement built in its modes (sequence parallelism, overlap)
       → allocate, initialise       by index in the full list (model.gpt.init_layers_), so the full
                                    weights are the one-process model's whatever the layout;
                                    skipped for device="meta" (shapes only, see build_model)
@@ -10,10 +12,11 @@
       → a GPT (pp = 1)             the layers in model/'s own container, embedding tied to the head
         or PipelineStages (pp > 1) a DeepSpeed PipelineModule holding this stage's layers
 
-The loss is tensor.loss_for(head) in both cases; with options.fused_loss the Head emits its
-normalised hidden states and that loss unembeds them chunk by chunk (model/fused_loss.py).
-`local_layers(part)` gives back {index in the full list: layer} for either kind of part, which is
-all generation and naming need.
+Every mode is given when a layer is built and never changed afterwards (model/modes.py). The loss is
+the Head's (with options.fused_loss it unembeds chunk by chunk, model/fused_loss.py) and runs
+inside the part's forward in both cases: the last stage's input carries the targets
+(parallel/pipeline.py). `local_layers(part)` gives back {index in the full list: layer} for either
+kind of part, which is all naming needs; `decoding_layers` the same layers as decoding runs them.
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ from model import GPT, GPTConfig
 from model.compile import compile_blocks
 from model.gpt import init_layers_, layer_list
 from model.init import materialize_
+from model.modes import LayerModes
 from parallel.pipeline import PipelineStages, stage_bounds
-from parallel.tensor import TP_PLAN, check_plan, full_plan, loss_for, shard_layer
+from parallel.tensor import TP_PLAN, SequenceParallelLayerNorm, check_plan, full_plan, shard_layer
 from parallel.topology import check_layout
 
 
@@ -39,7 +43,12 @@ class BuildOptions:
     sequence_parallel: bool = False  # with tp > 1: activations between blocks split along the sequence
     activation_checkpointing: int | str = 0  # k > 0: recompute each run of k blocks in backward; "selective"
     overlap_communication: bool = True  # with tp > 1: input-gradient all-reduces overlap the weight-gradient GEMMs
-    fused_loss: bool = False  # the Head emits hidden states; the loss unembeds them chunk by chunk (train.fused_loss)
+    fused_loss: bool = False  # the Head's loss unembeds its hidden states chunk by chunk (train.fused_loss)
+
+    @property
+    def layer_modes(self) -> LayerModes:
+        """The modes of the model's own layers (the rest are the tensor-parallel layers')."""
+        return LayerModes(fused_loss=self.fused_loss, activation_checkpointing=self.activation_checkpointing)
 
 
 def build_model(
@@ -52,21 +61,17 @@ def build_model(
     stage is built in well under a second (the planner's dry run builds every rank's part so).
     """
     check_layout(config.n_head, config.d_ff, topology.tp_size, topology.pp_size, config.n_layer, topology.world_size)
+    modes = options.layer_modes
     with torch.device("meta"):
-        layers = layer_list(config)
+        layers = layer_list(config, modes)
     check_plan(full_plan(TP_PLAN, options.sequence_parallel), _module_names(layers))
     bounds = stage_bounds(config.n_layer, topology.pp_size)
     local = {i: layers[i] for i in range(bounds[topology.pp_rank], bounds[topology.pp_rank + 1])}
     for index, layer in local.items():
         shard_layer(layer, topology, TP_PLAN, options.sequence_parallel, index, options.overlap_communication)
-    head = local.get(len(layers) - 1)
-    if head is not None:
-        head.emits_hidden = options.fused_loss
     shapes_only = torch.device(device).type == "meta"
     if topology.pp_size == 1:
-        model = GPT(config, layers)  # ties the unembedding to the embedding
-        model.loss_fn = loss_for(head)
-        model.activation_checkpointing = options.activation_checkpointing
+        model = GPT(config, layers, modes)  # ties the unembedding to the embedding
         if shapes_only:
             return model
         model.materialize(device, seed)
@@ -75,7 +80,7 @@ def build_model(
             for layer in local.values():
                 materialize_(layer, device)
             init_layers_(local, config, seed)
-        model = PipelineStages(layers, topology, loss_for(head), options.activation_checkpointing)
+        model = PipelineStages(layers, topology, modes.checkpoint_every)
     if config.compile and not shapes_only:
         compile_blocks(local.values(), device)
     return model
@@ -86,6 +91,24 @@ def local_layers(part: nn.Module) -> dict[int, nn.Module]:
     if isinstance(part, PipelineStages):
         return part.local_layers()
     return dict(enumerate(part.layers))
+
+
+def decoding_layers(part: nn.Module, config: GPTConfig, topology) -> dict[int, nn.Module]:
+    """This rank's layers of `part` as decoding runs them: its own, or for a part built with sequence
+    parallelism (a step of one token cannot be split over ranks) twins built without it, by the same
+    plan, that share the part's parameters, so the same weights compute as plain tensor parallelism."""
+    local = local_layers(part)
+    if not any(isinstance(module, SequenceParallelLayerNorm) for module in part.modules()):
+        return local
+    with torch.device("meta"):
+        layers = layer_list(config)
+    twins = {}
+    for index, layer in local.items():
+        twins[index] = shard_layer(layers[index], topology, TP_PLAN, sequence_parallel=False, index=index, overlap=False)
+        for name, parameter in layer.named_parameters(remove_duplicate=False):
+            owner, _, attr = name.rpartition(".")
+            setattr(twins[index].get_submodule(owner), attr, parameter)
+    return twins
 
 
 def _module_names(layers: list[nn.Module]) -> list[str]:

@@ -10,8 +10,9 @@ ends each step knowing the next token:
   all stages          the last stage's token is broadcast over the pipeline group
 
 Each rank's KVCache holds only its own blocks' keys and values (of its own heads under tensor
-parallelism). Sequence parallelism is switched off while decoding (a step of one token cannot be
-split over ranks): the same weights then compute as plain tensor parallelism. A one-process
+parallelism). A part built with sequence parallelism decodes through twins of its layers built
+without it that share its parameters (a step of one token cannot be split over ranks): the same
+weights then compute as plain tensor parallelism (parallel.build.decoding_layers). A one-process
 model is a pipeline of one stage, so every layout runs this same code.
 """
 
@@ -25,8 +26,8 @@ from model import GPTConfig
 from model.generate import Decoder
 from model.gpt import run_layers
 from model.kv_cache import KVCache
-from parallel.build import local_layers
-from parallel.tensor import VocabParallelUnembedding, gather_logits, sequence_parallel_disabled
+from parallel.build import decoding_layers
+from parallel.tensor import VocabParallelUnembedding, gather_logits
 
 
 class LayoutDecoder(Decoder):
@@ -35,7 +36,7 @@ class LayoutDecoder(Decoder):
 
     def __init__(self, part: nn.Module, config: GPTConfig, topology):
         self.part, self.config, self.topology = part, config, topology
-        self.layers = list(local_layers(part).values())
+        self.layers = list(decoding_layers(part, config, topology).values())
         parameter = next(part.parameters())
         self.dtype, self.device = parameter.dtype, parameter.device
         self.first, self.last = topology.pp_rank == 0, topology.pp_rank == topology.pp_size - 1
@@ -47,19 +48,18 @@ class LayoutDecoder(Decoder):
 
     def next_token(self, tokens: torch.Tensor, cache: KVCache | None, pick) -> torch.Tensor:
         b, t = tokens.shape
-        with sequence_parallel_disabled(self.part):
-            if self.first:
-                x = tokens  # (B, t)
-            else:
-                x = torch.empty(b, t, self.config.d_model, dtype=self.dtype, device=self.device)
-                dist.recv(x, src=self.previous)  # (B, t, d)
-            body = self.layers[:-1] if self.last else self.layers
-            x = run_layers(body, x, cache)  # (B, t, d)
-            if self.last:  # only the last position reaches the head
-                token = pick(self._full_vocabulary(self.layers[-1].logits(x[:, -1:])).float())  # (B, 1)
-            else:
-                dist.send(x.to(self.dtype).contiguous(), dst=self.next)
-                token = torch.empty(b, 1, dtype=torch.long, device=self.device)
+        if self.first:
+            x = tokens  # (B, t)
+        else:
+            x = torch.empty(b, t, self.config.d_model, dtype=self.dtype, device=self.device)
+            dist.recv(x, src=self.previous)  # (B, t, d)
+        body = self.layers[:-1] if self.last else self.layers
+        x = run_layers(body, x, cache=cache)  # (B, t, d)
+        if self.last:  # only the last position reaches the head
+            token = pick(self._full_vocabulary(self.layers[-1](x[:, -1:])).float())  # (B, 1)
+        else:
+            dist.send(x.to(self.dtype).contiguous(), dst=self.next)
+            token = torch.empty(b, 1, dtype=torch.long, device=self.device)
         if self.topology.pp_size > 1:
             dist.broadcast(token, src=self.last_rank, group=self.topology.pp_group)
         return token

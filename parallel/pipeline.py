@@ -1,12 +1,21 @@
 """How layers go to pipeline stages: the model's own flat layer list, cut into DeepSpeed stages.
 
     stage 0                          stages …            last stage
-    Embedding → Block … │ Block … │ … │ Block … → Head (final LayerNorm, unembedding) → loss
+    Embedding → Block … │ Block … │ … │ Block … → Head (final LayerNorm, unembedding, loss)
         wte ─────────────── the tied matrix: gradients summed ──────────────── lm_head
+    (ids, targets) ─► (hidden, targets) ─► … ─► loss
 
 The layers are model/'s own (model.gpt.layer_list): blocks are balanced over pp stages by count
 (`stage_bounds`, DeepSpeed's partition_balanced, as its "type:Block" method), the Embedding
 joins the first stage and the Head the last. parallel/build.py builds only this stage's layers.
+
+The loss runs inside the last stage's forward, as the Head's own (model.layers.Head): a micro
+batch enters stage 0 as (token ids, targets), and every stage passes (hidden states, targets) on,
+the targets (B, T) riding along with the activations (8·B·T bytes beside 2·B·T·d). DeepSpeed's
+engine therefore gets the loss as the module's output and computes nothing itself (loss_fn is
+None): its backward hooks on that output run before any gradient exists. A loss computed
+outside the module would use the tied matrix outside them, and DeepSpeed's bf16 optimizer would
+then clear the unembedding's gradient after the loss's backward had already written it.
 
 The token embedding is also the unembedding. On one process both are one Parameter; across
 stages the first stage's `wte.weight` and the last stage's `lm_head.weight` are two copies,
@@ -23,11 +32,12 @@ import io
 from functools import lru_cache
 
 import torch.distributed as dist
+import torch
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.utils import partition_balanced
 from torch import nn
 
-from model.gpt import SELECTIVE, TIED_COPY, TIED_OWNER, set_selective_recomputation
+from model.gpt import TIED_COPY, TIED_OWNER, run_layers
 
 
 @lru_cache(maxsize=256)
@@ -41,37 +51,36 @@ def stage_bounds(n_layer: int, pp: int) -> tuple[int, ...]:
 class PipelineStages(PipelineModule):
     """This rank's stage of the layer list as a DeepSpeed PipelineModule.
 
-    layers: the full list, with this stage's layers built (sharded, allocated, initialised) and the
-    others left on the meta device, never touched. loss_fn applies on the last stage;
-    activation_checkpointing=k recomputes runs of k layers in backward (blocks only), "selective"
-    makes this stage's blocks recompute their LayerNorm and GELU outputs (model.layers.Block).
+    layers: the full list, with this stage's layers built (sharded, allocated, initialised, in their
+    modes) and the others left on the meta device, never touched. checkpoint_every = k > 0
+    recomputes each run of k blocks in backward, as a whole GPT does (model.gpt.run_layers).
 
     A stage whose own layers are on the meta device too is a shapes-only stage (parallel.build with
     device="meta"): it stays on meta (`shapes_only`), where DeepSpeed would move it to the accelerator.
     """
 
-    def __init__(self, layers: list[nn.Module], topology, loss_fn, activation_checkpointing: int | str = 0):
+    def __init__(self, layers: list[nn.Module], topology, checkpoint_every: int = 0):
         bounds = stage_bounds(len(layers) - 2, topology.pp_size)
         expected = list(bounds[topology.pp_rank : topology.pp_rank + 2])
-        selective = activation_checkpointing == SELECTIVE
-        set_selective_recomputation(layers[expected[0] : expected[1]], selective)
         on_meta = {p.is_meta for layer in layers[expected[0] : expected[1]] for p in layer.parameters()}
         if len(on_meta) > 1:
             raise ValueError("this stage's layers are partly on the meta device: build all of them, or none")
         self.shapes_only = on_meta == {True}  # a plain attribute, so it may be set before Module.__init__
         with contextlib.redirect_stdout(io.StringIO()):  # rank 0 prints the partition and seeds
-            super().__init__(
-                layers=layers,
-                topology=topology.grid_topology,
-                loss_fn=loss_fn,
-                partition_method="type:Block",
-                activation_checkpoint_interval=0 if selective else activation_checkpointing,
-                checkpointable_layers=["Block"],
-            )
+            super().__init__(layers=layers, topology=topology.grid_topology, partition_method="type:Block")
+        self.checkpoint_every = checkpoint_every
         if [self._local_start, self._local_stop] != expected:
             placed = [self._local_start, self._local_stop]
             raise RuntimeError(f"DeepSpeed put layers {placed} on this stage, expected {expected}")
         self.tied_comms = self._tie_embedding(len(layers) - 1)
+
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]):
+        """(token ids (B, T) on stage 0, else hidden states (B, T, d); targets (B, T)) → the same pair
+        for the next stage, or on the last stage the loss (the Head's, model.layers.Head)."""
+        x, targets = inputs
+        every = self.checkpoint_every if self.training else 0
+        out = run_layers(self.forward_funcs, x, targets, checkpoint_every=every)
+        return out if self.stage_id == self.num_stages - 1 else (out, targets)
 
     def to(self, *args, **kwargs):
         """nn.Module.to, except that a shapes-only stage stays on meta: it has no data to move, and

@@ -28,7 +28,6 @@ for parallel/naming.py alike.
 
 from __future__ import annotations
 
-import contextlib
 from functools import partial
 
 import torch
@@ -36,8 +35,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from model.fused_loss import fused_linear_cross_entropy, fused_lm_loss
-from model.layers import Embedding, lm_loss
+from model.fused_loss import fused_linear_cross_entropy
+from model.layers import Embedding
+from model.modes import Fixed
 from model.recompute import Recompute, linear
 from model.vocab import PaddedEmbedding, PaddedUnembedding, padded_vocab_size
 from parallel.comm import (
@@ -107,14 +107,21 @@ class ColumnParallelLinear(nn.Module):
     """y = x Aᵀ + b with A (n, k) split by output rows: rank i holds A_i = A[i·n/p : (i+1)·n/p] and b_i
     and returns its n/p output features y_i = x A_iᵀ + b_i.
 
-    x is replicated, and ∂L/∂x = Σ_i (∂L/∂y_i) A_i is a sum over ranks, all-reduced in backward: with
-    overlap (parallel.overlap_communication) issued asynchronously before the weight-gradient product
-    ∂L/∂A_i = (∂L/∂y_i)ᵀ x and waited on after it (parallel.comm.overlapped_reduction), without it by
-    copy_to_tp_region after the whole backward. With sequence parallelism x comes from an all-gather
-    whose backward is that sum as a reduce-scatter: with overlap the layer gathers its (B, T/p, k) input
-    itself (the LayerNorm before it then leaves its output split, SequenceParallelLayerNorm.gather_output)
-    and issues the reduce-scatter before the weight-gradient product, without it the LayerNorm gathers.
+    x is replicated, and ∂L/∂x = Σ_i (∂L/∂y_i) A_i is a sum over ranks, all-reduced in backward. How,
+    is fixed when the layer is built (`overlap`, `sequence_parallel`), as three parts of one forward:
+      copy_input         no overlap, no sequence parallelism: copy_to_tp_region sums ∂L/∂x after the
+                         whole backward
+      reduce_input_grad  overlap (parallel.overlap_communication): the all-reduce is issued
+                         asynchronously before the weight-gradient product ∂L/∂A_i = (∂L/∂y_i)ᵀ x and
+                         waited on after it (parallel.comm.overlapped_reduction)
+      gather_input       overlap with sequence parallelism: the layer gathers its (B, T/p, k) input
+                         itself, so the reduction it overlaps is that gather's adjoint, a reduce-scatter
+                         (the LayerNorm before it leaves its output split: SequenceParallelLayerNorm)
+    Sequence parallelism without overlap: the LayerNorm before gathers, and its backward reduce-scatters.
     """
+
+    sequence_parallel = Fixed()
+    overlap = Fixed()
 
     def __init__(
         self, in_features, out_features, group, bias=True, sequence_parallel=False, tag="", device=None, dtype=None,
@@ -122,7 +129,8 @@ class ColumnParallelLinear(nn.Module):
     ):  # fmt: skip
         super().__init__()
         rank, size = dist.get_rank(group), dist.get_world_size(group)
-        self.group, self.sequence_parallel, self.tag, self.overlap = group, sequence_parallel, tag, overlap
+        self.group, self.tag = group, tag
+        self.sequence_parallel, self.overlap = sequence_parallel, overlap
         local = _local(out_features, size, f"{tag or 'column-parallel'} out_features")
         self.weight = nn.Parameter(torch.empty(local, in_features, device=device, dtype=dtype))
         _mark(self.weight, (out_features, in_features), SPLIT_DIMS["column"]["weight"], rank, size)
@@ -130,20 +138,19 @@ class ColumnParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(local, device=device, dtype=dtype))
             _mark(self.bias, (out_features,), SPLIT_DIMS["column"]["bias"], rank, size)
+        self.copy_input = not (sequence_parallel or overlap)
+        self.reduce_input_grad = None
+        if overlap:
+            self.reduce_input_grad = overlapped_reduction(group, tag, sequence_dim=1 if sequence_parallel else None)
+        self.gather_input = sequence_gather(group, tag, dim=1) if sequence_parallel and overlap else None
 
-    def forward(self, x: torch.Tensor, recompute: Recompute | None = None) -> torch.Tensor:  # x (B, T, k), replicated
-        """recompute: how backward gets x back instead of keeping it (model/recompute.py)."""
-        if self.sequence_parallel and self.overlap:  # x (B, T/p, k), this rank's piece of the sequence
-            reduction = overlapped_reduction(self.group, self.tag, sequence_dim=1)
-            gather = sequence_gather(self.group, self.tag, dim=1)
-            return linear(x, self.weight, self.bias, recompute, reduction, gather)  # (B, T, n/p)
-        if self.sequence_parallel:
-            return linear(x, self.weight, self.bias, recompute)  # (B, T, n/p)
-        if self.overlap and torch.is_grad_enabled():
-            reduction = overlapped_reduction(self.group, self.tag)
-            return linear(x, self.weight, self.bias, recompute, reduction)  # (B, T, n/p)
-        x = copy_to_tp_region(x, self.group, self.tag)
-        return linear(x, self.weight, self.bias, recompute)  # (B, T, n/p)
+    def forward(self, x: torch.Tensor, recompute: Recompute | None = None) -> torch.Tensor:
+        """x (B, T, k) replicated, or this rank's (B, T/p, k) when the layer gathers it; recompute: how
+        backward gets x back instead of keeping it (model/recompute.py)."""
+        if self.copy_input:
+            x = copy_to_tp_region(x, self.group, self.tag)
+        reduce_input_grad = self.reduce_input_grad if torch.is_grad_enabled() else None
+        return linear(x, self.weight, self.bias, recompute, reduce_input_grad, self.gather_input)  # (B, T, n/p)
 
 
 class RowParallelLinear(nn.Module):
@@ -154,6 +161,8 @@ class RowParallelLinear(nn.Module):
     that leaves each rank its 1/p of the sequence. b is replicated and added once, after the sum;
     with sequence parallelism each rank's b sees only its tokens, so its gradient is summed over ranks.
     """
+
+    sequence_parallel = Fixed()
 
     def __init__(
         self, in_features, out_features, group, bias=True, sequence_parallel=False, tag="", device=None, dtype=None
@@ -210,28 +219,41 @@ class VocabParallelUnembedding(nn.Module):
     parallelism, the final LayerNorm's gather). Columns ≥ V are padding: the loss and gather_logits
     drop them.
 
-    Given targets (B, T) it returns their mean cross-entropy instead, chunk by chunk without the
-    logits (model/fused_loss.py), with the three all-reduces of _VocabParallelCrossEntropy per chunk
-    over the tp group; h's gradient is this rank's term, summed as above.
+    `loss(h, targets)` is the mean cross-entropy, in the mode fixed at construction: with `fused_loss`
+    chunk by chunk without the logits (model/fused_loss.py), with the three all-reduces of
+    _VocabParallelCrossEntropy per chunk over the tp group; else from this rank's logits, by
+    vocab_parallel_cross_entropy. h's gradient is this rank's term, summed as above.
     """
 
-    def __init__(self, vocab_size, in_features, group, sequence_parallel=False, tag="", device=None, dtype=None):
+    sequence_parallel = Fixed()
+    fused_loss = Fixed()
+
+    def __init__(self, vocab_size, in_features, group, sequence_parallel=False, tag="", device=None, dtype=None,
+                 fused_loss=False):
         super().__init__()
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         padded = padded_vocab_size(vocab_size, size)
-        self.group, self.sequence_parallel, self.tag = group, sequence_parallel, tag
+        self.group, self.tag = group, tag
+        self.sequence_parallel, self.fused_loss = sequence_parallel, fused_loss
         self.vocab_size = vocab_size
         self.weight = nn.Parameter(torch.empty(padded // size, in_features, device=device, dtype=dtype))
         _mark(self.weight, (vocab_size, in_features), SPLIT_DIMS["vocab"]["weight"], rank, size, padded)
 
-    def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
-        if not self.sequence_parallel:  # h (B, T, d)
-            h = copy_to_tp_region(h, self.group, self.tag)
-        if targets is None:
-            return F.linear(h, self.weight)  # (B, T, Vp/p)
+    def _replicated(self, h: torch.Tensor) -> torch.Tensor:
+        return h if self.sequence_parallel else copy_to_tp_region(h, self.group, self.tag)  # (B, T, d)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(self._replicated(h), self.weight)  # (B, T, Vp/p)
+
+    def loss(self, h: torch.Tensor, targets: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
+        """Mean cross-entropy of the logits of h (B, T, d) against targets (B, T) (chunk: tokens per chunk
+        of the fused loss, model.fused_loss.token_chunk by default)."""
+        if not self.fused_loss:
+            return vocab_parallel_cross_entropy(self(h), targets, self.group, self.vocab_size)
         group, tag = self.group, "loss"
         return fused_linear_cross_entropy(
-            h, self.weight, targets, self.vocab_size, chunk=chunk, start=dist.get_rank(group) * self.weight.shape[0],
+            self._replicated(h), self.weight, targets, self.vocab_size, chunk=chunk,
+            start=dist.get_rank(group) * self.weight.shape[0],
             reduce_max=lambda x: all_reduce(x, group, tag, "forward", op=dist.ReduceOp.MAX),
             reduce_sum=lambda x: all_reduce(x, group, tag, "forward"),
         )
@@ -240,18 +262,17 @@ class VocabParallelUnembedding(nn.Module):
 class SequenceParallelLayerNorm(nn.LayerNorm):
     """LayerNorm on this rank's 1/p of the sequence, then the all-gather the next column-parallel layer
     needs: (B, T/p, d) → (B, T, d). γ and β are replicated but see only local tokens, so their
-    gradients are summed over ranks (copy_to_tp_region). With gather_output off it returns its
-    (B, T/p, d) piece, for a column-parallel layer that gathers it itself (set_overlap). With
-    sequence_parallel off (generation, see sequence_parallel_disabled) it is a plain LayerNorm of the
-    whole sequence."""
+    gradients are summed over ranks (copy_to_tp_region). Built with gather_output off it returns its
+    (B, T/p, d) piece, for a column-parallel layer that gathers it itself (one that overlaps)."""
 
-    def __init__(self, normalized_shape, eps, group, tag="", device=None, dtype=None):
+    gather_output = Fixed()
+    sequence_parallel = True  # its output is gathered over ranks: a Block keeps it rather than recompute it
+
+    def __init__(self, normalized_shape, eps, group, tag="", device=None, dtype=None, gather_output=True):
         super().__init__(normalized_shape, eps=eps, device=device, dtype=dtype)
-        self.group, self.tag, self.sequence_parallel, self.gather_output = group, tag, True, True
+        self.group, self.tag, self.gather_output = group, tag, gather_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, T/p, d)
-        if not self.sequence_parallel:
-            return super().forward(x)  # (B, T, d)
         weight = copy_to_tp_region(self.weight, self.group, self.tag)
         bias = copy_to_tp_region(self.bias, self.group, self.tag)
         y = F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)  # (B, T/p, d)
@@ -297,8 +318,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         softmax, local_target, owned, keep, count = ctx.saved_tensors
         grad = softmax.clone()  # (N, Vp/p)
-        rows = owned.nonzero().squeeze(-1)
-        grad[rows, local_target[rows]] -= 1.0
+        # − 1 at each owned target's column (− 0 elsewhere): no host sync to find the rows
+        grad.scatter_add_(1, local_target.unsqueeze(-1), -owned.to(grad.dtype).unsqueeze(-1))
         grad *= (keep * (grad_loss / count)).unsqueeze(-1)
         return grad.to(ctx.logits_dtype), None, None, None, None, None
 
@@ -333,50 +354,38 @@ class FullLogits(nn.Module):
         return logits
 
 
-class _ScatterSequence:
-    """Forward hook on the embedding: keep this rank's 1/p of its output's sequence, (B, T, d) → (B, T/p, d)."""
+def _scatter_sequence(group, tag: str):
+    """Forward hook on the embedding of a sequence-parallel model: keep this rank's 1/p of its output's
+    sequence, (B, T, d) → (B, T/p, d)."""
 
-    def __init__(self, group, tag: str):
-        self.group, self.tag, self.sequence_parallel = group, tag, True
+    def hook(module, inputs, output):
+        return scatter_to_tp_region(output, group, dim=1, tag=tag)
 
-    def __call__(self, module, inputs, output):
-        return scatter_to_tp_region(output, self.group, dim=1, tag=self.tag) if self.sequence_parallel else None
-
-
-@contextlib.contextmanager
-def sequence_parallel_disabled(module: nn.Module):
-    """Inside the block, a sequence-parallel model computes as the plain tensor-parallel one: the
-    embedding output stays whole, LayerNorms see every token, the row-parallel layers all-reduce.
-    Same weights, same math; for generation, whose steps of one token cannot be split over ranks."""
-    switches = [m for m in module.modules() if hasattr(m, "sequence_parallel")]
-    switches += [h for m in module.modules() for h in m._forward_hooks.values() if isinstance(h, _ScatterSequence)]
-    before = [s.sequence_parallel for s in switches]
-    for switch in switches:
-        switch.sequence_parallel = False
-    try:
-        yield module
-    finally:
-        for switch, value in zip(switches, before):
-            switch.sequence_parallel = value
+    return hook
 
 
-def _build(style: str, name: str, module: nn.Module, group, sequence_parallel: bool) -> nn.Module:
-    """The tensor-parallel replacement for `module` (same shapes when unsharded, same parameter names)."""
+def _build(style: str, name: str, module: nn.Module, group, sequence_parallel: bool, overlap: bool) -> nn.Module:
+    """The tensor-parallel replacement for `module` (same shapes when unsharded, same parameter names),
+    built in its modes: sequence parallelism, overlap, and the unembedding's loss (kept from `module`)."""
     kinds = {"column": nn.Linear, "row": nn.Linear, "vocab": (PaddedEmbedding, PaddedUnembedding), "sequence": nn.LayerNorm}
     if style not in kinds:
         raise ValueError(f"plan maps {name!r} to {style!r}; styles are {sorted(kinds)}")
     if not isinstance(module, kinds[style]):
         raise TypeError(f"plan maps {name!r} ({type(module).__name__}) to {style!r}, which needs {kinds[style]}")
     like = {"device": module.weight.device, "dtype": module.weight.dtype}
-    if style == "sequence":
-        return SequenceParallelLayerNorm(module.normalized_shape, module.eps, group, tag=name, **like)
+    if style == "sequence":  # the LayerNorm before a column layer that gathers its input itself leaves it split
+        gather = not (overlap and name.rpartition(".")[2] in NORM_BEFORE_COLUMN)
+        return SequenceParallelLayerNorm(module.normalized_shape, module.eps, group, tag=name, gather_output=gather, **like)
     if style == "vocab" and isinstance(module, PaddedEmbedding):
         return VocabParallelEmbedding(module.vocab_size, module.embedding_dim, group, tag=name, **like)
     if style == "vocab":
-        return VocabParallelUnembedding(module.vocab_size, module.in_features, group, sequence_parallel, tag=name, **like)
-    cls = ColumnParallelLinear if style == "column" else RowParallelLinear
+        return VocabParallelUnembedding(module.vocab_size, module.in_features, group, sequence_parallel, tag=name,
+                                        fused_loss=module.fused_loss, **like)
     has_bias = module.bias is not None
-    return cls(module.in_features, module.out_features, group, has_bias, sequence_parallel, tag=name, **like)
+    if style == "column":
+        return ColumnParallelLinear(module.in_features, module.out_features, group, has_bias, sequence_parallel,
+                                    tag=name, overlap=overlap, **like)
+    return RowParallelLinear(module.in_features, module.out_features, group, has_bias, sequence_parallel, tag=name, **like)
 
 
 def shard(
@@ -385,9 +394,9 @@ def shard(
     """Make `model` (a GPT) tensor-parallel over topology.tp_group, in place; returns it.
 
     Every module whose qualified name equals a plan key or ends with "." + key is swapped for its
-    tensor-parallel version (all are built and checked before the model is touched); the
-    unembedding is re-tied to the vocab-parallel embedding and model.loss_fn becomes
-    `loss_for(model.head)`. Swapped parameters carry full_shape / shard_of (init draws them
+    tensor-parallel version, built in its modes (all are built and checked before the model is
+    touched; the unembedding keeps its loss mode); the unembedding is re-tied to the vocab-parallel
+    embedding. Swapped parameters carry full_shape / shard_of (init draws them
     full and keeps this rank's piece) and model_parallel=True (DeepSpeed then counts them on every
     tp rank in gradient norms; replicated ones only on tp rank 0). A model on meta stays on meta,
     for model.materialize(device, seed); a materialised one keeps its values, cut to this rank's
@@ -395,7 +404,9 @@ def shard(
 
     sequence_parallel=True also splits the activations between blocks along the sequence
     (B, T/p, d): LayerNorms run on local tokens (SEQUENCE_PARALLEL_PLAN), the embedding output is
-    scattered, and T must be a multiple of tp. overlap: see set_overlap (parallel.overlap_communication).
+    scattered, and T must be a multiple of tp. overlap (parallel.overlap_communication): every
+    column-parallel layer overlaps its input-gradient reduction with its weight-gradient product in
+    backward (ColumnParallelLinear), instead of reducing after the whole backward.
     """
     if topology.tp_size == 1:
         return model
@@ -404,12 +415,11 @@ def shard(
     plan = full_plan(plan, sequence_parallel)
     check_plan(plan, [name for name, _ in model.named_modules()])
     group = topology.tp_group
-    swaps = [_replacements(layer, plan, group, sequence_parallel, f"layers.{i}") for i, layer in enumerate(model.layers)]
+    swaps = [_replacements(layer, plan, group, sequence_parallel, overlap, f"layers.{i}")
+             for i, layer in enumerate(model.layers)]
     for index, layer in enumerate(model.layers):  # nothing is installed before every swap was built
         _install(layer, swaps[index], group, sequence_parallel, f"layers.{index}")
-    set_overlap(model, overlap)
     model.tie_weights()
-    model.loss_fn = loss_for(model.head)
     return model
 
 
@@ -432,22 +442,9 @@ def shard_layer(
     if topology.tp_size > 1:
         prefix = "" if index is None else f"layers.{index}"
         plan = full_plan(plan, sequence_parallel)
-        swaps = _replacements(layer, plan, topology.tp_group, sequence_parallel, prefix)
+        swaps = _replacements(layer, plan, topology.tp_group, sequence_parallel, overlap, prefix)
         _install(layer, swaps, topology.tp_group, sequence_parallel, prefix)
-        set_overlap(layer, overlap)
     return layer
-
-
-def set_overlap(module: nn.Module, on: bool) -> None:
-    """Make every column-parallel layer in `module` overlap its input-gradient reduction with its
-    weight-gradient product in backward (on), or reduce after the whole backward (off). Under
-    sequence parallelism the column layer then gathers its input itself, so the LayerNorm before it
-    (NORM_BEFORE_COLUMN) leaves its output split."""
-    for name, layer in module.named_modules():
-        if isinstance(layer, ColumnParallelLinear):
-            layer.overlap = on
-        if isinstance(layer, SequenceParallelLayerNorm) and name.rpartition(".")[2] in NORM_BEFORE_COLUMN:
-            layer.gather_output = not on
 
 
 def full_plan(plan: dict[str, str], sequence_parallel: bool) -> dict[str, str]:
@@ -460,23 +457,6 @@ def check_plan(plan: dict[str, str], module_names: list[str]) -> None:
     unused = sorted(key for key in plan if not any(_matches(key, name) for name in module_names))
     if unused:
         raise ValueError(f"plan keys {unused} match no module of the model")
-
-
-def loss_for(head: nn.Module | None):
-    """The training loss for what `head` outputs, the one place it is chosen, for a whole GPT and
-    for a pipeline's last stage alike:
-      hidden states (head.emits_hidden)   the head's unembedding called with the targets: the fused
-                                          unembedding + cross-entropy (model.fused_loss.fused_lm_loss),
-                                          vocab-parallel when the unembedding is
-      logits (B, T, Vp/p)                 vocab_parallel_cross_entropy over the unembedding's tp group
-      logits (B, T, V)                    the plain cross-entropy (model.layers.lm_loss)
-    A stage without the head (None) gets lm_loss, which it never calls."""
-    unembedding = getattr(head, "lm_head", None)
-    if getattr(head, "emits_hidden", False):
-        return partial(fused_lm_loss, head=head)
-    if isinstance(unembedding, VocabParallelUnembedding):
-        return partial(vocab_parallel_cross_entropy, group=unembedding.group, vocab_size=unembedding.vocab_size)
-    return lm_loss
 
 
 def tied_unembedding(embedding: nn.Module, vocab_size: int, topology) -> nn.Module:
@@ -506,7 +486,9 @@ def _matches(key: str, name: str) -> bool:
     return name == key or name.endswith("." + key)
 
 
-def _replacements(root: nn.Module, plan: dict[str, str], group, sequence_parallel: bool, prefix: str = "") -> dict[str, nn.Module]:
+def _replacements(
+    root: nn.Module, plan: dict[str, str], group, sequence_parallel: bool, overlap: bool, prefix: str = ""
+) -> dict[str, nn.Module]:
     """Module name under root → its tensor-parallel replacement (built and checked, not yet installed).
     Plan keys are matched against, and tags taken from, the names with `prefix`."""
     swaps = {}
@@ -514,7 +496,7 @@ def _replacements(root: nn.Module, plan: dict[str, str], group, sequence_paralle
         full = ".".join(part for part in (prefix, name) if part)
         style = plan_style(plan, full)
         if style is not None:
-            swaps[name] = _build(style, full, module, group, sequence_parallel)
+            swaps[name] = _build(style, full, module, group, sequence_parallel, overlap)
     return swaps
 
 
@@ -526,7 +508,7 @@ def _install(root: nn.Module, swaps: dict[str, nn.Module], group, sequence_paral
         parent, _, attr = name.rpartition(".")
         setattr(root.get_submodule(parent), attr, new)
     if sequence_parallel and isinstance(root, Embedding):
-        root.register_forward_hook(_ScatterSequence(group, tag))
+        root.register_forward_hook(_scatter_sequence(group, tag))
 
 
 @torch.no_grad()

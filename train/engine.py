@@ -19,7 +19,8 @@ from datetime import timedelta
 import torch
 from omegaconf import OmegaConf
 
-from train.precision import deepspeed_settings, resolve_precision
+from train.optimizer import ELSEWHERE, GIVEN_NORM, OWN_NORM
+from train.precision import bf16_weights, deepspeed_settings, resolve_precision
 
 DEVICES = ("auto", "cpu", "cuda")
 # DeepSpeed's step counters a checkpoint keeps (the engine's attributes of these names, all ints)
@@ -120,13 +121,14 @@ def deepspeed_config(cfg, dp_size: int, device: torch.device, plan=None) -> dict
         "train_batch_size": train.global_batch_size,
         "train_micro_batch_size_per_gpu": train.micro_batch_size,
         "gradient_accumulation_steps": accumulation,
-        # ZeRO ≥ 1 (also bf16's, train/precision.py): DeepSpeed's optimizer clips. ZeRO-0: our ClippingAdamW
-        # does (train/optimizer.py), since DeepSpeed's own ZeRO-0 clipping neither reports the norm nor
-        # counts pipeline stages right.
-        "gradient_clipping": float(cfg.optim.grad_clip) if zero["stage"] > 0 else 0.0,
+        # who clips: see `clipping`
+        "gradient_clipping": float(cfg.optim.grad_clip) if clipping(cfg, device) == ELSEWHERE else 0.0,
         "zero_optimization": zero,
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
+        # DeepSpeed's throughput timer synchronizes the device at the start and end of every micro batch;
+        # gpt3d times steps itself (train/metrics.py: Meter), reading the device once per logged step
+        "timers": {"throughput": {"enabled": False}},
         "zero_allow_untested_optimizer": True,
         # our AdamW (GPT-3 settings, exact one-process equivalence) also when its state is offloaded
         "zero_force_ds_cpu_optimizer": False,
@@ -148,11 +150,18 @@ def _merge(base: dict, extra: dict) -> dict:
     return merged
 
 
-def client_clips(cfg, device: torch.device) -> bool:
-    """Our ClippingAdamW clips (and skips non-finite steps) itself: when DeepSpeed runs no optimizer
-    of its own around it, i.e. at ZeRO stage 0 in fp32 or autocast (see deepspeed_config)."""
+def clipping(cfg, device: torch.device) -> str:
+    """Who clips the gradient (train/optimizer.py: ClippingAdamW):
+      OWN_NORM         ZeRO stage 0 in fp32 or autocast: DeepSpeed runs no optimizer around ours, and its
+                       own ZeRO-0 clipping neither reports the norm nor counts pipeline stages right
+      GIVEN_NORM       bf16 at ZeRO stage ≤ 1: DeepSpeed's bf16 optimizer computes the norm and skips a
+                       non-finite step; ours clips by that norm without reading it back
+      ELSEWHERE        ZeRO stage ≥ 1 otherwise (train/precision.py): DeepSpeed's ZeRO optimizer clips"""
     precision = resolve_precision(cfg.train.precision, device)
-    return deepspeed_settings(precision, int(cfg.parallel.zero_stage))["zero_optimization"]["stage"] == 0
+    settings = deepspeed_settings(precision, int(cfg.parallel.zero_stage))
+    if settings["zero_optimization"]["stage"] == 0:
+        return OWN_NORM
+    return GIVEN_NORM if bf16_weights(precision) and int(cfg.parallel.zero_stage) <= 1 else ELSEWHERE
 
 
 def create_engine(model, optimizer, lr_scheduler, ds_config: dict, mpu=None):

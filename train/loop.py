@@ -28,7 +28,7 @@ from train.checkpoint.writer import CheckpointWriter, is_async, remove_leftovers
 from train.config.spec import RunSpec
 from train.guard.safeguards import Safeguards
 from train.metrics import Meter, full_shapes_model, mean_over_ranks
-from train.optimizer import TokenLR, make_optimizer
+from train.optimizer import GIVEN_NORM, TokenLR, make_optimizer
 from train.precision import resolve_precision
 from train.step import TrainStep
 
@@ -206,7 +206,8 @@ def build(spec: RunSpec) -> Trainer:
     # A PipelineModule brings its own grid (same topology) and DeepSpeed then wants no mpu of ours.
     mpu = model.mpu() if pipelined else topology.mpu
     schedule = spec.schedule.schedule  # a resume keeps its checkpoint's (train/checkpoint/resume_checks.py)
-    optimizer = make_optimizer(model, cfg.optim, schedule.peak_lr, clip=engines.client_clips(cfg, device), mpu=mpu)
+    clip = engines.clipping(cfg, device)
+    optimizer = make_optimizer(model, cfg.optim, schedule.peak_lr, clip=clip, mpu=mpu)
     lr = TokenLR(optimizer, schedule, ramp.size_at(0) * model_cfg.seq_len)
     engine = engines.create_engine(
         model,
@@ -215,6 +216,8 @@ def build(spec: RunSpec) -> Trainer:
         engines.deepspeed_config(cfg, topology.dp_size, device, spec.plan),
         mpu=None if pipelined else mpu,
     )
+    if clip == GIVEN_NORM:
+        optimizer.take_norm_from(engine.optimizer)  # DeepSpeed's bf16 optimizer, which computes the norm
     # Ranks of one data-parallel replica (its tp and pp ranks) read the same windows.
     train, dp = cfg.train, (topology.dp_rank, topology.dp_size)
     speaks = topology.tp_rank == 0 and topology.pp_rank == 0  # one warning per data-parallel replica

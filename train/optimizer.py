@@ -85,30 +85,49 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
+# Who clips the gradient (train/engine.py: clipping decides for a run):
+OWN_NORM = "own norm"  # ClippingAdamW computes ‖g‖, skips a non-finite step and clips (ZeRO stage 0)
+GIVEN_NORM = "given norm"  # DeepSpeed's bf16 optimizer computes ‖g‖ and skips; ClippingAdamW clips on the device
+ELSEWHERE = "elsewhere"  # plain AdamW: DeepSpeed's ZeRO optimizer (or the caller) computes, skips and clips
+
+
 class ClippingAdamW(torch.optim.AdamW):
-    """AdamW that first clips the gradients to a global L2 norm and records that norm (pre-clip) as
-    `_global_grad_norm`, where DeepSpeed's engines read it after each step.
+    """AdamW that first clips the gradients to a global L2 norm, g ← g · min(1, max_norm / (‖g‖ + 1e-6)).
 
-    g ← g · min(1, max_norm / (‖g‖ + 1e-6)), ‖g‖ over the whole model whatever the layout (see
-    `global_grad_norm`); max_norm = 0 measures without clipping, as DeepSpeed reads 0. Used at ZeRO
-    stage 0; at stages ≥ 1 DeepSpeed's ZeRO optimizer clips instead (max_norm=None).
+    clip=OWN_NORM: ‖g‖ over the whole model whatever the layout (see `global_grad_norm`), recorded
+    (pre-clip) as `_global_grad_norm`, where DeepSpeed's engines read it after each step; max_norm = 0
+    measures without clipping, as DeepSpeed reads 0. A non-finite norm (inf or nan, recorded as nan)
+    skips the update: no weight, moment or step-count changes, and `overflow` is set, which is how
+    DeepSpeed's engine learns of a skipped step (it then leaves the LR schedule alone and counts
+    `engine.skipped_steps`, as for its own ZeRO and fp16 optimizers). The norm is the same on every
+    rank, so every rank skips. Used at ZeRO stage 0 in fp32 and autocast.
 
-    A non-finite norm (inf or nan, recorded as nan) skips the update: no weight, moment or step-count
-    changes, and `overflow` is set, which is how DeepSpeed's engine learns of a skipped step (it then
-    leaves the LR schedule alone and counts `engine.skipped_steps`, as for its own ZeRO and fp16
-    optimizers). The norm is the same on every rank, so every rank skips.
+    clip=GIVEN_NORM: inside DeepSpeed's bf16 optimizer (train.precision=bf16, ZeRO stage ≤ 1), which
+    computes ‖g‖ (`take_norm_from`) and skips a non-finite step before calling this one; the factor is
+    computed and applied on the device, so clipping reads nothing back (DeepSpeed's own clip would
+    read the factor to the host). Equal bit for bit to DeepSpeed's: a factor ≥ 1 multiplies by exactly 1.
+
+    clip=ELSEWHERE: plain AdamW; DeepSpeed's ZeRO optimizer (or the caller) clips.
     """
 
-    def __init__(self, params, max_norm: float | None, mpu=None, **adamw_kwargs):
+    def __init__(self, params, max_norm: float, clip: str = OWN_NORM, mpu=None, **adamw_kwargs):
         super().__init__(params, **adamw_kwargs)
-        self.max_norm, self.mpu = max_norm, mpu
+        self.max_norm, self.clip, self.mpu = max_norm, clip, mpu
         self._global_grad_norm = None
         self.overflow = False
+        self._norm_holder = None
+
+    def take_norm_from(self, holder) -> None:
+        """clip=GIVEN_NORM: `holder._global_grad_norm` (DeepSpeed's bf16 optimizer) is ‖g‖ when step runs."""
+        self._norm_holder = holder
 
     @torch.no_grad()
     def step(self, closure=None):
-        if self.max_norm is not None:
-            params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if self.clip == GIVEN_NORM and self.max_norm > 0:
+            factor = torch.clamp(self.max_norm / (self._norm_holder._global_grad_norm + 1e-6), max=1.0)
+            torch._foreach_mul_([p.grad for p in params], factor)
+        if self.clip == OWN_NORM:
             norm = global_grad_norm(params, self.mpu)
             self._global_grad_norm = norm
             self.overflow = not math.isfinite(norm)
@@ -140,11 +159,12 @@ def global_grad_norm(params: list[torch.Tensor], mpu=None) -> float:
     return float("nan") if norm < 0 else norm  # DeepSpeed reports an inf/nan norm as -1
 
 
-def make_optimizer(model: nn.Module, optim_cfg, peak_lr: float, clip: bool = True, mpu=None) -> ClippingAdamW:
-    """GPT-3's AdamW; clip=False leaves clipping to DeepSpeed's ZeRO optimizer."""
+def make_optimizer(model: nn.Module, optim_cfg, peak_lr: float, clip: str = OWN_NORM, mpu=None) -> ClippingAdamW:
+    """GPT-3's AdamW, clipping as `clip` says (see ClippingAdamW)."""
     return ClippingAdamW(
         param_groups(model, float(optim_cfg.weight_decay)),
-        max_norm=float(optim_cfg.grad_clip) if clip else None,
+        max_norm=float(optim_cfg.grad_clip),
+        clip=clip,
         mpu=mpu,
         lr=peak_lr,
         betas=tuple(optim_cfg.betas),

@@ -6,7 +6,10 @@ into micro batches of `micro_batch_size` (inputs = window[:, :-1], targets = win
 
   DeepSpeedEngine (pp = 1)   forward, backward and engine.step() per micro batch; DeepSpeed
                              accumulates and updates at the last one
-  PipelineEngine  (pp > 1)   train_batch over all micro batches (1F1B schedule, one update)
+  PipelineEngine  (pp > 1)   train_batch over all micro batches (1F1B schedule, one update); each
+                             micro batch enters as ((inputs, targets), None): the targets travel
+                             with the activations to the last stage, whose forward returns the
+                             loss (parallel/pipeline.py), so DeepSpeed gets no labels of its own
 
 The number of micro batches may change from step to step (a batch-size ramp, train/batch_ramp.py):
 the engine's gradient accumulation follows it (`set_train_batch_size`: DeepSpeed divides each micro
@@ -15,29 +18,34 @@ last micro batch is marked as the accumulation boundary, since DeepSpeed's own b
 micro batches since the start of the run.
 
 Both return the mean loss over the micro batches, on the device (no host sync), the pre-clip
-global gradient norm, the learning rate the update used and whether the update was skipped. Reading
-the norm is the step's one host sync of ours, whatever the number of micro batches (the optimizer
-that computes the norm syncs once more to decide on a skip); evaluation reads its losses once per
-batch. Every loss goes through `faults.flag_non_finite` before backward, so a non-finite loss on any rank makes
-every rank's optimizer skip the update (train/guard/nonfinite.py); DeepSpeed counts the skip in
+global gradient norm (as the engine holds it: read from the device only when asked, at logging),
+the learning rate the update used and whether the update was skipped. A step reads nothing from the
+device itself, whatever the number of micro batches: the optimizer that computes the norm reads it
+once, to decide on a skip (tests/train/test_step_syncs.py counts); evaluation reads its losses once
+per batch. The model's loss comes flagged (model.layers.flag_non_finite), so a non-finite loss on any rank
+makes every rank's optimizer skip the update (train/guard/nonfinite.py); DeepSpeed counts the skip in
 `engine.skipped_steps`.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
-
-from train.guard.nonfinite import flag_non_finite, flagging
 
 
 @dataclass
 class StepResult:
     loss: torch.Tensor  # mean loss over this rank's micro batches: a float32 scalar on the device
-    grad_norm: float | None  # global L2 norm of the gradient before clipping (None if the engine gives none)
+    reported_norm: torch.Tensor | float | None  # the engine's pre-clip gradient norm, as it holds it (None: none)
     lr: float  # the learning rate of this update
     skipped: bool = False  # the optimizer skipped the update (a non-finite loss or gradient on some rank)
+
+    @functools.cached_property
+    def grad_norm(self) -> float | None:
+        """Global L2 norm of the gradient before clipping, as a number: read from the device once, when asked."""
+        return None if self.reported_norm is None else float(self.reported_norm)
 
 
 class TrainStep:
@@ -49,8 +57,6 @@ class TrainStep:
         self.engine, self.micro_batch_size, self.device = engine, micro_batch_size, device
         self.autocast = autocast  # train.precision=autocast: evaluation under bf16 autocast too
         self.pipelined = isinstance(engine, PipelineEngine)
-        if self.pipelined:  # the last stage's loss, computed inside DeepSpeed's schedule
-            engine.module.loss_fn = flagging(engine.module.loss_fn)
 
     def __call__(self, windows: torch.Tensor) -> StepResult:
         """One optimizer step on this rank's windows (n, T + 1) of the global batch, marked as a
@@ -66,17 +72,16 @@ class TrainStep:
         lr = engine.get_lr()[0]  # the rate this step uses (train/optimizer.py: TokenLR)
         skipped_before = engine.skipped_steps
         if self.pipelined:
-            loss = engine.train_batch(data_iter=iter(micro_batches))  # 1F1B over all micro batches
+            loss = engine.train_batch(data_iter=pipeline_inputs(micro_batches))  # 1F1B over all micro batches
         else:
             loss = 0.0
             for k, (inputs, targets) in enumerate(micro_batches):
                 engine.set_gradient_accumulation_boundary(k == len(micro_batches) - 1)
                 micro_loss = engine(inputs, targets)
-                engine.backward(flag_non_finite(micro_loss))
+                engine.backward(micro_loss)
                 engine.step()
                 loss += micro_loss.detach().float() / len(micro_batches)
-        grad_norm = engine.get_global_grad_norm()
-        return StepResult(loss, None if grad_norm is None else float(grad_norm), lr, engine.skipped_steps > skipped_before)
+        return StepResult(loss, engine.get_global_grad_norm(), lr, engine.skipped_steps > skipped_before)
 
     def _accumulate(self, micro_batches: int) -> None:
         """Make the engine accumulate `micro_batches` micro batches per update (the global batch is
@@ -96,7 +101,7 @@ class TrainStep:
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.autocast):
                 if self.pipelined:
                     n = len(micro_batches)
-                    losses.append(float(engine.eval_batch(data_iter=iter(micro_batches), num_micro_batches=n)))
+                    losses.append(float(engine.eval_batch(data_iter=pipeline_inputs(micro_batches), num_micro_batches=n)))
                 else:  # read once per batch: one host sync, not one per micro batch
                     losses += torch.stack([engine(inputs, targets).float() for inputs, targets in micro_batches]).tolist()
         engine.train()
@@ -106,3 +111,9 @@ class TrainStep:
 def micro_batch_split(windows: torch.Tensor, size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(inputs, targets) pairs of `size` sequences from windows (n, T+1): inputs (size, T), targets shifted by one."""
     return [(m[:, :-1], m[:, 1:]) for m in windows.split(size)]
+
+
+def pipeline_inputs(micro_batches: list[tuple[torch.Tensor, torch.Tensor]]):
+    """The pipeline engine's batches: ((inputs, targets), None) each; stage 0 loads the pair, whose
+    targets reach the last stage with the activations, and no stage loads labels (parallel/pipeline.py)."""
+    return iter([(pair, None) for pair in micro_batches])

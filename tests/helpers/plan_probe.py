@@ -86,7 +86,7 @@ def probe(model: dict, tp: int, pp: int, zero_stages: list[int], global_batch: i
         model_obj = build_model(cfg_model, topology, cfg.train.seed, torch.device("cpu"), options)
         pipelined = pp > 1
         mpu = model_obj.mpu() if pipelined else topology.mpu
-        optimizer = make_optimizer(model_obj, cfg.optim, 1e-3, clip=stage == 0, mpu=mpu)
+        optimizer = make_optimizer(model_obj, cfg.optim, 1e-3, clip=engines.clipping(cfg, torch.device("cpu")), mpu=mpu)
         scheduler = TokenLR(optimizer, make_schedule(cfg.optim, "probe", 64 * 10), 64)
         ds_config = engines.deepspeed_config(cfg, topology.dp_size, torch.device("cpu"))
         engine = engines.create_engine(model_obj, optimizer, scheduler, ds_config, mpu=None if pipelined else mpu)

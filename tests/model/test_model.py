@@ -7,6 +7,7 @@ import torch
 import yaml
 
 from model import GPT, GPTConfig, build, count_parameters
+from model.modes import LayerModes
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "model"
 
@@ -175,8 +176,8 @@ def test_tied_matrix_is_drawn_as_the_embedding():
 
 def test_activation_checkpointing_gives_the_same_gradients():
     cfg = GPTConfig(n_layer=3, n_head=2, d_model=16, seq_len=8, vocab_size=30)
-    plain, ckpt = build(cfg, seed=4), build(cfg, seed=4)
-    ckpt.activation_checkpointing = 2  # segments [block 0, block 1], [block 2]
+    plain = build(cfg, seed=4)
+    ckpt = build(cfg, seed=4, modes=LayerModes(activation_checkpointing=2))  # segments [block 0, block 1], [block 2]
     idx = torch.randint(0, 30, (2, 8))
     plain(idx, idx).backward()
     ckpt(idx, idx).backward()

@@ -13,6 +13,7 @@ import torch
 
 from model import GPTConfig
 from model.gpt import build
+from model.modes import LayerModes
 from saved_bytes import saved_bytes
 
 CFG = GPTConfig(name="toy", n_layer=2, n_head=2, d_model=32, seq_len=32, vocab_size=100)
@@ -24,8 +25,7 @@ def _tokens(cfg: GPTConfig) -> torch.Tensor:
 
 
 def _loss_and_grads(cfg: GPTConfig, mode) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    model = build(cfg, "cpu", seed=1)
-    model.activation_checkpointing = mode
+    model = build(cfg, "cpu", seed=1, modes=LayerModes(activation_checkpointing=mode))
     tokens = _tokens(cfg)
     loss = model(tokens[:, :-1], tokens[:, 1:])
     loss.backward()
@@ -34,8 +34,7 @@ def _loss_and_grads(cfg: GPTConfig, mode) -> tuple[torch.Tensor, dict[str, torch
 
 def _saved_bytes(cfg: GPTConfig, mode) -> int:
     """Bytes of the distinct non-parameter storages autograd keeps for one micro batch's backward."""
-    model = build(cfg, "cpu", seed=1)
-    model.activation_checkpointing = mode
+    model = build(cfg, "cpu", seed=1, modes=LayerModes(activation_checkpointing=mode))
     tokens = _tokens(cfg)
     return saved_bytes(model, tokens[:, :-1], tokens[:, 1:])
 

@@ -50,7 +50,8 @@ def describe(part: torch.nn.Module) -> dict:
         "ties": sorted(sorted(n for n in params if params[n] is p) for p in {id(p): p for p in params.values()}.values()),
         "modules": [(name, type(m).__name__) for name, m in part.named_modules()],
         "devices": sorted({t.device.type for t in [*params.values(), *part.buffers()]}),
-        "loss": getattr(part.loss_fn, "func", part.loss_fn).__name__,
+        "modes": sorted((name, key, value) for name, m in part.named_modules()
+                        for key, value in vars(m).items() if key.startswith("_fixed_")),
     }
 
 
@@ -98,7 +99,7 @@ def test_a_meta_build_has_exactly_the_structure_of_a_real_one(builds, layout):
     for rank, per_layout in enumerate(builds):
         meta, cpu = per_layout[layout]["meta"], per_layout[layout]["cpu"]
         assert meta["kind"] == cpu["kind"] == ("PipelineStages" if pp > 1 else "GPT"), f"rank {rank}"
-        for key in ("params", "ties", "modules", "loss"):
+        for key in ("params", "ties", "modules", "modes"):
             assert meta[key] == cpu[key], f"rank {rank}: {key}"
         assert meta["devices"] == ["meta"] and cpu["devices"] == ["cpu"], f"rank {rank}"
         if tp > 1:  # the check compares sharded parts: some parameter carries a sharding hint

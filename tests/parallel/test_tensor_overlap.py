@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from model import GPT, GPTConfig
+from model.modes import LayerModes
 from parallel.comm import record_comm, record_overlap
 from parallel.tensor import shard
 from parallel.topology import Topology
@@ -43,9 +44,8 @@ def overlap_worker() -> dict:
     for sequence_parallel in (False, True):
         for overlap, mode in VARIANTS:
             with torch.device("meta"):
-                model = GPT(CONFIG)
+                model = GPT(CONFIG, modes=LayerModes(activation_checkpointing=mode))
             shard(model, topology, sequence_parallel=sequence_parallel, overlap=overlap).materialize("cpu", SEED)
-            model.activation_checkpointing = mode
             with record_overlap() as steps, record_comm() as events:
                 loss = model(*_batch())
                 loss.backward()

@@ -78,11 +78,11 @@ def shard_case(topology, chunk: int) -> dict:
 
     h, w, targets = shard_inputs()
     rank, rows = topology.tp_rank, VP // 2
-    unembedding = VocabParallelUnembedding(V, D, topology.tp_group, tag="test")
+    unembedding = VocabParallelUnembedding(V, D, topology.tp_group, tag="test", fused_loss=True)
     with torch.no_grad():
         unembedding.weight.copy_(w[rank * rows : (rank + 1) * rows])
     x = h.clone().requires_grad_()
-    loss = unembedding(x.view(1, N, D), targets.view(1, N), chunk=chunk)
+    loss = unembedding.loss(x.view(1, N, D), targets.view(1, N), chunk=chunk)
     loss.backward()
     return {"loss": loss.item(), "h_grad": x.grad, "w_grad": unembedding.weight.grad}
 

@@ -138,7 +138,7 @@ def ramp_worker(pp: int, zero: int, micro: int) -> dict:
     })  # fmt: skip
     part = build_model(CONFIG, topology, 7, "cpu")
     mpu = part.mpu() if pp > 1 else topology.mpu
-    optimizer = make_optimizer(part, cfg.optim, SCHEDULE.peak_lr, clip=zero == 0, mpu=mpu)
+    optimizer = make_optimizer(part, cfg.optim, SCHEDULE.peak_lr, clip=engines.clipping(cfg, torch.device("cpu")), mpu=mpu)
     lr = TokenLR(optimizer, SCHEDULE, SIZES[0] * CONFIG.seq_len)
     ds_config = engines.deepspeed_config(cfg, topology.dp_size, torch.device("cpu"))
     engine = engines.create_engine(part, optimizer, lr, ds_config, mpu=None if pp > 1 else mpu)
@@ -160,10 +160,10 @@ def ramp_worker(pp: int, zero: int, micro: int) -> dict:
 @pytest.fixture(scope="module")
 def reference() -> dict:
     """Plain PyTorch: each step one backward of the mean loss over the whole batch, clipping, AdamW at η(tokens seen)."""
-    from train.optimizer import make_optimizer
+    from train.optimizer import ELSEWHERE, make_optimizer
 
     model = build(CONFIG, "cpu", 7)
-    optimizer = make_optimizer(model, OmegaConf.create(OPTIM), SCHEDULE.peak_lr, clip=False)
+    optimizer = make_optimizer(model, OmegaConf.create(OPTIM), SCHEDULE.peak_lr, clip=ELSEWHERE)  # clipped below
     steps, tokens = [], 0
     for windows in _windows():
         tokens += len(windows) * CONFIG.seq_len

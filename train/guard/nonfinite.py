@@ -9,9 +9,10 @@ A skipped update changes no weight, no Adam moment and no step count; the optimi
 and DeepSpeed's engine then leaves the LR schedule where it was and counts `engine.skipped_steps`
 (saved in checkpoints, so the count survives a resume).
 
-A loss that is not finite reaches ‖g‖ on every rank through `flag_non_finite`: the loss is multiplied
-by 1 when it is finite and by NaN when it is not, before backward, so that rank's whole gradient is
-NaN. The data-parallel gradient reduction spreads NaN to every data-parallel rank and the norm's sum
+A loss that is not finite reaches ‖g‖ on every rank through `flag_non_finite`
+(model/layers.py, applied by the model's Head to the loss it returns, so also inside a pipeline's
+last stage): the loss is multiplied by 1 when it is finite and by NaN when it is not, before
+backward, so that rank's whole gradient is NaN. The data-parallel gradient reduction spreads NaN to every data-parallel rank and the norm's sum
 over the model-parallel group to every stage and tensor-parallel rank: the ranks agree on the skip
 through collectives the step makes anyway. For a finite loss the factor is exactly 1, so the
 gradient (and the run) is bit for bit what it was without it.
@@ -19,7 +20,6 @@ gradient (and the run) is bit for bit what it was without it.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -29,20 +29,6 @@ LIKELY_CAUSES = (
     "bad or unusual data in these batches",
     "fp16 overflow (train in bf16)",
 )
-
-
-def flag_non_finite(loss: torch.Tensor) -> torch.Tensor:
-    """loss · 1 when the loss is finite, loss · NaN when it is not (see the module docstring); no host sync."""
-    return loss * torch.where(torch.isfinite(loss), 1.0, math.nan).to(loss.dtype)
-
-
-def flagging(loss_fn):
-    """loss_fn whose result goes through flag_non_finite (a pipeline's last stage computes its own loss)."""
-
-    def flagged(*args, **kwargs):
-        return flag_non_finite(loss_fn(*args, **kwargs))
-
-    return flagged
 
 
 @dataclass

@@ -178,16 +178,9 @@ def loss_transient(config: GPTConfig, tp: int, n: int, a: int, r: int, fused_los
 
 
 def checkpointed_blocks(shape: StageShape, k: int) -> int:
-    """Blocks of the stage inside checkpointed segments. pp = 1: every run of k blocks (GPT.forward).
-    pp > 1: DeepSpeed cuts the stage's own layer list into runs of k and checkpoints a run only if all
-    its layers are blocks (the embedding and head are never checkpointed)."""
-    if k <= 0 or shape.blocks == 0:
-        return 0
-    if not shape.pipelined:
-        return shape.blocks
-    kinds = ["embedding"] * shape.embedding + ["block"] * shape.blocks + ["norm", "unembedding"] * shape.head
-    runs = [kinds[i : i + k] for i in range(0, len(kinds), k)]
-    return sum(len(run) for run in runs if all(kind == "block" for kind in run))
+    """Blocks of the stage inside checkpointed segments: every run of up to k consecutive blocks, at
+    any pp (model.gpt.run_layers, which a whole GPT and a pipeline stage both run)."""
+    return shape.blocks if k > 0 else 0
 
 
 def checkpointed_segments(shape: StageShape, k: int) -> int:
@@ -220,6 +213,8 @@ def micro_batch_activations(
     if shape.pipelined and not shape.head:
         # the stage output DeepSpeed keeps (tp > 1: its 1/tp part, or under σ its own sequence part)
         saved += r * config.d_model * n / tp
+    if shape.pipelined:  # the targets travel with the micro batch to the last stage (parallel/pipeline.py)
+        saved += INT64 * n
     copies = transient = block_casts = 0
     if autocast and not bf16_weights:
         copies, transient, block_casts = _weight_casts(config, tp, pp, stage, shape, ckpt_blocks, fused_loss)

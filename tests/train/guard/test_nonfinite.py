@@ -16,7 +16,7 @@ import torch
 import wandb_log
 from checkpoint_state import non_finite_tensors, states_differ
 from cli import metrics, train, write_corpus
-from train.guard.nonfinite import flag_non_finite
+from model.layers import flag_non_finite
 
 NAN_RUN = ["optim.lr=1e6", "train.checkpoint_interval=1", "train.keep_checkpoints=100", "train.eval_interval=0"]
 

@@ -11,8 +11,8 @@ tensor-parallel over 2 processes with and without sequence parallelism. Selectiv
 and at tp = 2 with and without sequence parallelism.
 
 The head is built as parallel.build does for train.fused_loss: the plain loss (logits, then
-cross-entropy: the log-softmax kept) or the fused one (the Head emits hidden states, the loss keeps
-∂L/∂h and ∂L/∂W); both are measured, and the head's bytes must match within a few bytes in either.
+cross-entropy: the log-softmax kept) or the fused one (the unembedding's loss keeps ∂L/∂h and
+∂L/∂W); both are measured, and the head's bytes must match within a few bytes in either.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from model import GPT, GPTConfig
-from parallel.tensor import loss_for
+from model.modes import LayerModes
 from train.plan.activations import micro_batch_activations
 from distributed import run_distributed
 from saved_bytes import saved_bytes as count_saved_bytes
@@ -44,25 +44,11 @@ def saved_bytes(model, cfg: GPTConfig, micro_batch: int, autocast: bool, seed: i
 
 
 @functools.cache
-def _model(cfg: GPTConfig) -> GPT:
+def _build(cfg: GPTConfig, checkpoint_every: int | str, fused_loss: bool = False) -> GPT:
+    """The model in these modes, built once per shape and modes (the weights do not matter here)."""
     with torch.device("meta"):
-        model = GPT(cfg)
+        model = GPT(cfg, modes=LayerModes(fused_loss=fused_loss, activation_checkpointing=checkpoint_every))
     return model.materialize("cpu", seed=0)
-
-
-def use_fused_loss(model: GPT, fused_loss: bool) -> GPT:
-    """The loss parallel.build gives for train.fused_loss: the Head emits hidden states and
-    loss_for(head) unembeds them chunk by chunk, or the Head emits logits and the plain loss."""
-    model.head.emits_hidden = fused_loss
-    model.loss_fn = loss_for(model.head)
-    return model
-
-
-def _build(cfg: GPTConfig, checkpoint_every: int, fused_loss: bool = False) -> GPT:
-    model = use_fused_loss(_model(cfg), fused_loss)  # built once per shape; the weights do not matter here
-    model.activation_checkpointing = checkpoint_every
-    model.zero_grad(set_to_none=True)
-    return model
 
 
 @pytest.mark.parametrize("cfg", [TOY, GPT3_125M_SHORT], ids=["toy", "gpt3-125m-T64"])
@@ -101,14 +87,12 @@ def _tensor_parallel_saved(cfg_dict: dict) -> dict[tuple[bool, bool, bool], int]
 
     cfg, topology, out = GPTConfig(**cfg_dict), Topology.create(tp=2), {}
     for sequence_parallel in (False, True):
-        with torch.device("meta"):
-            model = GPT(cfg)
-        shard(model, topology, sequence_parallel=sequence_parallel)
-        model = model.materialize("cpu", seed=0)
         for selective in (False, True):
-            model.activation_checkpointing = "selective" if selective else 0
             for fused_loss in (False, True):
-                use_fused_loss(model, fused_loss)
+                modes = LayerModes(fused_loss=fused_loss, activation_checkpointing="selective" if selective else 0)
+                with torch.device("meta"):
+                    model = GPT(cfg, modes=modes)
+                shard(model, topology, sequence_parallel=sequence_parallel).materialize("cpu", seed=0)
                 out[sequence_parallel, selective, fused_loss] = saved_bytes(model, cfg, MICRO_BATCH, autocast=False)
     return out
 

@@ -1,0 +1,58 @@
+"""How a layer computes, fixed when it is built.
+
+A layer's mode (a Head's loss, a Block's recomputation, a tensor-parallel layer's overlap or sequence
+split) is given to its constructor and never changes afterwards: the layer's forward is the one its
+modes chose, whoever holds the layer. `Fixed` makes such an attribute settable once, in `__init__`;
+a later assignment raises, naming the attribute and where the mode is chosen instead.
+
+`LayerModes` is what the model's own layers take (parallel.build.BuildOptions adds the
+tensor-parallel ones):
+  fused_loss                 the Head's loss unembeds its hidden states chunk by chunk, never making
+                             the (N, V) logits (model/fused_loss.py); else logits, then cross-entropy
+  activation_checkpointing   0: keep every activation; k > 0: each run of k consecutive blocks keeps
+                             only its input and recomputes inside in backward; "selective": every
+                             block recomputes its LayerNorm and GELU outputs (model.layers.Block)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SELECTIVE = "selective"  # the activation_checkpointing mode that recomputes LayerNorm and GELU outputs only
+
+
+@dataclass(frozen=True)
+class LayerModes:
+    """The modes the model's layers are built with (see the module docstring)."""
+
+    fused_loss: bool = False
+    activation_checkpointing: int | str = 0
+
+    @property
+    def selective(self) -> bool:
+        return self.activation_checkpointing == SELECTIVE
+
+    @property
+    def checkpoint_every(self) -> int:
+        """k: blocks per recomputed segment (0: none; selective recomputation recomputes inside each block)."""
+        return 0 if self.selective else int(self.activation_checkpointing)
+
+
+class Fixed:
+    """A mode attribute of a module: assigned once (when the module is built), read-only afterwards."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name, self.slot = name, f"_fixed_{name}"
+
+    def __get__(self, module, owner=None):
+        if module is None:
+            return self
+        return module.__dict__[self.slot]
+
+    def __set__(self, module, value) -> None:
+        if self.slot in module.__dict__:
+            raise AttributeError(
+                f"{type(module).__name__}.{self.name} is fixed when the layer is built; build the layer "
+                f"with the mode wanted (parallel.build.BuildOptions, model.modes.LayerModes) instead of changing it"
+            )
+        module.__dict__[self.slot] = value
