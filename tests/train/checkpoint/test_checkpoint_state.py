@@ -5,7 +5,9 @@ fixed windows at one layout and save; fresh ranks at other layouts (another tp, 
 offload) resume from it. Each side puts the whole model's fp32 master weights and Adam moments
 back together from what every rank holds — DeepSpeed's own gather (safe_get_full_*) or the torch
 AdamW's state, placed by parallel.naming's slices — and the resumed state must equal the saved one
-bit for bit, as must AdamW's step count and the learning rate.
+bit for bit, as must AdamW's step count and the learning rate. In bf16 (train.precision=bf16, the
+GPU default) the same holds for the fp32 masters and moments, and the module's bf16 weights are the
+masters rounded to bf16 on both sides.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def compose(corpus: str, overrides: list[str]):
 def whole_state(trainer) -> dict:
     """{kind/full name: this rank's region} for the parts this rank speaks for (tp rank 0 for
     replicated ones, never a tied copy), plus the step count and learning rates. The module's
-    weights must equal the fp32 master (fp32 training)."""
+    weights must equal the fp32 master (in bf16: the master rounded to bf16)."""
     from deepspeed.runtime.zero import GatheredParameters
 
     from parallel.naming import parameter_map
@@ -54,17 +56,18 @@ def whole_state(trainer) -> dict:
         param = part.get_parameter(local)
         values = params.get(param)  # a collective over dp under ZeRO
         with GatheredParameters([param], enabled=params.zero_stage == 3):  # the weights the forward pass uses
-            assert torch.equal(param.detach().reshape(values["model"].shape), values["model"]), local
+            master = values["model"].to(param.dtype)
+            assert torch.equal(param.detach().reshape(master.shape), master), local
         for kind, value in values.items():
             bounds = tuple((s.start, s.stop) for s in shard.index)
             regions[(kind, shard.name, bounds)] = (shard.full_shape, value[shard.local_index].detach().cpu().clone())
     return {"regions": regions, "steps": params.step_count(), "lr": trainer.engine.get_lr()}
 
 
-def save_worker(corpus: str, run_dir: str) -> dict:
+def save_worker(corpus: str, run_dir: str, precision: str) -> dict:
     from train import loop
 
-    trainer = loop.build(resolve(compose(corpus, SAVED_AT), run_dir))
+    trainer = loop.build(resolve(compose(corpus, [*SAVED_AT, f"train.precision={precision}"]), run_dir))
     windows = torch.randint(0, 50257, (4 // trainer.topology.dp_size, 33), generator=torch.Generator().manual_seed(3))
     progress = trainer.progress
     for _ in range(2):
@@ -98,19 +101,28 @@ def assemble(ranks: list[dict]) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory, corpus):
+def saved(request, tmp_path_factory, corpus):
+    """A checkpoint of 2 steps at SAVED_AT in the precision the test names (indirect parametrization)."""
     run_dir = tmp_path_factory.mktemp("saved") / "run"
-    ranks = run_distributed(save_worker, 4, str(corpus), str(run_dir), timeout=600)
-    return corpus, run_dir, ranks
+    ranks = run_distributed(save_worker, 4, str(corpus), str(run_dir), request.param, timeout=600)
+    return corpus, run_dir, ranks, request.param
 
 
-@pytest.mark.parametrize("world, layout", [
-    (4, ["parallel.pp=2", "parallel.zero_stage=1", "parallel.offload_optimizer=true"]),
-    (2, ["parallel.zero_stage=3"]),
-], ids=["pp2-dp2-zero1-offload", "dp2-zero3"])
-def test_fp32_weights_and_adam_moments_move_exactly(saved, world, layout):
-    corpus, run_dir, saved_ranks = saved
-    resumed_ranks = run_distributed(resume_worker, world, str(corpus), str(run_dir), layout, timeout=600)
+# fp32 moves to two layouts; bf16 (the fixture's second run) to the first of them, where the pipeline's
+# tied copy and the offloaded optimizer meet DeepSpeed's bf16 state
+MOVES = {
+    "pp2-dp2-zero1-offload": (4, ["parallel.pp=2", "parallel.zero_stage=1", "parallel.offload_optimizer=true"]),
+    "dp2-zero3": (2, ["parallel.zero_stage=3"]),
+}
+
+
+@pytest.mark.parametrize("saved, move", [("fp32", "pp2-dp2-zero1-offload"), ("fp32", "dp2-zero3"),
+                                         ("bf16", "pp2-dp2-zero1-offload")], indirect=["saved"])
+def test_fp32_weights_and_adam_moments_move_exactly(saved, move):
+    corpus, run_dir, saved_ranks, precision = saved
+    world, layout = MOVES[move]
+    resumed_ranks = run_distributed(resume_worker, world, str(corpus), str(run_dir),
+                                    [*layout, f"train.precision={precision}"], timeout=600)
     before, after = assemble(saved_ranks), assemble(resumed_ranks)
     names = full_shapes(GPTConfig(n_layer=3, n_head=4, d_model=32, seq_len=32))  # the TINY model's parameters
     kinds = ("model", "exp_avg", "exp_avg_sq")
