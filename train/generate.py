@@ -48,6 +48,7 @@ def run(cfg, model_cfg: GPTConfig, folder: Path, weights: dict[str, torch.Tensor
     from parallel.naming import load_full_
     from parallel.topology import Topology
     from train.engine import init_distributed, resolve_device, shutdown_distributed
+    from train.precision import resolve_precision
 
     device = resolve_device(cfg.train.device)
     init_distributed(device)
@@ -55,8 +56,9 @@ def run(cfg, model_cfg: GPTConfig, folder: Path, weights: dict[str, torch.Tensor
     part = build_model(model_cfg, topology, cfg.train.seed, device, BuildOptions(cfg.parallel.sequence_parallel))
     load_full_(part, weights, model_cfg, topology)
     gen = cfg.generate
+    bf16 = resolve_precision(cfg.train.precision, device) != "fp32"
     text, tokens = sample_text(part, model_cfg, topology, gen.prompt, gen.max_new_tokens, device, cfg.train.seed,
-                               gen.temperature, gen.top_k)
+                               gen.temperature, gen.top_k, bf16)
     if topology.rank == 0 and gen.output is not None:
         record = {"checkpoint": str(folder), "prompt": gen.prompt, "tokens": tokens, "text": text}
         write_atomically(Path(gen.output), json.dumps(record) + "\n")

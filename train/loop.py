@@ -358,8 +358,9 @@ def finish(trainer: Trainer, logger: metrics.MetricsLogger, sample: bool = True)
     if sample and train.sample_tokens > 0:
         from train.sample import sample_text
 
+        bf16 = resolve_precision(train.precision, trainer.device) != "fp32"
         text, _ = sample_text(trainer.engine.module, trainer.model_cfg, trainer.topology, train.sample_prompt,
-                              train.sample_tokens, trainer.device, train.seed)
+                              train.sample_tokens, trainer.device, train.seed, bf16=bf16)
         _say(trainer, "sample:\n" + text)
         logger.sample(trainer.progress.step, train.sample_prompt, text)
     trainer.batches.close()

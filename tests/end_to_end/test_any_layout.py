@@ -1,9 +1,9 @@
 """Sequence parallelism with pipelines, and generation at any layout, through the real launchers.
 
 As in test_layouts.py: `python -m train` under torchrun with gloo processes on the CPU against the
-one-process run of the same config (per-step losses within 1e-5 relative, float32); and
-`python -m train.generate` at several layouts reading one checkpoint, against the one-process
-greedy tokens.
+one-process run of the same config and precision (fp32 and bf16); and `python -m train.generate` at
+several layouts reading one checkpoint, against the one-process greedy tokens, computing in fp32 and
+in bf16.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 from cli import generate, metrics, train
 from cli import assert_same_losses
-from test_layouts import STEPS, corpus, one_process  # noqa: F401 (fixtures: the same runs)
+from test_layouts import STEPS, corpus, one_process, one_process_bf16, reference  # noqa: F401 (fixtures: the same runs)
 
 # A model that barely trained (small LR) still has varied greedy continuations; GPT-3's banded
 # layers with a window of 8, and 32 new tokens after the prompt run past seq_len = 32.
@@ -22,14 +22,16 @@ ALTERNATING = ["model.attention_pattern=alternating", "model.local_window=8"]
 GREEDY = ["generate.temperature=0", "generate.max_new_tokens=32", "generate.prompt='import os'"]
 
 
-@pytest.mark.parametrize("nproc", [4, 8], ids=["tp2-pp2", "tp2-pp2-dp2"])
-def test_sequence_parallel_pipeline_matches_one_process(tmp_path, corpus, one_process, nproc):
-    """Also: the run compiles no DeepSpeed op (an empty extension cache stays empty)."""
+@pytest.mark.parametrize("nproc, precision", [(4, "fp32"), (8, "fp32"), (4, "bf16")],
+                         ids=["tp2-pp2", "tp2-pp2-dp2", "tp2-pp2-bf16"])
+def test_sequence_parallel_pipeline_matches_one_process(request, tmp_path, corpus, nproc, precision):
+    """Against the one-process run of the same precision. Also: the run compiles no DeepSpeed op (an
+    empty extension cache stays empty)."""
     extensions = tmp_path / "torch_extensions"
-    layout = ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"]
+    layout = ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true", f"train.precision={precision}"]
     proc = train(tmp_path / "run", corpus, *STEPS, *layout, kind="torchrun", nproc=nproc,
                  env={"TORCH_EXTENSIONS_DIR": str(extensions)})
-    assert_same_losses(metrics(tmp_path / "run"), one_process)
+    assert_same_losses(metrics(tmp_path / "run"), reference(request, precision), precision)
     assert not extensions.exists() or not any(extensions.iterdir()), sorted(extensions.rglob("*"))
     assert "built successfully" not in proc.stdout + proc.stderr
 
@@ -51,13 +53,17 @@ def greedy_tokens(run_dir, out, *layout, nproc=1) -> list[int]:
     return json.loads(out.read_text())["tokens"]
 
 
-def test_greedy_generation_at_any_layout_equals_one_process(tmp_path, pipelined_run):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_greedy_generation_at_any_layout_equals_one_process(tmp_path, pipelined_run, precision):
+    """In bf16 (what generation computes in on a GPU: train.precision=auto) too, forced on the CPU."""
     run_dir, _ = pipelined_run
-    expected = greedy_tokens(run_dir, tmp_path / "one.json")
+    mode = f"train.precision={precision}"
+    expected = greedy_tokens(run_dir, tmp_path / "one.json", mode)
     assert len(expected) == 2 + 32 and len(set(expected[-32:])) > 2  # varied new tokens: the check has teeth
-    pipelined = greedy_tokens(run_dir, tmp_path / "tp2pp2.json", "parallel.tp=2", "parallel.pp=2", nproc=4)
+    pipelined = greedy_tokens(run_dir, tmp_path / "tp2pp2.json", "parallel.tp=2", "parallel.pp=2", mode, nproc=4)
     assert pipelined == expected
-    sequence_parallel = greedy_tokens(run_dir, tmp_path / "tp2sp.json", "parallel.tp=2", "parallel.sequence_parallel=true", nproc=2)
+    sequence_parallel = greedy_tokens(run_dir, tmp_path / "tp2sp.json", "parallel.tp=2", "parallel.sequence_parallel=true",
+                                      mode, nproc=2)
     assert sequence_parallel == expected
 
 

@@ -8,7 +8,8 @@
 - torchrun's own elastic restart (launch/torchrun.sh's elastic form): 2 workers with --max-restarts=1 and
   a c10d rendezvous, one worker killed with SIGKILL after the first checkpoint; torchrun restarts both,
   they find the same run folder (its name comes from the launch stamp, the agent's start time) and resume
-  from its checkpoint, and the job ends by itself on the one-process loss curve.
+  from its checkpoint, and the job ends by itself on the one-process loss curve; in fp32 and in bf16
+  (train.precision=bf16, the GPU default), each against the one-process run of its precision.
 
 The CPU rule at train.global_batch_size=24 with data.streams=4 (dp and the streams must divide one
 another) and 3 layers of 2 heads: 8 processes -> dp=8, micro batch 24/8 = 3; 6 processes -> dp=6 and
@@ -53,6 +54,13 @@ def one_process(tmp_path_factory, corpus):
     """The reference: one process at the manual layout (micro batch 12), never interrupted."""
     run_dir = tmp_path_factory.mktemp("one") / "run"
     train(run_dir, corpus, *STEPS, "train.micro_batch_size=12")
+    return metrics(run_dir)
+
+
+@pytest.fixture(scope="module")
+def one_process_bf16(tmp_path_factory, corpus):
+    run_dir = tmp_path_factory.mktemp("one_bf16") / "run"
+    train(run_dir, corpus, *STEPS, "train.micro_batch_size=12", "train.precision=bf16")
     return metrics(run_dir)
 
 
@@ -112,10 +120,11 @@ def test_killed_auto_run_resumes_on_fewer_processes_on_the_same_loss_curve(tmp_p
     assert "layout/tp" not in records[1] and "layout/tp" not in records[3]
 
 
-def test_torchrun_elastic_restart_after_a_killed_worker_finishes_the_run(tmp_path, corpus, one_process):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_torchrun_elastic_restart_after_a_killed_worker_finishes_the_run(request, tmp_path, corpus, precision):
     runs, log = tmp_path / "runs", tmp_path / "log"
     # the run folder named by the launch stamp, as by default: restarted workers must find the same one
-    arguments = auto_arguments(runs, corpus)
+    arguments = [*auto_arguments(runs, corpus), f"train.precision={precision}"]
     arguments[0] = f"hydra.run.dir={runs}/${{launch_stamp:}}"
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -135,4 +144,5 @@ def test_torchrun_elastic_restart_after_a_killed_worker_finishes_the_run(tmp_pat
     run_dir = next(runs.iterdir())
     assert out.count("gpt3d: layout auto for 2 processes on cpu: tp=1 pp=1 dp=2 zero=0 micro=12 ") == 2
     assert "resumed from" in out, out + err
-    assert_same_losses(metrics(run_dir), one_process)
+    one_process = request.getfixturevalue("one_process" if precision == "fp32" else "one_process_bf16")
+    assert_same_losses(metrics(run_dir), one_process, precision)
