@@ -57,7 +57,9 @@ dQ pass), which depend on the head dim (larger tiles fit at 64); every one compi
 register spills for sm_80 and sm_90 at the head dims it serves (64–128), in bf16 and fp16, with
 Triton 3.6 and 3.9 (DQ_TUNING: checked with 3.9 only so far; tests/model/test_attention_compile.py
 checks the installed Triton ahead of time, on CPU). Set GPT3D_TRITON_AUTOTUNE=0
-(before import) to use one pinned config per kernel at every head dim, with no benchmarking.
+(before import) to use one pinned config per kernel at every head dim, with no benchmarking. A run
+records what the autotuner chose in its checkpoints and a resumed process pins those choices
+(`autotuners`, model/kernel_choices.py), so its kernels sum in the same order as before.
 Under TRITON_INTERPRET=1 the same kernels run on CPU tensors with small fixed blocks.
 """
 
@@ -561,3 +563,9 @@ def _device_of(x):
 
 def _unit_stride(x):
     return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def autotuners() -> dict:
+    """The autotuned kernels by name, whose choices a run records and a resumed process pins
+    (model/kernel_choices.py)."""
+    return {"forward": _fwd_kernel, "backward": _bwd_kernel, "backward_kv": _bwd_kv_kernel, "backward_dq": _bwd_dq_kernel}
