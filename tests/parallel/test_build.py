@@ -48,6 +48,7 @@ def part_worker(tp: int, pp: int, sequence_parallel: bool, save_dir: str) -> dic
         "params": {name: (shard, part.get_parameter(name).detach().clone()) for name, shard in shards.items()},
         # 20 tokens after 5: past the window (4) and past seq_len (16), where the context slides
         "tokens": generate(LayoutDecoder(part, CONFIG, topology), prompt(), 20, temperature=0),
+        "mode changes": mode_changes(part),
     }
     ds_config = {"train_batch_size": topology.dp_size, "train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**9}
     engine = create_engine(part, torch.optim.AdamW(part.parameters()), None, ds_config, mpu=None if pp > 1 else topology.mpu)
@@ -57,6 +58,23 @@ def part_worker(tp: int, pp: int, sequence_parallel: bool, save_dir: str) -> dic
     parts.add("rng", rng_state, None, per_rank=True)
     save(engine, topology, CONFIG, save_dir, parts)
     return result
+
+
+def mode_changes(part) -> dict[str, str]:
+    """{module name.mode: what happened} when each of the part's modes is assigned its own value again
+    (model/modes.py: a built layer's modes are fixed)."""
+    from model.modes import Fixed
+
+    outcomes = {}
+    for name, module in part.named_modules():
+        for attr, value in vars(type(module)).items():
+            if isinstance(value, Fixed):
+                try:
+                    setattr(module, attr, getattr(module, attr))
+                    outcomes[f"{name}.{attr}"] = "changed"
+                except AttributeError as err:
+                    outcomes[f"{name}.{attr}"] = str(err)
+    return outcomes
 
 
 @pytest.fixture(scope="module")
@@ -199,3 +217,20 @@ def test_parallel_reads_no_run_settings():
     for path in sorted((Path(__file__).resolve().parents[2] / "parallel").glob("*.py")):
         source = path.read_text()
         assert not re.search(r"\b(cfg|omegaconf|hydra)\b|\.(train|optim|logging)\.", source, re.IGNORECASE), path.name
+
+
+def test_a_built_layer_refuses_a_mode_change(layout):
+    """Every mode of every layer (the Head's loss, a Block's recomputation, a column layer's overlap and
+    sequence parallelism, a LayerNorm's gather, …) is fixed once built: assigning it raises, naming
+    where the mode is chosen instead."""
+    name, ranks, _ = layout
+    kinds = {key.rpartition(".")[2] for rank in ranks for key in rank["mode changes"]}
+    expected = {"selective_recomputation", "fused_loss"}
+    if LAYOUTS[name][0] > 1:
+        expected |= {"overlap", "sequence_parallel"}
+    if LAYOUTS[name][2]:
+        expected.add("gather_output")
+    assert expected <= kinds, kinds
+    for rank in ranks:
+        for key, outcome in rank["mode changes"].items():
+            assert "fixed when the layer is built" in outcome and "BuildOptions" in outcome, (key, outcome)
