@@ -96,9 +96,9 @@ def overlapped_reduction(group, tag: str, sequence_dim: int | None = None):
             work = dist.all_reduce(reduced, group=group, async_op=True)
         else:
             _record("reduce_scatter", tag, "backward", grad_x)
-            pieces = [piece.contiguous() for piece in _split(grad_x, group, sequence_dim, all_pieces=True)]
-            reduced = torch.empty_like(pieces[0])
-            work = dist.reduce_scatter(reduced, pieces, group=group, async_op=True)
+            stacked = _stacked_pieces(grad_x, group, sequence_dim)  # (p, …, n/p, …)
+            reduced = stacked.new_empty(stacked.shape[1:])
+            work = dist.reduce_scatter_tensor(reduced, stacked.flatten(0, 1), group=group, async_op=True)
         _step("issue", tag)
         _step("gemm start", tag)
         result = during()
@@ -129,31 +129,46 @@ def all_reduce(x: torch.Tensor, group, tag: str, phase: str, op=dist.ReduceOp.SU
 
 
 def _all_gather(x: torch.Tensor, group, dim: int, tag: str, phase: str) -> torch.Tensor:
-    pieces = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(pieces, x.contiguous(), group=group)
-    full = torch.cat(pieces, dim=dim)
+    """[x_0 | … | x_{p-1}] along dim, gathered into one tensor (all_gather_into_tensor): no list of pieces
+    to concatenate; along dim 0, or a dim after only size-1 ones, the result is a view of the buffer."""
+    dim, size = dim % x.dim(), dist.get_world_size(group)
+    gathered = x.new_empty(size * x.shape[0], *x.shape[1:])  # the pieces one after another along dim 0
+    dist.all_gather_into_tensor(gathered, x.contiguous(), group=group)
+    full = gathered.unflatten(0, (size, x.shape[0])).movedim(0, dim).flatten(dim, dim + 1)  # (…, p·n, …)
     _record("all_gather", tag, phase, full)
     return full
 
 
 def _reduce_scatter(x: torch.Tensor, group, dim: int, tag: str, phase: str) -> torch.Tensor:
+    """(Σ_ranks x)_i, this rank's piece along dim, from one stacked tensor (reduce_scatter_tensor)."""
     _record("reduce_scatter", tag, phase, x)
-    pieces = [piece.contiguous() for piece in _split(x, group, dim, all_pieces=True)]
-    out = torch.empty_like(pieces[0])
-    dist.reduce_scatter(out, pieces, group=group)
+    stacked = _stacked_pieces(x, group, dim)  # (p, …, n/p, …)
+    out = stacked.new_empty(stacked.shape[1:])
+    dist.reduce_scatter_tensor(out, stacked.flatten(0, 1), group=group)
     return out
 
 
-def _split(x: torch.Tensor, group, dim: int, all_pieces: bool = False):
-    """x cut into p equal pieces along dim: this rank's piece, or the list of all of them."""
+def _stacked_pieces(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """x's p equal pieces along dim stacked along a new first dimension, contiguous: (p, …, n/p, …). A
+    copy only when dim has a dimension of size > 1 before it (no copy along dim 0, or for batch 1)."""
+    dim, size = dim % x.dim(), dist.get_world_size(group)
+    _check_divisible(x, dim, size)
+    return x.unflatten(dim, (size, x.shape[dim] // size)).movedim(dim, 0).contiguous()
+
+
+def _split(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """This rank's piece of x cut into p equal pieces along dim."""
     size = dist.get_world_size(group)
+    _check_divisible(x, dim, size)
+    return x.chunk(size, dim=dim)[dist.get_rank(group)].contiguous()
+
+
+def _check_divisible(x: torch.Tensor, dim: int, size: int) -> None:
     if x.shape[dim] % size:
         raise ValueError(
             f"cannot split dimension {dim} of a tensor of shape {tuple(x.shape)} into {size} equal "
             f"tensor-parallel pieces (with sequence parallelism the sequence length must be a multiple of tp)"
         )
-    pieces = x.chunk(size, dim=dim)
-    return pieces if all_pieces else pieces[dist.get_rank(group)].contiguous()
 
 
 class _CopyToTP(torch.autograd.Function):

@@ -30,6 +30,10 @@ def main(cfg: DictConfig) -> None:
     from train.config.checks import ConfigError, check_keys
     from train.config.spec import resolve
 
+    from train.engine import order_cuda_queues
+
+    par = cfg.parallel  # before anything initialises CUDA (train/engine.py)
+    order_cuda_queues(par.tp, par.layout, par.overlap_communication, cfg.train.device)
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     try:

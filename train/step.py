@@ -66,7 +66,7 @@ class TrainStep:
 
     def _step(self, windows: torch.Tensor) -> StepResult:
         engine = self.engine
-        micro_batches = micro_batch_split(windows.to(self.device), self.micro_batch_size)
+        micro_batches = micro_batch_split(to_device(windows, self.device), self.micro_batch_size)
         self._accumulate(len(micro_batches))
         engine.train()
         lr = engine.get_lr()[0]  # the rate this step uses (train/optimizer.py: TokenLR)
@@ -97,7 +97,7 @@ class TrainStep:
         engine.eval()
         losses = []
         for windows in val_batches:
-            micro_batches = micro_batch_split(windows.to(device), self.micro_batch_size)
+            micro_batches = micro_batch_split(to_device(windows, device), self.micro_batch_size)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.autocast):
                 if self.pipelined:
                     n = len(micro_batches)
@@ -106,6 +106,15 @@ class TrainStep:
                     losses += torch.stack([engine(inputs, targets).float() for inputs, targets in micro_batches]).tolist()
         engine.train()
         return losses
+
+
+def to_device(windows: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """windows on `device`. To a GPU through pinned (page-locked) memory, copied without blocking the host:
+    the copy is queued on the current stream ahead of the forward that reads it, and the host goes on
+    queuing work instead of waiting for a copy from pageable memory."""
+    if device.type != "cuda":
+        return windows.to(device)
+    return windows.pin_memory().to(device, non_blocking=True)
 
 
 def micro_batch_split(windows: torch.Tensor, size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
