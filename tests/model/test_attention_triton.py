@@ -239,3 +239,38 @@ def test_model_deterministic_attention_reaches_the_kernel(monkeypatch):
     with pytest.raises(AssertionError):  # the default backward is the forbidden kernel: the spy has teeth
         model = build(GPTConfig(**{**vars(config), "deterministic_attention": False}), "cpu", 0)
         model(tokens[:, :-1], tokens[:, 1:]).backward()
+
+
+def gpu_configs(head_dim: int) -> list[dict]:
+    """For each position i of the tuning lists at this head dim: every kernel's i-th GPU config
+    (the block sizes the autotuner chooses among on a GPU), as triton.Configs by kernel name."""
+    from model import attention_triton as kernels
+
+    lists = {"forward": (kernels.FWD_TUNING, "MASK_N"), "backward": (kernels.BWD_TUNING, "MASK_M"),
+             "backward_kv": (kernels.BWD_TUNING, "MASK_M"), "backward_dq": (kernels.DQ_TUNING, "MASK_N")}
+    per_kernel = {name: kernels.triton_configs(kernels.candidates(tuning, head_dim), mask)
+                  for name, (tuning, mask) in lists.items()}
+    return [{name: configs[i] for name, configs in per_kernel.items()} for i in range(3)]
+
+
+@pytest.mark.parametrize("backward", BACKWARDS)
+@pytest.mark.parametrize("mask", ["causal", "window"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_triton_matches_float64_at_the_gpus_block_configs(d, mask, backward):
+    """The kernels with the block sizes they run with on a GPU (outer blocks of up to 128, masked
+    sub-blocks, every candidate of the tuning lists), on the interpreter: T = 300 crosses several outer
+    blocks and ends in a ragged one; the window (37) makes every block a band edge or skips it."""
+    from model.attention_triton import autotuners
+
+    causal, window = MASKS[mask]
+    tuners = autotuners()
+    kept = {name: tuner.configs for name, tuner in tuners.items()}
+    try:
+        for configs in gpu_configs(d):
+            for name, config in configs.items():
+                tuners[name].configs = [config]  # one candidate: the autotuner runs it, benchmarking nothing
+            errs = errors_vs_float64((1, 2, 300, d), causal, window, "triton", deterministic=BACKWARDS[backward])
+            assert max(errs) < TOL, (configs, f"(O, dQ, dK, dV) relative errors {errs}")
+    finally:
+        for name, configs in kept.items():
+            tuners[name].configs = configs
