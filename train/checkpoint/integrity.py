@@ -3,11 +3,13 @@
 `verify` is the one check of one step folder: its structure (train/checkpoint/files.py), the
 checksums of its files, what state.json and rng.json hold (train/checkpoint/schema.py) and the
 tensors the shard headers describe, each present, fp32 and tiled exactly once. Two choices say how
-it hashes: `hash_shards=False` leaves out the shard files' bytes (the bulk of a checkpoint: the
-checks before the build, which run in every process, take them as read), and `shared=True` spreads
-the hashing over the ranks of the default process group (each hashes every world-th file; every rank
-gets the same answer). `select` chooses the newest folder `verify` finds intact, reporting each one
-passed over in one warning, and `check_model` refuses a checkpoint of another model.
+it hashes: `hash_shards=False` leaves out the shard files' bytes (the bulk of a checkpoint), as the
+checks before the build do, which run in every process; `shared=True` spreads the hashing over the
+ranks of the default process group (each hashes every world-th file; every rank gets the same
+answer), as loading does. `file_problems` is its first half alone, the structure and the checksums:
+loading checks the shards of a folder whose content was checked before the build with it. `select`
+chooses the newest folder `verify` finds intact, reporting each one passed over in one warning, and
+`check_model` refuses a checkpoint of another model.
 """
 
 from __future__ import annotations
@@ -113,16 +115,21 @@ def _candidates(root: Path, warn, before: Path | None) -> tuple[list[Path], str]
 
 
 def verify(folder: Path, *, hash_shards: bool = True, shared: bool = False) -> tuple[list[str], dict | None]:
-    """(problems, state.json when there are none) of one step folder: its structure, the checksums of its
-    files (of the shard files only with `hash_shards`; each rank hashing every world-th file when
-    `shared`, a collective every rank calls, which every rank leaves with the same problems), then what
-    its files say (`_content_problems`)."""
+    """(problems, state.json when there are none) of one step folder: its files (`file_problems`), then
+    what they say (`_content_problems`)."""
+    manifest, problems = file_problems(folder, hash_shards=hash_shards, shared=shared)
+    return (problems, None) if problems else _content_problems(folder, manifest)
+
+
+def file_problems(folder: Path, *, hash_shards: bool = True, shared: bool = False) -> tuple[dict | None, list[str]]:
+    """(manifest, problems) of one step folder's files: its structure (files.structure_problems) and the
+    checksums of its files (of the shard files only with `hash_shards`), each rank hashing every world-th
+    file when `shared` (a collective every rank calls, which every rank leaves with the same problems)."""
     manifest, problems = files.structure_problems(folder)
     names = [] if problems else sorted(manifest["files"])
     digests = _shared_digest_problems if shared else files.digest_problems
     hashed = digests(folder, manifest, names, hash_shards)  # every rank, when shared: even with problems found
-    problems = problems or hashed
-    return (problems, None) if problems else _content_problems(folder, manifest)
+    return manifest, problems or hashed
 
 
 def _shared_digest_problems(folder: Path, manifest: dict, names: list[str], hash_shards: bool) -> list[str]:

@@ -49,12 +49,12 @@ def load(engine, topology, model_cfg, point: ResumePoint, parts: CheckpointParts
 
 
 def _intact(point: ResumePoint, warn) -> tuple[Path, dict]:
-    """(folder, state.json) to load: the point's own when `integrity.verify`, with the hashing of every
-    file (the shards' too) shared by all ranks, finds it intact. Otherwise it is reported (`warn`) and
-    the previous intact one is taken, verified the same way, when it records the same schedule as the
-    point (which the run was resolved from); another schedule, or a point that names its one step folder
-    (train.resume=<step folder>), is a CheckpointError."""
-    problems, _ = integrity.verify(point.folder, shared=True)
+    """(folder, state.json) to load: the point's own when its files are intact, every checksum (the
+    shards' too) checked by all ranks together (its content was checked before the build). Otherwise it
+    is reported (`warn`) and the previous intact one is taken, verified whole the same way, when it
+    records the same schedule as the point (which the run was resolved from); another schedule, or a
+    point that names its one step folder (train.resume=<step folder>), is a CheckpointError."""
+    _, problems = integrity.file_problems(point.folder, shared=True)
     if not problems:
         return point.folder, point.state
     warn(f"checkpoint {point.folder} is damaged or incomplete ({'; '.join(problems)}); trying the previous one")
