@@ -81,7 +81,7 @@ def select(path: Path, *, warn: Callable[[str], None] | None = None, before: Pat
     if is_step_folder(path) and not holds_checkpoints(path):
         problems, state = verify(path, hash_shards=hash_shards, shared=shared)
         if problems:
-            raise CheckpointError(f"checkpoint {path} is damaged or incomplete: {'; '.join(problems)}")
+            raise damaged(path, problems)
         return path, state
     candidates, missing = _candidates(path, warn, before)
     rejected = []
@@ -90,12 +90,22 @@ def select(path: Path, *, warn: Callable[[str], None] | None = None, before: Pat
         if not problems:
             return folder, state
         rejected.append(f"{folder.name}: {'; '.join(problems)}")
-        warn(f"checkpoint {folder} is damaged or incomplete ({'; '.join(problems)}); trying the previous one")
+        warn(passed_over(folder, problems))
     raise CheckpointError(
         f"no intact checkpoint in {path} ({'; '.join(rejected) or 'no step folders'}{missing}); move the damaged "
         f"ones away, resume from another path (train.resume=<path>), or start a new run (train.resume=none or "
         f"another run directory)"
     )
+
+
+def damaged(folder: Path, problems: list[str]) -> CheckpointError:
+    """The error for a checkpoint that was asked for and is not intact."""
+    return CheckpointError(f"checkpoint {folder} is damaged or incomplete: {'; '.join(problems)}")
+
+
+def passed_over(folder: Path, problems: list[str]) -> str:
+    """The warning for a checkpoint that is not intact, where the previous one is tried next."""
+    return f"checkpoint {folder} is damaged or incomplete ({'; '.join(problems)}); trying the previous one"
 
 
 def _candidates(root: Path, warn, before: Path | None) -> tuple[list[Path], str]:

@@ -57,9 +57,9 @@ def _intact(point: ResumePoint, warn) -> tuple[Path, dict]:
     _, problems = integrity.file_problems(point.folder, shared=True)
     if not problems:
         return point.folder, point.state
-    warn(f"checkpoint {point.folder} is damaged or incomplete ({'; '.join(problems)}); trying the previous one")
+    warn(integrity.passed_over(point.folder, problems))
     if not integrity.holds_checkpoints(point.path):  # train.resume named that one step folder
-        raise CheckpointError(f"checkpoint {point.folder} is damaged or incomplete: {'; '.join(problems)}")
+        raise integrity.damaged(point.folder, problems)
     folder, state = integrity.select(point.path, warn=warn, before=point.folder, shared=True)
     if state.get("extra") != point.state.get("extra"):
         raise CheckpointError(
