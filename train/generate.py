@@ -7,7 +7,7 @@
 The config is the training one (model.* must be the run's; parallel.* is the layout to generate
 at, whatever the run trained at; train.device, train.seed) plus the `generate` group
 (configs/generate/default.yaml). The checkpoint's weights are put back together whole
-(train/checkpoint/manager.py: read_model_weights) and each rank takes its slice (parallel.naming).
+(train/checkpoint/loading.py: read_model_weights) and each rank takes its slice (parallel.naming).
 Rank 0 prints the text, and writes {prompt, tokens, text} as JSON to generate.output if set.
 """
 

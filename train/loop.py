@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,12 +18,10 @@ import torch
 from omegaconf import OmegaConf
 
 from model import GPTConfig, count_parameters
-from train import batch_ramp, checkpoint, data, engine as engines, metrics
-from train.checkpoint.manager import print_warning
-from train.checkpoint.parts import CheckpointParts
-from train.checkpoint.resume_checks import RunSchedule
-from train.checkpoint.rng import rng_state, set_rng_state
-from train.checkpoint.writer import CheckpointWriter, is_async, remove_leftovers
+from train import batch_ramp, data, engine as engines, metrics, report
+from train.checkpoint import (
+    Checkpointer, CheckpointParts, CheckpointSettings, EngineCounters, Keyed, ProcessRNG, Record, read_init_weights,
+)
 from train.config.spec import RunSpec
 from train.guard.safeguards import Safeguards
 from train.metrics import Meter, full_shapes_model, mean_over_ranks
@@ -54,7 +51,7 @@ class Progress:
 @dataclass
 class Trainer:
     """Everything a built run holds: its specification, where it runs, this rank's engine and step,
-    its data, and the parts its checkpoints save and load (train/checkpoint/parts.py)."""
+    its data, and its checkpoints (train/checkpoint/checkpointer.py)."""
 
     spec: RunSpec
     device: torch.device
@@ -65,7 +62,7 @@ class Trainer:
     val_batches: list[torch.Tensor]
     lr: TokenLR  # the learning rate by tokens seen
     progress: Progress
-    parts: CheckpointParts
+    checkpointer: Checkpointer
 
     @property
     def cfg(self):
@@ -87,20 +84,14 @@ class Trainer:
     def plan(self):  # the planner's prediction for this run (train/plan/), on CUDA
         return self.spec.plan
 
-    @property
-    def schedule(self) -> RunSchedule:  # the LR schedule, and what checkpoints record of it
-        return self.spec.schedule
-
 
 def run(spec: RunSpec) -> Progress:
     """Train per `spec` (train/config/spec.py: resolve); returns the final step and token count."""
     trainer = build(spec)
-    resumed_from = resume(trainer)
-    if trainer.topology.rank == 0:
-        for name in remove_leftovers(spec.run_dir):
-            _say(trainer, f"removed checkpoints/{name}: a save that was interrupted")
-    train = spec.cfg.train
-    writer = CheckpointWriter(is_async(train.async_checkpoint, trainer.device), train.keep_checkpoints, train.keep_every)
+    checkpoints = trainer.checkpointer
+    resumed_from = checkpoints.restore()
+    if resumed_from is not None:
+        trainer.batches.start()  # background workers (data.workers) begin packing from the restored position
     progress = trainer.progress
     # rows after the step this run starts from (0: none) are from a run killed before its next checkpoint
     logger = open_logger(trainer, progress.step)
@@ -108,11 +99,12 @@ def run(spec: RunSpec) -> Progress:
                   trainer.batches, spec.plan, spec.run_tokens)
     guard = Safeguards(spec.cfg, spec.run_dir, trainer.engine, trainer.topology.rank, lambda text: _say(trainer, text),
                        resumed_from)
+    checkpoints.connect(guard, logger)
     try:
-        stopped = loop(trainer, progress, logger, meter, guard, writer)
+        stopped = loop(trainer, progress, logger, meter, guard)
     except BaseException as err:
         if isinstance(err, Exception):  # not on a second Ctrl-C
-            _finish_write_after_error(writer)
+            checkpoints.close()
         trainer.batches.close()
         logger.close()
         raise
@@ -122,20 +114,21 @@ def run(spec: RunSpec) -> Progress:
     return progress
 
 
-def loop(trainer: Trainer, progress: Progress, logger: metrics.MetricsLogger, meter: Meter, guard: Safeguards,
-         writer: CheckpointWriter) -> bool:
+def loop(trainer: Trainer, progress: Progress, logger: metrics.MetricsLogger, meter: Meter, guard: Safeguards
+         ) -> bool:
     """Step, log (+ evaluate), checkpoint until train.max_steps; True when a signal stopped it early.
 
-    A step's metrics record is logged before its checkpoint is saved, so a checkpoint never holds a
-    step whose record a kill could lose; a record carries the checkpoint times of the saves before it
-    (train/checkpoint/writer.py), and the last step's record, logged after the final save and its
-    write, that save's too. A save in the background is announced at the first step boundary after
-    its write ended, and the last step's, and a stop's, are waited for.
+    After every step the checkpointer (train/checkpoint/checkpointer.py) saves when a save is due. A
+    step's metrics record is logged before that, so a checkpoint never holds a step whose record a kill
+    could lose; a record carries the checkpoint times of the saves before it (train/checkpoint/writer.py),
+    and the last step's record, logged after the final save and its write, that save's too. A save in
+    the background is announced at the first step boundary after its write ended, and the last step's,
+    and a stop's, are waited for.
 
     Faults (train/guard/safeguards.py): a step skipped for a non-finite loss or gradient is counted, and too
     many in a row raise NonFiniteError; SIGTERM / SIGINT / SIGUSR1 on any rank end the loop on every
     rank after the step with a checkpoint; a step that hangs ends the process from the watchdog's thread."""
-    cfg, last = trainer.cfg, trainer.cfg.train.max_steps
+    cfg, last, checkpoints = trainer.cfg, trainer.cfg.train.max_steps, trainer.checkpointer
     while progress.step < last:
         guard.step_begins(progress.step + 1)
         windows, size = next_batch(trainer, progress)
@@ -151,36 +144,28 @@ def loop(trainer: Trainer, progress: Progress, logger: metrics.MetricsLogger, me
                 record["val/loss"] = evaluate(trainer)
             _say(trainer, _progress_line(record, last, meter.eta_s))
             meter.restart()
-        saved = _due(progress.step, cfg.train.checkpoint_interval, last)
         if record is not None and progress.step < last:
             # before the save: a checkpoint is never published ahead of the records of the steps it holds
-            logger.log({**record, **writer.times()})
+            logger.log({**record, **checkpoints.times()})
             record = None
         try:
             guard.check_skips(progress.step, trainer.device)  # too many skipped in a row: NonFiniteError
             with meter.paused():  # saving time is not training throughput
-                if saved:
-                    save_checkpoint(trainer, guard, writer)
-                    if progress.step == last:
-                        writer.wait()  # the run ends: its last record holds this write's time
-                announce_checkpoints(trainer, guard, logger, writer)
+                checkpoints.save(progress.step, last=progress.step == last)  # the last one written before its record
         finally:  # also when the run stops with an error here: the step's record is logged
             if record is not None:
-                logger.log({**record, **writer.times()})
+                logger.log({**record, **checkpoints.times()})
         verdict = guard.agree(progress.step, result)  # the step's one collective: a stop signal on any rank?
         if verdict.signal:
-            if not saved:
-                save_checkpoint(trainer, guard, writer)
-            writer.wait()
-            announce_checkpoints(trainer, guard, logger, writer)
+            checkpoints.save(progress.step, last=True)  # the run ends here: saved (unless it just was), written
             guard.stopped(progress.step, verdict, guard.last_checkpoint, finished=progress.step == last)
             return progress.step < last
     return False
 
 
 def build(spec: RunSpec) -> Trainer:
-    """Device, process group, layout, this rank's model in a DeepSpeed engine, its data, and the parts
-    its checkpoints hold."""
+    """Device, process group, layout, this rank's model in a DeepSpeed engine, its data, and its
+    checkpointer with the parts its checkpoints hold."""
     from parallel.build import BuildOptions, build_model
     from parallel.topology import Topology
 
@@ -199,7 +184,6 @@ def build(spec: RunSpec) -> Trainer:
     model = build_model(model_cfg, topology, cfg.train.seed, device, options)
     if cfg.train.init_from is not None:  # a Hugging Face GPT-2 folder (train/checkpoint/hugging_face.py): its weights, sliced
         from parallel.naming import load_full_
-        from train.checkpoint.hugging_face import read_init_weights
 
         load_full_(model, read_init_weights(Path(cfg.train.init_from), model_cfg), model_cfg, topology)
     pipelined = topology.pp_size > 1
@@ -228,8 +212,10 @@ def build(spec: RunSpec) -> Trainer:
     step = TrainStep(engine, train.micro_batch_size, device,
                      autocast=resolve_precision(train.precision, device) == "autocast")
     progress = Progress()
-    trainer = Trainer(spec, device, topology, engine, step, batches, val_batches, lr, progress,
-                      checkpoint_parts(progress, batches, lr, engine, spec.schedule))
+    checkpointer = Checkpointer(CheckpointSettings.from_config(train, spec.run_dir, device, spec.resume),
+                                checkpoint_parts(progress, batches, lr, engine, spec.schedule.state),
+                                engine, topology, model_cfg, device)
+    trainer = Trainer(spec, device, topology, engine, step, batches, val_batches, lr, progress, checkpointer)
     if spec.plan is not None and topology.rank == 0:
         metrics.write_atomically(spec.run_dir / "plan.json", json.dumps(spec.plan.to_json(), indent=2) + "\n")
     _say(
@@ -241,16 +227,17 @@ def build(spec: RunSpec) -> Trainer:
     return trainer
 
 
-def checkpoint_parts(progress: Progress, batches: data.TrainBatches, lr: TokenLR, engine, schedule: RunSchedule
+def checkpoint_parts(progress: Progress, batches: data.TrainBatches, lr: TokenLR, engine, schedule: dict
                      ) -> CheckpointParts:
-    """What a checkpoint of this run holds besides the tensors, each part registered once."""
+    """What a checkpoint of this run holds besides the tensors, each part registered once (`schedule`: the
+    record of the schedule, read back by the config checks before a resumed run is built)."""
     parts = CheckpointParts()
-    parts.add("progress", progress.state_dict, progress.load_state_dict)
-    parts.add("data", lambda: {"data": batches.state_dict()}, lambda state: batches.load_state_dict(state["data"]))
-    parts.add("lr schedule", lambda: {"lr_scheduler": lr.state_dict()}, lambda state: lr.load_state_dict(state["lr_scheduler"]))
-    parts.add("engine counters", lambda: engines.counters(engine), lambda state: engines.restore_counters(engine, state))
-    parts.add("schedule record", lambda: {"extra": {"schedule": schedule.state}}, None)  # read back by the config checks
-    parts.add("rng", rng_state, set_rng_state, per_rank=True)
+    parts.add("progress", progress)
+    parts.add("data", Keyed("data", batches))
+    parts.add("lr schedule", Keyed("lr_scheduler", lr))
+    parts.add("engine counters", EngineCounters(engine))
+    parts.add("schedule record", Record({"extra": {"schedule": schedule}}))
+    parts.add("rng", ProcessRNG(), per_rank=True)
     return parts
 
 
@@ -260,26 +247,6 @@ def _batch_line(ramp: batch_ramp.BatchRamp) -> str:
         return f"{tokens} tokens/step"
     return (f"batch ramp {ramp.start} → {ramp.full} sequences by {ramp.increment} over {ramp.ramp_tokens:,} tokens, "
             f"then {tokens} tokens/step")
-
-
-def resume(trainer: Trainer) -> Path | None:
-    """Load the checkpoint the run specification names, if any, at this run's layout (whatever layout
-    saved it): weights, optimizer, and every registered part; returns the step folder loaded or None."""
-    point = trainer.spec.resume
-    if point is None:
-        return None
-    folder, state = checkpoint.load(trainer.engine, trainer.topology, trainer.model_cfg, point.path, trainer.parts,
-                                    known=(point.folder, point.state))
-    trainer.batches.start()  # background workers (data.workers) begin packing from the restored position
-    saved, now = state["layout"], checkpoint.layout_of(trainer.engine, trainer.topology)
-    moved = "" if saved == now else f" (saved at {_layout_text(saved)}, now {_layout_text(now)})"
-    _say(trainer, f"resumed from {folder} at step {trainer.progress.step}{moved}")
-    return folder
-
-
-def _layout_text(layout: dict) -> str:
-    offload = " offload" if layout["offload_optimizer"] else ""
-    return f"tp={layout['tp']} pp={layout['pp']} dp={layout['dp']} zero={layout['zero_stage']}{offload}"
 
 
 def next_batch(trainer: Trainer, progress: Progress) -> tuple[torch.Tensor, int]:
@@ -313,34 +280,6 @@ def open_logger(trainer: Trainer, resumed_step: int | None) -> metrics.MetricsLo
 def evaluate(trainer: Trainer) -> float:
     """Mean next-token loss over the held-out windows, averaged over all ranks."""
     return mean_over_ranks(_mean(trainer.step.evaluate(trainer.val_batches)))
-
-
-def save_checkpoint(trainer: Trainer, guard: Safeguards, writer: CheckpointWriter) -> None:
-    """A checkpoint of the run as it stands (train/checkpoint/), then retention, written here or in the
-    background (`writer`); never one of non-finite weights (NonFiniteError instead)."""
-    stopped_at = time.perf_counter()
-    step = trainer.progress.step
-    guard.phase(f"checkpoint at step {step}")
-    guard.before_saving(step, trainer.device)
-    writer.save(trainer.engine, trainer.topology, trainer.model_cfg, trainer.run_dir, trainer.parts, stopped_at)
-
-
-def announce_checkpoints(trainer: Trainer, guard: Safeguards, logger: metrics.MetricsLogger,
-                         writer: CheckpointWriter) -> None:
-    """Each checkpoint published since the last call: the guard's last checkpoint, a line, a W&B artifact."""
-    for written in writer.written():
-        guard.saved(written.path)
-        _say(trainer, f"checkpoint {written.path}")
-        logger.checkpoint(written.path, written.step)
-
-
-def _finish_write_after_error(writer: CheckpointWriter) -> None:
-    """A run that fails lets the write in flight finish: that checkpoint was staged before the fault. Its
-    own failure is only a warning (the first error is the one raised)."""
-    try:
-        writer.wait()
-    except checkpoint.CheckpointError as err:
-        print_warning(str(err))
 
 
 def finish(trainer: Trainer, logger: metrics.MetricsLogger, sample: bool = True) -> None:
@@ -405,5 +344,4 @@ def _duration(seconds: float) -> str:
 
 
 def _say(trainer: Trainer, text: str) -> None:
-    if trainer.topology.rank == 0:
-        print(text, flush=True)
+    report.say(text, trainer.topology.rank == 0)

@@ -70,14 +70,21 @@ def non_finite_tensors(folder: Path) -> list[str]:
     return found
 
 
+class NoLogger:
+    """A metrics logger that logs no checkpoint artifact."""
+
+    def checkpoint(self, path: Path, step: int) -> None:
+        pass
+
+
 def save_checkpoint(trainer) -> None:
-    """The loop's save, with the loop's safeguards around it (they refuse non-finite weights)."""
-    from train import loop
-    from train.checkpoint.writer import CheckpointWriter
+    """The run's save of the step it stands at, as its last step (written before this returns), with the
+    loop's safeguards around it (they refuse non-finite weights)."""
     from train.guard.safeguards import Safeguards
 
     guard = Safeguards(trainer.cfg, trainer.run_dir, trainer.engine, trainer.topology.rank, print)
     try:
-        loop.save_checkpoint(trainer, guard, CheckpointWriter(False, keep=3, keep_every=0))
+        trainer.checkpointer.connect(guard, NoLogger())
+        trainer.checkpointer.save(trainer.progress.step, last=True)
     finally:
         guard.close()

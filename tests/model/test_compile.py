@@ -70,7 +70,7 @@ def test_without_a_working_compiler_the_blocks_run_eager_with_one_warning(monkey
 
 
 def test_checkpoints_do_not_compare_the_compile_switch():
-    from train.checkpoint.manager import model_differences
+    from train.checkpoint import model_differences
 
     saved = dataclasses.asdict(CONFIG)
     assert model_differences(saved, dataclasses.replace(CONFIG, compile=True)) == []

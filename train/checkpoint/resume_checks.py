@@ -1,6 +1,6 @@
 """What a resumed run may change: never the model's shape; its schedule only when asked to.
 
-Every checkpoint records the model config (train/checkpoint/manager.py refuses another model shape) and,
+Every checkpoint records the model config (train/checkpoint/integrity.py refuses another model shape) and,
 in its client state, the schedule the run trains with ("schedule", `RunSchedule.state`): the
 configured SCHEDULE_KEYS and the LR schedule they resolved to (peak, warmup and decay in tokens,
 floor). On resume, before anything is built:
@@ -29,7 +29,9 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from train.checkpoint import manager, schema
+from train import report
+from train.checkpoint import integrity, schema
+from train.checkpoint.files import CheckpointError
 from train.optimizer import Schedule, make_schedule
 
 # What sets the batch each step trains on: a kept schedule keeps these as the checkpoint has them.
@@ -73,16 +75,17 @@ def resume_point(resume, run_dir: Path, model_cfg) -> ResumePoint | None:
     checkpoint) or CheckpointError (none intact, or another model), each one line."""
     from train.config.launch import is_rank_zero
 
-    path = manager.find_resume_path(resume, run_dir)
+    path = integrity.find_resume_path(resume, run_dir)
     if path is None:
         return None
-    folder, state = manager.verified(path, warn=manager.print_warning if is_rank_zero() else lambda text: None)
-    manager.check_model(state["model"], model_cfg, folder)
+    # every file but the shards' bytes, which loading hashes, shared by all ranks (train/checkpoint/loading.py)
+    folder, state = integrity.select(path, warn=report.warner(is_rank_zero()), hash_shards=False)
+    integrity.check_model(state["model"], model_cfg, folder)
     missing = sorted(schema.RESUME_KEYS - set(state))
     if missing:
-        raise manager.CheckpointError(f"checkpoint {folder} holds weights but no run to resume (its state.json lacks "
-                                      f"{missing}); export it (python -m train.export) and start a new run from it "
-                                      f"with train.init_from")
+        raise CheckpointError(f"checkpoint {folder} holds weights but no run to resume (its state.json lacks "
+                              f"{missing}); export it (python -m train.export) and start a new run from it "
+                              f"with train.init_from")
 
     return ResumePoint(path, folder, state)
 

@@ -1,5 +1,6 @@
-"""A process's random number generators as JSON: torch's (and CUDA's) state as base64 bytes, Python's
-as numbers. Each rank saves its own (rng.json) and a resume at the same layout takes its rank's back."""
+"""A process's random number generators as a checkpoint part: torch's (and CUDA's) state as base64
+bytes, Python's as numbers. Each rank saves its own (rng.json) and a resume at the same layout takes
+its rank's back."""
 
 from __future__ import annotations
 
@@ -9,21 +10,22 @@ import random
 import torch
 
 
-def rng_state() -> dict:
-    """This process's RNG states."""
-    version, internal, gauss = random.getstate()
-    state = {"torch": _b64(torch.get_rng_state()), "python": [version, list(internal), gauss]}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = _b64(torch.cuda.get_rng_state())
-    return state
+class ProcessRNG:
+    """This process's RNG states, registered as a per-rank part."""
 
+    def state_dict(self) -> dict:
+        version, internal, gauss = random.getstate()
+        state = {"torch": _b64(torch.get_rng_state()), "python": [version, list(internal), gauss]}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda"] = _b64(torch.cuda.get_rng_state())
+        return state
 
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(_unb64(state["torch"]))
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(_unb64(state["cuda"]))
+    def load_state_dict(self, state: dict) -> None:
+        torch.set_rng_state(_unb64(state["torch"]))
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(_unb64(state["cuda"]))
 
 
 def _b64(t: torch.Tensor) -> str:

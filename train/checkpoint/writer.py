@@ -1,6 +1,6 @@
 """A run's checkpoint saves, written in this thread or in the background (train.async_checkpoint).
 
-A save has two halves (train/checkpoint/manager.py): `stage` gathers every rank's share of the state
+A save has two halves (train/checkpoint/saving.py): `stage` gathers every rank's share of the state
 (collectives on the training process group, in the training thread), and `write` puts it on disk and
 publishes it. Synchronously, training waits for both. Asynchronously it waits only for the staging:
 the tensors are copied into host memory that training never touches (a clone on the CPU; on CUDA a
@@ -16,7 +16,7 @@ At most one save is in flight: a save first waits for the write before it, and s
 run (`wait`). A write that failed is raised as CheckpointError there, on every rank alike, never in
 between: the ranks' writer threads end at about the same moment, but each rank sees that at a step
 boundary of its own. A run killed during a write keeps the previous checkpoint as `latest`; the
-temporary folder left behind is removed when the run starts again (`remove_leftovers`).
+temporary folder left behind is removed when the run starts again (train/checkpoint/checkpointer.py).
 
 Times: `pause_s`, how long training stood still for a save (waiting for the previous write, the
 staging, and, synchronously, the write), and `write_s`, how long its write took.
@@ -31,19 +31,8 @@ from pathlib import Path
 
 import torch
 
-from train.checkpoint import files, manager
-
-
-def is_async(setting, device: torch.device) -> bool:
-    """train.async_checkpoint: true, false, or auto (true on CUDA, where the write would stall the
-    accelerator; false on the CPU, where the writer thread would take cores from training)."""
-    return device.type == "cuda" if setting == "auto" else bool(setting)
-
-
-def remove_leftovers(run_dir: Path) -> list[str]:
-    """Remove the temporary folders of saves that were interrupted (kill -9 during a write) from the
-    run's checkpoints/ folder, on rank 0 at the start; returns their names."""
-    return files.remove_leftovers(manager.checkpoint_dir(run_dir))
+from train.checkpoint import saving
+from train.checkpoint.files import CheckpointError
 
 
 @dataclass(frozen=True)
@@ -76,12 +65,12 @@ class CheckpointWriter:
         time.perf_counter() at which training stopped for this save, for its pause."""
         self.wait()
         if not self.asynchronous:
-            staged = manager.stage(engine, topology, model_cfg, run_dir, parts)
+            staged = saving.stage(engine, topology, model_cfg, run_dir, parts)
             started = time.perf_counter()
-            path = manager.write(staged, keep=self.keep, keep_every=self.keep_every)
+            path = saving.write(staged, keep=self.keep, keep_every=self.keep_every)
             self._published(Written(path, staged.step, time.perf_counter() - started))
         else:
-            staged = manager.stage(engine, topology, model_cfg, run_dir, parts, host_copy=self._host_copy)
+            staged = saving.stage(engine, topology, model_cfg, run_dir, parts, host_copy=self._host_copy)
             if self._pinned:
                 torch.cuda.current_stream().synchronize()  # the copies into pinned memory have landed
             self._thread = threading.Thread(target=self._write, args=(staged,), name=f"checkpoint-{staged.step}",
@@ -99,11 +88,11 @@ class CheckpointWriter:
             buffer = self._pinned[name] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         return buffer.copy_(tensor, non_blocking=True)
 
-    def _write(self, staged: manager.Staged) -> None:
-        """The writer thread: `manager.write` over the writer's own process group."""
+    def _write(self, staged: saving.Staged) -> None:
+        """The writer thread: `saving.write` over the writer's own process group."""
         started = time.perf_counter()
         try:
-            path = manager.write(staged, keep=self.keep, keep_every=self.keep_every, group=self.group)
+            path = saving.write(staged, keep=self.keep, keep_every=self.keep_every, group=self.group)
             self._outcome = Written(path, staged.step, time.perf_counter() - started)
         except BaseException as err:  # kept for `wait`, raised in the training thread
             self._outcome = err
@@ -112,9 +101,9 @@ class CheckpointWriter:
         """Take the outcome of the write that ended: its record, or its error raised."""
         outcome, self._outcome, self._thread = self._outcome, None, None
         if isinstance(outcome, BaseException):
-            if isinstance(outcome, manager.CheckpointError):
+            if isinstance(outcome, CheckpointError):
                 raise outcome
-            raise manager.CheckpointError(f"a checkpoint write failed: {outcome!r}") from outcome
+            raise CheckpointError(f"a checkpoint write failed: {outcome!r}") from outcome
         if outcome is not None:
             self._published(outcome)
 

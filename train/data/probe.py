@@ -20,6 +20,7 @@ import sys
 
 import numpy as np
 
+from train import report
 from train.data.records import Bad, BadRecords, by_files, in_validation, open_hub, prepared_split, records
 from train.data.sources import DataError, DataSpec, SourceSpec, resolve
 
@@ -98,10 +99,9 @@ def _fewer_streams(spec: DataSpec, indices: list[int], dp_size: int, global_batc
 def _warn_fewer(src: SourceSpec, streams: int, fewer: int, n_train: int) -> None:
     from train.config.launch import is_rank_zero
 
-    if is_rank_zero():
-        print(f"gpt3d: warning: data: {src.label} has {n_train} training document(s), too few for data.streams={streams}; "
-              f"using data.streams={fewer} (set data.streams on the command line to make this an error)",
-              file=sys.stderr, flush=True)
+    report.warn(f"data: {src.label} has {n_train} training document(s), too few for data.streams={streams}; "
+                f"using data.streams={fewer} (set data.streams on the command line to make this an error)",
+                speaks=is_rank_zero())
 
 
 def _plain(data_cfg) -> dict:

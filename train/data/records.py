@@ -29,13 +29,13 @@ import copy
 import functools
 import json
 import os
-import sys
 import zlib
 from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
 
+from train import report
 from train.data import pieces
 from train.data.sources import DataError, SourceSpec, hub_offline
 from train.data.tokenizer import EOT, gpt2
@@ -86,12 +86,8 @@ class BadRecords:
         per_file[bad.reason] = per_file.get(bad.reason, 0) + 1
         if self.warn and (record.file, bad.reason) not in self._warned:
             self._warned.add((record.file, bad.reason))
-            print(
-                f"gpt3d: warning: data: {record.file}: {record.where}: {bad.detail}; skipped "
-                "(data.on_bad_record=skip); further such records of this file are counted, not shown",
-                file=sys.stderr,
-                flush=True,
-            )
+            report.warn(f"data: {record.file}: {record.where}: {bad.detail}; skipped "
+                        "(data.on_bad_record=skip); further such records of this file are counted, not shown")
 
     def snapshot(self) -> dict:
         return copy.deepcopy(self.counts)

@@ -65,16 +65,16 @@ def both_ways(corpus: str, root: str, layout: list[str]) -> dict[str, list[bool]
     import threading
 
     from train import loop
-    from train.checkpoint import manager
+    from train.checkpoint import saving
 
     in_main = []
-    write = manager.write
+    write = saving.write
 
     def recorded(*args, **kwargs):
         in_main.append(threading.current_thread() is threading.main_thread())
         return write(*args, **kwargs)
 
-    manager.write = recorded
+    saving.write = recorded
     found = {}
     for mode in ("false", "true"):
         random.seed(0)

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from cli import metrics, train
-from train.checkpoint import manager as checkpoint
+from train.checkpoint import integrity as checkpoint
+from train.checkpoint.files import step_tag
 
 RUN = ["train.eval_interval=0", "logging.wandb.mode=disabled", "train.checkpoint_interval=1",
        "train.keep_checkpoints=3", "train.keep_every=2"]
@@ -48,7 +49,7 @@ class Marker:
 
 
 def shard(run_dir: Path, step: int) -> Path:
-    return sorted((run_dir / "checkpoints" / checkpoint.step_tag(step)).glob("*.safetensors"))[0]
+    return sorted((run_dir / "checkpoints" / step_tag(step)).glob("*.safetensors"))[0]
 
 
 def forge_manifest(folder: Path) -> None:
@@ -63,7 +64,7 @@ def forge_manifest(folder: Path) -> None:
 def choose(run_dir: Path) -> tuple[str, list[str]]:
     """(the step folder a resume takes, the warnings printed)."""
     warnings = []
-    folder = checkpoint.select(run_dir / "checkpoints", warn=warnings.append)
+    folder, _ = checkpoint.select(run_dir / "checkpoints", warn=warnings.append)
     return folder.name, warnings
 
 

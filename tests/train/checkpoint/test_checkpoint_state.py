@@ -81,7 +81,7 @@ def resume_worker(corpus: str, run_dir: str, layout: list[str]) -> dict:
     from train import loop
 
     trainer = loop.build(resolve(compose(corpus, [*layout, f"train.resume={run_dir}"]), run_dir + "-resumed"))
-    resumed = loop.resume(trainer)
+    resumed = trainer.checkpointer.restore()
     assert resumed and trainer.progress.step == 2
     return whole_state(trainer)
 

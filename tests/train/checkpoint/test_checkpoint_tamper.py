@@ -21,7 +21,7 @@ import pytest
 
 from cli import metrics, train
 from train.checkpoint import files
-from train.checkpoint import manager as checkpoint
+from train.checkpoint import integrity as checkpoint
 
 RUN = ["train.eval_interval=0", "logging.wandb.mode=disabled", "train.checkpoint_interval=2"]  # keeps 3
 KEYS = ("step", "train/loss", "train/lr", "train/grad_norm")
@@ -99,7 +99,7 @@ def drop(path: str):
 
 def choose(run_dir: Path) -> tuple[str, list[str]]:
     warnings = []
-    return checkpoint.select(run_dir / "checkpoints", warn=warnings.append).name, warnings
+    return checkpoint.select(run_dir / "checkpoints", warn=warnings.append)[0].name, warnings
 
 
 WPE = "model/layers.0.wpe.weight"
@@ -209,7 +209,7 @@ def test_every_tampered_checkpoint_is_passed_over_through_the_cli(one_checkpoint
         assert f"{tag} is damaged or incomplete" in warning and words in warning, (name, warning)
     assert "step00000002 at step 2" in stdout
     assert [[r[k] for k in KEYS] for r in metrics(run)] == [[r[k] for k in KEYS] for r in metrics(trained)]
-    assert checkpoint.select(run / "checkpoints", warn=pytest.fail).name == files.step_tag(EVERY_CASE_STEPS)  # saved anew
+    assert checkpoint.select(run / "checkpoints", warn=pytest.fail)[0].name == files.step_tag(EVERY_CASE_STEPS)  # saved anew
     assert (run / "elsewhere.json").read_bytes() == linked_to  # what the state-symlink case pointed at: only read
 
 
