@@ -113,7 +113,7 @@ def _rank_main(rank, pp, port, ms, t_f, t_b, steps, results):
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(pp), LOCAL_WORLD_SIZE=str(pp),
-    )  # fmt: skip
+    )
     torch.set_num_threads(1)
     import deepspeed
 
@@ -168,9 +168,9 @@ def main() -> None:
     _import_before_fork()
 
     print(f"pipeline bubble, DeepSpeed 1F1B on CPU (gloo): stage forward {args.t_forward:g} ms, backward "
-          f"{args.t_backward:g} ms, {steps} steps after a warm-up; measured = 1 − stage busy / step")  # fmt: skip
+          f"{args.t_backward:g} ms, {steps} steps after a warm-up; measured = 1 − stage busy / step")
     print(f"{'pp':>3} {'m':>3} {'predicted':>10} {'measured':>9} {'worst stage':>12} {'ratio':>6} "
-          f"{'step ms':>8} {'ideal ms':>9}", flush=True)  # fmt: skip
+          f"{'step ms':>8} {'ideal ms':>9}", flush=True)
     for pp in (2, 4):
         for m, per_stage in run(pp, ms, t_f, t_b, steps).items():
             stage_bubbles = [sum(1 - busy / step for busy, step in times) / steps for times in per_stage]
@@ -178,7 +178,7 @@ def main() -> None:
             step_ms = sum(step for times in per_stage for _, step in times) / (pp * steps) * 1e3
             ideal_ms = (m + pp - 1) * (t_f + t_b) * 1e3
             print(f"{pp:>3} {m:>3} {predicted:>10.3f} {measured:>9.3f} {max(stage_bubbles):>12.3f} "
-                  f"{measured / predicted:>6.2f} {step_ms:>8.1f} {ideal_ms:>9.1f}", flush=True)  # fmt: skip
+                  f"{measured / predicted:>6.2f} {step_ms:>8.1f} {ideal_ms:>9.1f}", flush=True)
 
 
 if __name__ == "__main__":

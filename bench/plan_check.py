@@ -138,7 +138,7 @@ def main() -> None:
         label = f"{name} micro={micro_batch}×{micro_batches} ckpt={ckpt}"
         pred_gib, peak_gib = plan.peak_memory_gib, peak / 2**30
         print(f"{label:<36} {seconds:>8.3f} {plan.step_time_s:>8.3f} {seconds / plan.step_time_s:>6.2f} "
-              f"{peak_gib:>9.2f} {pred_gib:>9.2f} {peak_gib / pred_gib:>6.2f}", flush=True)  # fmt: skip
+              f"{peak_gib:>9.2f} {pred_gib:>9.2f} {peak_gib / pred_gib:>6.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -69,7 +69,7 @@ def profile(overrides: list[str], run_dir: Path, steps: int, skip: int) -> dict 
     table ({"rows": {name: seconds per step}, ...}) on rank 0, None on other ranks."""
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    from train.config.checks import ConfigError
+    from train.config.settings import ConfigError
     from train.config.spec import resolve
     from train.loop import run
 
@@ -79,7 +79,7 @@ def profile(overrides: list[str], run_dir: Path, steps: int, skip: int) -> dict 
         spec = resolve(cfg, run_dir, overrides)
     except ConfigError as err:
         raise SystemExit(f"bench.profile: {err}") from None
-    cuda = torch.cuda.is_available() and spec.cfg.train.device != "cpu"
+    cuda = torch.cuda.is_available() and spec.sections.train.device != "cpu"
     rank = int(os.environ.get("RANK", "0"))
     trace = run_dir / ("profile_trace.json" if rank == 0 else f"profile_trace.rank{rank}.json")
 
@@ -110,9 +110,9 @@ def compose(overrides: list[str], max_steps: int):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from train.config.entry import CONFIG_DIR, register_resolvers
+    from train.config.entry import CONFIG_DIR, register_config
 
-    register_resolvers()
+    register_config()
     quiet = [f"train.max_steps={max_steps}", "train.eval_interval=0", "train.sample_tokens=0",
              "train.checkpoint_interval=0", "logging.log_interval=1", "logging.wandb.mode=disabled"]
     with initialize_config_dir(version_base=None, config_dir=str(CONFIG_DIR), job_name="profile"):

@@ -47,7 +47,7 @@ def _split(argv: list[str]) -> tuple[list[str], dict]:
             name = key.removeprefix("bench.")
             if name not in BENCH_DEFAULTS or not value.isdigit() or (name == "iterations" and int(value) < 1):
                 raise ValueError(f"{arg!r}: bench options are {sorted(BENCH_DEFAULTS)}, each a non-negative integer "
-                                 f"(iterations ≥ 1)")  # fmt: skip
+                                 f"(iterations ≥ 1)")
             options[name] = int(value)
         else:
             overrides.append(arg)
@@ -72,7 +72,7 @@ def defined_outputs():
     import torch.distributed as dist
 
     originals = {name: getattr(dist, name) for name in ("all_gather", "all_gather_into_tensor", "reduce_scatter",
-                                                         "reduce_scatter_tensor")}  # fmt: skip
+                                                         "reduce_scatter_tensor")}
 
     def all_gather(tensors, tensor, *args, **kwargs):
         work = originals["all_gather"](tensors, tensor, *args, **kwargs)
@@ -96,7 +96,7 @@ def defined_outputs():
         return work
 
     replacements = {"all_gather": all_gather, "all_gather_into_tensor": all_gather_into_tensor,
-                    "reduce_scatter": reduce_scatter, "reduce_scatter_tensor": reduce_scatter_tensor}  # fmt: skip
+                    "reduce_scatter": reduce_scatter, "reduce_scatter_tensor": reduce_scatter_tensor}
     for name, function in replacements.items():
         setattr(dist, name, function)
     try:
@@ -123,13 +123,13 @@ def build_block_shard(model_cfg, topology, sequence_parallel: bool, device: torc
     return block
 
 
-def precision_of(cfg, device: torch.device) -> str:
-    precision = cfg.train.get("precision", "auto")
+def precision_of(train, device: torch.device) -> str:
+    precision = train.precision
     return ("bf16" if device.type == "cuda" else "fp32") if precision == "auto" else precision
 
 
 def time_block(block, micro_batch: int, tokens: int, d_model: int, precision: str, device: torch.device,
-               iterations: int, warmup: int, seed: int) -> float:  # fmt: skip
+               iterations: int, warmup: int, seed: int) -> float:
     """Seconds of one forward + backward of `block` on (micro_batch, tokens, d_model) inputs."""
     dtype = torch.bfloat16 if precision in ("bf16", "fp8") else torch.float32
     block.to(dtype)
@@ -162,8 +162,12 @@ def time_block(block, micro_batch: int, tokens: int, d_model: int, precision: st
 
 
 def run(argv: list[str], out=sys.stdout, err=sys.stderr) -> int:
+    from omegaconf import OmegaConf
+
+    from train.config.checks import check_model
+    from train.config.sections import Sections
     from train.plan.__main__ import compose
-    from train.plan.config import hardware_from_config, model_config
+    from train.plan.config import hardware_from_config
     from train.plan.estimate import Layout, block_seconds, for_precision
     from train.plan.hardware import for_cuda_device
 
@@ -172,12 +176,13 @@ def run(argv: list[str], out=sys.stdout, err=sys.stderr) -> int:
     try:
         overrides, options = _split(argv)
         cfg = compose(overrides)
-        model_cfg = model_config(cfg)
-        tp, sp, micro = cfg.parallel.tp, bool(cfg.parallel.sequence_parallel), cfg.train.micro_batch_size
+        sections, model_cfg = Sections.of(cfg), check_model(OmegaConf.to_container(cfg.model, resolve=True))
+        parallel, train = sections.parallel, sections.train
+        tp, sp, micro = parallel.tp, parallel.sequence_parallel, train.micro_batch_size
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        precision = precision_of(cfg, device)
+        precision = precision_of(train, device)
         implementation = for_precision(precision)
-        hardware = for_cuda_device() if device.type == "cuda" else hardware_from_config(cfg.plan)
+        hardware = for_cuda_device() if device.type == "cuda" else hardware_from_config(OmegaConf.to_object(cfg.plan))
         from parallel.topology import check_layout
 
         check_layout(model_cfg.n_head, model_cfg.d_ff, tp, 1, model_cfg.n_layer, tp)
@@ -192,14 +197,14 @@ def run(argv: list[str], out=sys.stdout, err=sys.stderr) -> int:
         block = build_block_shard(model_cfg, topology, sp, device)
         tokens = model_cfg.seq_len // tp if sp else model_cfg.seq_len
         measured = time_block(block, micro, tokens, model_cfg.d_model, precision, device, options["iterations"],
-                              options["warmup"], options["seed"])  # fmt: skip
+                              options["warmup"], options["seed"])
     heads = model_cfg.n_head // tp
     print(f"{model_cfg.name}: one block, tensor-parallel rank 0 of {tp}{' with sequence parallelism' if sp else ''}: "
           f"d_model {model_cfg.d_model}, {heads} of {model_cfg.n_head} heads, d_ff {model_cfg.d_ff // tp} of "
           f"{model_cfg.d_ff}, micro batch {micro} × T {model_cfg.seq_len}, {precision} on "
-          f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}", file=out)  # fmt: skip
+          f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}", file=out)
     print(f"forward + backward per block: measured {measured * 1e3:.3f} ms, predicted {predicted * 1e3:.3f} ms "
-          f"({hardware.name}), measured / predicted {measured / predicted:.2f}", file=out)  # fmt: skip
+          f"({hardware.name}), measured / predicted {measured / predicted:.2f}", file=out)
     return 0
 
 

@@ -249,10 +249,10 @@ def engine_trainer(model_name, precision, micro_batch, seq_len, device):
     from hydra import compose, initialize_config_dir
 
     from train import loop
-    from train.config.entry import CONFIG_DIR, register_resolvers
+    from train.config.entry import CONFIG_DIR, register_config
     from train.config.spec import resolve
 
-    register_resolvers()
+    register_config()
     settings = [f"model={model_name}", f"model.seq_len={seq_len}", f"train.precision={precision}",
                 f"train.micro_batch_size={micro_batch}", f"train.global_batch_size={micro_batch}",
                 f"train.device={device.type}", "data.streams=1", "train.eval_interval=0", "train.sample_tokens=0",

@@ -10,6 +10,11 @@ ATTENTION_PATTERNS = ("dense", "alternating")
 ATTENTION_IMPLS = ("auto", "triton", "torch", "sdpa", "reference")
 
 
+def _field(default, doc: str):
+    """A field with its doc (docs/configuration.md's settings table: train/config/key_table.py)."""
+    return dataclasses.field(default=default, metadata={"doc": doc})
+
+
 @dataclass(frozen=True)
 class GPTConfig:
     """Shape of a GPT-3-style decoder.
@@ -24,22 +29,28 @@ class GPTConfig:
     checkpoints, are the same either way.
     """
 
-    name: str = "toy"
-    n_layer: int = 4
-    n_head: int = 4
-    d_model: int = 128
-    d_ff: int | None = None
-    seq_len: int = 256
-    vocab_size: int = 50257
-    activation: str = "gelu"
-    attention_pattern: str = "dense"
-    local_window: int = 256
-    attention_impl: str = "auto"
-    deterministic_attention: bool = False
-    compile: bool = False
-    dropout: float = 0.0
-    init_std: float = 0.02
-    ln_eps: float = 1e-5
+    name: str = _field("toy", "the size's name (configs/model/NAME.yaml): toy, gpt3-125m … gpt3-175b")
+    n_layer: int = _field(4, "transformer blocks")
+    n_head: int = _field(4, "attention heads; d_head = d_model / n_head")
+    d_model: int = _field(128, "hidden width")
+    d_ff: int | None = _field(None, "MLP width; null: 4·d_model")
+    seq_len: int = _field(256, "context length, tokens")
+    vocab_size: int = _field(50257, "vocabulary (GPT-2 BPE: 50257; padded to a multiple of 128·tp rows inside)")
+    activation: str = _field("gelu", "`gelu` (tanh approximation) or `relu`")
+    attention_pattern: str = _field("dense", "`dense`, or `alternating` dense/banded layers (GPT-3's)")
+    local_window: int = _field(256, "the banded layers' window, tokens")
+    attention_impl: str = _field(
+        "auto", "`auto`: the fused Triton kernel on GPUs (bf16/fp16), PyTorch's SDPA for float32 there, the chunked "
+                "torch path on CPUs; or force `triton`, `sdpa`, `torch`, `reference`")
+    deterministic_attention: bool = _field(
+        False, "an attention backward whose gradient bits are the same on every run (the Triton kernel computes dQ in "
+               "a pass of its own instead of with atomic adds); refused with attention_impl=sdpa; checkpoints resume "
+               "with it on or off")
+    compile: bool = _field(False, "each transformer block through torch.compile (eager, with one warning, where that "
+                                  "cannot work); generation runs eager; checkpoints resume with it on or off")
+    dropout: float = _field(0.0, "dropout probability (GPT-3: 0)")
+    init_std: float = _field(0.02, "the weights' init standard deviation (residual projections: /√(2·n_layer))")
+    ln_eps: float = _field(1e-5, "LayerNorm's ε")
 
     def __post_init__(self) -> None:
         if self.d_ff is None:

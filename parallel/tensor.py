@@ -126,7 +126,7 @@ class ColumnParallelLinear(nn.Module):
     def __init__(
         self, in_features, out_features, group, bias=True, sequence_parallel=False, tag="", device=None, dtype=None,
         overlap=False,
-    ):  # fmt: skip
+    ):
         super().__init__()
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         self.group, self.tag = group, tag

@@ -20,16 +20,16 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from train.config.entry import (
-    CONFIG_DIR, EXIT_BAD_INPUT, EXIT_FAILED, drop_launcher_arguments, quiet_library_warnings, register_resolvers,
+    CONFIG_DIR, EXIT_BAD_INPUT, EXIT_FAILED, drop_launcher_arguments, quiet_library_warnings, register_config,
 )
 from train.config.launch import is_rank_zero
 
 
 @hydra.main(version_base=None, config_path=str(CONFIG_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
-    from train.config.checks import ConfigError, check_keys
+    from train.config.checks import check_keys
+    from train.config.settings import ConfigError
     from train.config.spec import resolve
-
     from train.engine import order_cuda_queues
 
     par = cfg.parallel  # before anything initialises CUDA (train/engine.py)
@@ -76,8 +76,8 @@ def _refuse(err: Exception) -> None:
 
 def _check_command_line(arguments: list[str]) -> None:
     """Overrides that name no setting or config, a run folder that cannot be made: refused before Hydra runs."""
-    from train.config.checks import ConfigError
     from train.config.command_line import check_command_line
+    from train.config.settings import ConfigError
 
     try:
         check_command_line(arguments)
@@ -93,7 +93,7 @@ def _discard_if_empty(run_dir: Path) -> None:
 
 if __name__ == "__main__":
     sys.argv = drop_launcher_arguments(sys.argv)
-    register_resolvers()
+    register_config()
     _check_command_line(sys.argv[1:])
     quiet_library_warnings()
     main()

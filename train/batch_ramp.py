@@ -59,35 +59,36 @@ class BatchRamp:
 
 
 def from_config(train_cfg, seq_len: int) -> BatchRamp:
-    """The run's ramp from train.global_batch_size and train.batch_ramp; ValueError naming a bad value.
+    """The run's ramp from the train section's global_batch_size and batch_ramp (train/config/sections/train.py);
+    ValueError naming a bad value.
 
     This checks the ramp on its own; whether its batches split over streams, ranks and micro batches
     is train/config/checks.py's check (it knows the layout)."""
     full = train_cfg.global_batch_size
-    ramp = train_cfg.get("batch_ramp")
-    if ramp is None or ramp.get("start") is None:
+    ramp = getattr(train_cfg, "batch_ramp", None)
+    if ramp is None or ramp.start is None:
         for key in ("increment", "tokens"):
-            if ramp is not None and ramp.get(key) is not None:
-                raise ValueError(f"train.batch_ramp.{key}={ramp[key]!r} is set but train.batch_ramp.start is null (no "
-                                 f"ramp); set start too, or leave {key} null")
+            if ramp is not None and getattr(ramp, key) is not None:
+                raise ValueError(f"train.batch_ramp.{key}={getattr(ramp, key)!r} is set but train.batch_ramp.start is "
+                                 f"null (no ramp); set start too, or leave {key} null")
         return BatchRamp(full, full, 1, full, seq_len)
-    unit = ramp.get("unit", "sequences")
+    unit = ramp.unit
     if unit not in UNITS:
         raise ValueError(f"train.batch_ramp.unit={unit!r}: must be one of {list(UNITS)}")
     start = _sequences("start", ramp.start, unit, seq_len)
     if start > full:
         raise ValueError(f"train.batch_ramp.start={ramp.start} {unit} exceeds train.global_batch_size={full} sequences "
                          f"({full * seq_len} tokens); the ramp grows towards the full batch")
-    increment = start if ramp.get("increment") is None else _sequences("increment", ramp.increment, unit, seq_len)
+    increment = start if ramp.increment is None else _sequences("increment", ramp.increment, unit, seq_len)
     if (full - start) % increment:
         per = seq_len if unit == "tokens" else 1
         fits = [d * per for d in range(1, full - start + 1) if (full - start) % d == 0]
         raise ValueError(
-            f"train.batch_ramp.increment={ramp.get('increment') or ramp.start} {unit} does not lead from start="
+            f"train.batch_ramp.increment={ramp.increment or ramp.start} {unit} does not lead from start="
             f"{ramp.start} to train.global_batch_size={full} sequences in whole increments (the difference, "
             f"{(full - start) * per} {unit}, must be a multiple of it); increments that fit: {fits[:8]}"
         )
-    tokens = ramp.get("tokens")
+    tokens = ramp.tokens
     if start < full and (not _is_whole(tokens) or tokens <= 0):
         raise ValueError(f"train.batch_ramp.tokens={tokens!r}: must be a positive whole number of tokens (e.g. 4e9), "
                          "the tokens over which the batch grows to the full batch")

@@ -17,12 +17,10 @@ import socket
 from datetime import timedelta
 
 import torch
-from omegaconf import OmegaConf
-
 from train.optimizer import ELSEWHERE, GIVEN_NORM, OWN_NORM
 from train.precision import bf16_weights, deepspeed_settings, resolve_precision
 
-DEVICES = ("auto", "cpu", "cuda")
+from train.config.sections.train import DEVICES
 # DeepSpeed's step counters a checkpoint keeps (the engine's attributes of these names, all ints)
 ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
 
@@ -119,45 +117,103 @@ def skip_shared_memory_op() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
-def deepspeed_config(cfg, dp_size: int, device: torch.device, plan=None) -> dict:
-    """DeepSpeed's config from ours: batch geometry, ZeRO stage and offload, clipping, mixed
-    precision, pipeline activation transfer, then any `deepspeed.*` extras (already validated) on top.
-    With the run's plan (train/plan/, on CUDA) ZeRO's buckets, overlap and prefetch are the plan's
-    (train/plan/zero_buckets.py) instead of DeepSpeed's defaults; the precision's ZeRO stage wins."""
-    train, parallel = cfg.train, cfg.parallel
-    accumulation = train.global_batch_size // (train.micro_batch_size * dp_size)
+def deepspeed_config(train, parallel, optim, extras: dict, dp_size: int, device: torch.device, plan=None) -> dict:
+    """DeepSpeed's config from ours (the train, parallel and optim sections): batch geometry, ZeRO stage
+    and offload, clipping, mixed precision, pipeline activation transfer, then the `deepspeed.*` extras
+    (already checked: none of the keys gpt3d writes) on top. With the run's plan (train/plan/, on CUDA)
+    ZeRO's buckets, overlap and prefetch are the plan's (train/plan/zero_buckets.py) instead of
+    DeepSpeed's defaults; the precision's ZeRO stage wins."""
+    config: dict = {}
+    for path, value, _ in written(train, parallel, optim, dp_size, device, plan):
+        _put(config, path, value)
+    return _merge(config, extras)
+
+
+def written(train, parallel, optim, dp_size: int, device: torch.device, plan=None) -> list[tuple[str, object, str | None]]:
+    """(dotted DeepSpeed key, value, the gpt3d setting it comes from, or None for gpt3d's own defaults that
+    the deepspeed group may change) for every key deepspeed_config writes."""
     precision = resolve_precision(train.precision, device)
     settings = deepspeed_settings(precision, int(parallel.zero_stage))
-    zero = settings.pop("zero_optimization")
-    if plan is not None:
-        from train.plan.zero_buckets import zero_optimization
-
-        zero = {**zero_optimization(plan), **zero}
-    if parallel.offload_optimizer:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": device.type == "cuda"}
-    config = {
-        "train_batch_size": train.global_batch_size,
-        "train_micro_batch_size_per_gpu": train.micro_batch_size,
-        "gradient_accumulation_steps": accumulation,
+    zero_stage = settings.pop("zero_optimization")["stage"]
+    entries = [
+        ("train_batch_size", train.global_batch_size, "train.global_batch_size"),
+        ("train_micro_batch_size_per_gpu", train.micro_batch_size, "train.micro_batch_size"),
+        ("gradient_accumulation_steps", train.global_batch_size // (train.micro_batch_size * dp_size),
+         "train.global_batch_size / (train.micro_batch_size · dp)"),
         # who clips: see `clipping`
-        "gradient_clipping": float(cfg.optim.grad_clip) if clipping(cfg, device) == ELSEWHERE else 0.0,
-        "zero_optimization": zero,
-        "steps_per_print": 2**31 - 1,
-        "wall_clock_breakdown": False,
+        ("gradient_clipping", float(optim.grad_clip) if clipping(train, parallel, device) == ELSEWHERE else 0.0,
+         "optim.grad_clip"),
+        ("zero_optimization.stage", zero_stage, "parallel.zero_stage"),
+        *((f"zero_optimization.{key}", value, None) for key, value in _plan_buckets(plan).items()),
+        ("steps_per_print", 2**31 - 1, None),
+        ("wall_clock_breakdown", False, None),
         # DeepSpeed's throughput timer synchronizes the device at the start and end of every micro batch;
         # gpt3d times steps itself (train/metrics.py: Meter), reading the device once per logged step
-        "timers": {"throughput": {"enabled": False}},
-        "zero_allow_untested_optimizer": True,
+        ("timers.throughput.enabled", False, None),
+        ("zero_allow_untested_optimizer", True, None),
         # our AdamW (GPT-3 settings, exact one-process equivalence) also when its state is offloaded
-        "zero_force_ds_cpu_optimizer": False,
-    }
+        ("zero_force_ds_cpu_optimizer", False, None),
+        # precision: torch autocast, or bf16 weights with fp32 masters; never fp16
+        ("fp16.enabled", False, "train.precision"),
+        *((path, value, "train.precision") for path, value in _flat(settings)),
+    ]
+    if parallel.offload_optimizer:
+        entries.append(("zero_optimization.offload_optimizer", {"device": "cpu", "pin_memory": device.type == "cuda"},
+                        "parallel.offload_optimizer"))
     if parallel.sequence_parallel and parallel.pp > 1:
         # The pipeline engine would send each stage's output cut into tp pieces and gather them on the
         # next stage, which assumes every tp rank holds the same activations. Under sequence
         # parallelism each holds its own part of the sequence, so each sends its part whole.
-        config["pipeline"] = {"pipe_partitioned": False, "grad_partitioned": False}
-    config.update(settings)  # precision: torch autocast, or bf16 weights with fp32 masters
-    return _merge(config, OmegaConf.to_container(cfg.deepspeed, resolve=True) if "deepspeed" in cfg else {})
+        entries += [(f"pipeline.{key}", False, "parallel.sequence_parallel") for key in ("pipe_partitioned", "grad_partitioned")]
+    return entries
+
+
+# Passed to deepspeed.initialize as objects (create_engine), so never in its config
+CLIENT_OBJECTS = {"optimizer": "optim.*", "scheduler": "optim.*"}
+
+
+def owned_deepspeed_keys() -> dict[str, str]:
+    """{dotted DeepSpeed key: the gpt3d setting it comes from} for every key `written` derives from a gpt3d
+    setting under any precision, ZeRO stage, offload and pipeline, plus the client objects: what the
+    deepspeed group may not set."""
+    from train.config.sections import ParallelConfig, TrainConfig
+    from train.config.sections.optim import OptimConfig
+
+    owned = dict(CLIENT_OBJECTS)
+    for precision in ("fp32", "autocast", "bf16"):
+        for zero in (0, 1, 2, 3):
+            for offload in ((False, True) if zero else (False,)):
+                train = TrainConfig(precision=precision, device="cpu")
+                parallel = ParallelConfig(zero_stage=zero, offload_optimizer=offload, pp=2 if zero < 2 else 1,
+                                          sequence_parallel=zero < 2)
+                for path, _, source in written(train, parallel, OptimConfig(), 1, torch.device("cpu")):
+                    if source is not None:
+                        owned[path] = source
+    return owned
+
+
+def _plan_buckets(plan) -> dict:
+    if plan is None:
+        return {}
+    from train.plan.zero_buckets import zero_optimization
+
+    return {key: value for key, value in zero_optimization(plan).items() if key != "stage"}
+
+
+def _flat(settings: dict, prefix: str = "") -> list[tuple[str, object]]:
+    """(dotted key, value) of every leaf of a nested dict."""
+    out = []
+    for key, value in settings.items():
+        path = f"{prefix}{key}"
+        out += _flat(value, f"{path}.") if isinstance(value, dict) else [(path, value)]
+    return out
+
+
+def _put(config: dict, dotted: str, value) -> None:
+    *parents, leaf = dotted.split(".")
+    for name in parents:
+        config = config.setdefault(name, {})
+    config[leaf] = value
 
 
 def _merge(base: dict, extra: dict) -> dict:
@@ -168,18 +224,18 @@ def _merge(base: dict, extra: dict) -> dict:
     return merged
 
 
-def clipping(cfg, device: torch.device) -> str:
-    """Who clips the gradient (train/optimizer.py: ClippingAdamW):
+def clipping(train, parallel, device: torch.device) -> str:
+    """Who clips the gradient (train/optimizer.py: ClippingAdamW), from the train and parallel sections:
       OWN_NORM         ZeRO stage 0 in fp32 or autocast: DeepSpeed runs no optimizer around ours, and its
                        own ZeRO-0 clipping neither reports the norm nor counts pipeline stages right
       GIVEN_NORM       bf16 at ZeRO stage ≤ 1: DeepSpeed's bf16 optimizer computes the norm and skips a
                        non-finite step; ours clips by that norm without reading it back
       ELSEWHERE        ZeRO stage ≥ 1 otherwise (train/precision.py): DeepSpeed's ZeRO optimizer clips"""
-    precision = resolve_precision(cfg.train.precision, device)
-    settings = deepspeed_settings(precision, int(cfg.parallel.zero_stage))
+    precision = resolve_precision(train.precision, device)
+    settings = deepspeed_settings(precision, int(parallel.zero_stage))
     if settings["zero_optimization"]["stage"] == 0:
         return OWN_NORM
-    return GIVEN_NORM if bf16_weights(precision) and int(cfg.parallel.zero_stage) <= 1 else ELSEWHERE
+    return GIVEN_NORM if bf16_weights(precision) and int(parallel.zero_stage) <= 1 else ELSEWHERE
 
 
 def create_engine(model, optimizer, lr_scheduler, ds_config: dict, mpu=None):

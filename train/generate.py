@@ -6,8 +6,9 @@
 
 The config is the training one (model.* must be the run's; parallel.* is the layout to generate
 at, whatever the run trained at; train.device, train.seed) plus the `generate` group
-(configs/generate/default.yaml). The checkpoint's weights are put back together whole
-(train/checkpoint/loading.py: read_model_weights) and each rank takes its slice (parallel.naming).
+(train/config/sections/generate.py; configs/generate/default.yaml). The checkpoint's weights are put
+back together whole (train/checkpoint/loading.py: read_model_weights) and each rank takes its slice
+(parallel.naming).
 Rank 0 prints the text, and writes {prompt, tokens, text} as JSON to generate.output if set.
 """
 
@@ -23,7 +24,7 @@ from omegaconf import DictConfig
 
 from model import GPTConfig
 from train.config.entry import (
-    CONFIG_DIR, EXIT_BAD_INPUT, drop_launcher_arguments, quiet_library_warnings, register_resolvers,
+    CONFIG_DIR, EXIT_BAD_INPUT, drop_launcher_arguments, quiet_library_warnings, register_config,
 )
 from train.metrics import write_atomically
 from train.sample import sample_text
@@ -33,7 +34,7 @@ def checkpoint_weights(folder: Path, model_cfg: GPTConfig) -> dict[str, torch.Te
     """The whole model's weights from a checkpoint folder, refused (ConfigError) when the checkpoint
     is of another model than model.* describes."""
     from train import checkpoint
-    from train.config.checks import ConfigError
+    from train.config.settings import ConfigError
 
     try:
         checkpoint.check_model(checkpoint.saved_model_config(folder) or {}, model_cfg, folder)
@@ -42,22 +43,23 @@ def checkpoint_weights(folder: Path, model_cfg: GPTConfig) -> dict[str, torch.Te
         raise ConfigError(str(err)) from None
 
 
-def run(cfg, model_cfg: GPTConfig, folder: Path, weights: dict[str, torch.Tensor]) -> str:
-    """Build this rank's part at cfg.parallel's layout, give it its slices of `weights`, generate."""
+def run(sections, gen, model_cfg: GPTConfig, folder: Path, weights: dict[str, torch.Tensor]) -> str:
+    """Build this rank's part at the parallel section's layout, give it its slices of `weights`, generate
+    as the generate section (`gen`) says."""
     from parallel.build import BuildOptions, build_model
     from parallel.naming import load_full_
     from parallel.topology import Topology
     from train.engine import init_distributed, resolve_device, shutdown_distributed
     from train.precision import resolve_precision
 
-    device = resolve_device(cfg.train.device)
+    train, parallel = sections.train, sections.parallel
+    device = resolve_device(train.device)
     init_distributed(device)
-    topology = Topology.create(cfg.parallel.tp, cfg.parallel.pp)
-    part = build_model(model_cfg, topology, cfg.train.seed, device, BuildOptions(cfg.parallel.sequence_parallel))
+    topology = Topology.create(parallel.tp, parallel.pp)
+    part = build_model(model_cfg, topology, train.seed, device, BuildOptions(parallel.sequence_parallel))
     load_full_(part, weights, model_cfg, topology)
-    gen = cfg.generate
-    bf16 = resolve_precision(cfg.train.precision, device) != "fp32"
-    text, tokens = sample_text(part, model_cfg, topology, gen.prompt, gen.max_new_tokens, device, cfg.train.seed,
+    bf16 = resolve_precision(train.precision, device) != "fp32"
+    text, tokens = sample_text(part, model_cfg, topology, gen.prompt, gen.max_new_tokens, device, train.seed,
                                gen.temperature, gen.top_k, bf16)
     if topology.rank == 0 and gen.output is not None:
         record = {"checkpoint": str(folder), "prompt": gen.prompt, "tokens": tokens, "text": text}
@@ -70,22 +72,28 @@ def run(cfg, model_cfg: GPTConfig, folder: Path, weights: dict[str, torch.Tensor
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    from train.config.checks import ConfigError, check_generation, check_keys
+    from omegaconf import OmegaConf
+
+    from train.config.checks import check_device, check_generation, check_keys
+    from train.config.sections import Sections
+    from train.config.settings import ConfigError
 
     try:
         check_keys(cfg, "generate", list(HydraConfig.get().overrides.task))
-        model_cfg, folder = check_generation(cfg)
+        sections, gen = Sections.of(cfg), OmegaConf.to_object(cfg.generate)
+        check_device(sections.train)
+        model_cfg, folder = check_generation(gen, sections.parallel, OmegaConf.to_container(cfg.model, resolve=True))
         weights = checkpoint_weights(folder, model_cfg)
     except ConfigError as err:
         print(f"gpt3d: error: {err}", file=sys.stderr)
         raise SystemExit(EXIT_BAD_INPUT) from None
-    text = run(cfg, model_cfg, folder, weights)
+    text = run(sections, gen, model_cfg, folder, weights)
     if text:
         print(text, flush=True)
 
 
 if __name__ == "__main__":
     sys.argv = drop_launcher_arguments(sys.argv)
-    register_resolvers()
+    register_config()
     quiet_library_warnings()
     main()

@@ -9,18 +9,19 @@ learning rate follows the tokens seen (train/optimizer.py: TokenLR).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
 from model import GPTConfig, count_parameters
 from train import batch_ramp, data, engine as engines, metrics, report
 from train.checkpoint import (
-    Checkpointer, CheckpointParts, CheckpointSettings, EngineCounters, Keyed, ProcessRNG, Record, read_init_weights,
+    Checkpointer, CheckpointParts, CheckpointSettings, EngineCounters, Keyed, KernelChoices, ProcessRNG, Record,
+    read_init_weights,
 )
 from train.config.spec import RunSpec
 from train.guard.safeguards import Safeguards
@@ -65,8 +66,8 @@ class Trainer:
     checkpointer: Checkpointer
 
     @property
-    def cfg(self):
-        return self.spec.cfg
+    def sections(self):  # the run's config sections (train/config/sections/), as resolved
+        return self.spec.sections
 
     @property
     def run_dir(self) -> Path:
@@ -95,9 +96,9 @@ def run(spec: RunSpec) -> Progress:
     progress = trainer.progress
     # rows after the step this run starts from (0: none) are from a run killed before its next checkpoint
     logger = open_logger(trainer, progress.step)
-    meter = Meter(trainer.device, trainer.topology.world_size, spec.model, metrics.peak_tflops(trainer.device, spec.cfg.logging.peak_tflops),
+    meter = Meter(trainer.device, trainer.topology.world_size, spec.model, metrics.peak_tflops(trainer.device, spec.sections.logging.peak_tflops),
                   trainer.batches, spec.plan, spec.run_tokens)
-    guard = Safeguards(spec.cfg, spec.run_dir, trainer.engine, trainer.topology.rank, lambda text: _say(trainer, text),
+    guard = Safeguards(spec.sections.train, spec.run_dir, trainer.engine, trainer.topology.rank, lambda text: _say(trainer, text),
                        resumed_from)
     checkpoints.connect(guard, logger)
     try:
@@ -128,7 +129,7 @@ def loop(trainer: Trainer, progress: Progress, logger: metrics.MetricsLogger, me
     Faults (train/guard/safeguards.py): a step skipped for a non-finite loss or gradient is counted, and too
     many in a row raise NonFiniteError; SIGTERM / SIGINT / SIGUSR1 on any rank end the loop on every
     rank after the step with a checkpoint; a step that hangs ends the process from the watchdog's thread."""
-    cfg, last, checkpoints = trainer.cfg, trainer.cfg.train.max_steps, trainer.checkpointer
+    settings, last, checkpoints = trainer.sections, trainer.sections.train.max_steps, trainer.checkpointer
     while progress.step < last:
         guard.step_begins(progress.step + 1)
         windows, size = next_batch(trainer, progress)
@@ -137,9 +138,9 @@ def loop(trainer: Trainer, progress: Progress, logger: metrics.MetricsLogger, me
         meter.add(result.loss, size, result.skipped)
         guard.after_step(progress.step, result)  # a skipped step: say so
         record = None
-        if _due(progress.step, cfg.logging.log_interval, last):
+        if _due(progress.step, settings.logging.log_interval, last):
             record = meter.take(progress, result, guard.skips.total)
-            if trainer.val_batches and _due(progress.step, cfg.train.eval_interval, last):
+            if trainer.val_batches and _due(progress.step, settings.train.eval_interval, last):
                 guard.phase(f"evaluation after step {progress.step}")
                 record["val/loss"] = evaluate(trainer)
             _say(trainer, _progress_line(record, last, meter.eta_s))
@@ -169,46 +170,46 @@ def build(spec: RunSpec) -> Trainer:
     from parallel.build import BuildOptions, build_model
     from parallel.topology import Topology
 
-    cfg, model_cfg, ramp = spec.cfg, spec.model, spec.ramp
-    device = engines.resolve_device(cfg.train.device)
-    engines.init_distributed(device, cfg.train.collective_timeout_s)
-    topology = Topology.create(cfg.parallel.tp, cfg.parallel.pp)
+    settings, model_cfg, ramp = spec.sections, spec.model, spec.ramp
+    device = engines.resolve_device(settings.train.device)
+    engines.init_distributed(device, settings.train.collective_timeout_s)
+    topology = Topology.create(settings.parallel.tp, settings.parallel.pp)
 
-    torch.manual_seed(cfg.train.seed)
+    torch.manual_seed(settings.train.seed)
     options = BuildOptions(
-        sequence_parallel=cfg.parallel.sequence_parallel,
-        activation_checkpointing=cfg.parallel.activation_checkpointing,
-        overlap_communication=cfg.parallel.overlap_communication,
-        fused_loss=cfg.train.fused_loss,
+        sequence_parallel=settings.parallel.sequence_parallel,
+        activation_checkpointing=settings.parallel.activation_checkpointing,
+        overlap_communication=settings.parallel.overlap_communication,
+        fused_loss=settings.train.fused_loss,
     )
-    model = build_model(model_cfg, topology, cfg.train.seed, device, options)
-    if cfg.train.init_from is not None:  # a Hugging Face GPT-2 folder (train/checkpoint/hugging_face.py): its weights, sliced
+    model = build_model(model_cfg, topology, settings.train.seed, device, options)
+    if settings.train.init_from is not None:  # a Hugging Face GPT-2 folder (train/checkpoint/hugging_face.py): its weights, sliced
         from parallel.naming import load_full_
 
-        load_full_(model, read_init_weights(Path(cfg.train.init_from), model_cfg), model_cfg, topology)
+        load_full_(model, read_init_weights(Path(settings.train.init_from), model_cfg), model_cfg, topology)
     pipelined = topology.pp_size > 1
     # A PipelineModule brings its own grid (same topology) and DeepSpeed then wants no mpu of ours.
     mpu = model.mpu() if pipelined else topology.mpu
     schedule = spec.schedule.schedule  # a resume keeps its checkpoint's (train/checkpoint/resume_checks.py)
-    clip = engines.clipping(cfg, device)
-    optimizer = make_optimizer(model, cfg.optim, schedule.peak_lr, clip=clip, mpu=mpu)
+    clip = engines.clipping(settings.train, settings.parallel, device)
+    optimizer = make_optimizer(model, settings.optim, schedule.peak_lr, clip=clip, mpu=mpu)
     lr = TokenLR(optimizer, schedule, ramp.size_at(0) * model_cfg.seq_len)
     engine = engines.create_engine(
         model,
         optimizer,
         lr,
-        engines.deepspeed_config(cfg, topology.dp_size, device, spec.plan),
+        engines.deepspeed_config(settings.train, settings.parallel, settings.optim, settings.deepspeed, topology.dp_size, device, spec.plan),
         mpu=None if pipelined else mpu,
     )
     if clip == GIVEN_NORM:
         optimizer.take_norm_from(engine.optimizer)  # DeepSpeed's bf16 optimizer, which computes the norm
     # Ranks of one data-parallel replica (its tp and pp ranks) read the same windows.
-    train, dp = cfg.train, (topology.dp_rank, topology.dp_size)
+    train, dp = settings.train, (topology.dp_rank, topology.dp_size)
     speaks = topology.tp_rank == 0 and topology.pp_rank == 0  # one warning per data-parallel replica
-    batches = data.TrainBatches(cfg.data, model_cfg.seq_len, train.global_batch_size, *dp, train.seed, warn=speaks)
+    batches = data.TrainBatches(settings.data, model_cfg.seq_len, train.global_batch_size, *dp, train.seed, warn=speaks)
     val_batches = []
     if train.eval_interval > 0 and train.eval_batches > 0:
-        val_batches = data.validation_batches(cfg.data, model_cfg.seq_len, train.global_batch_size, train.eval_batches, *dp)
+        val_batches = data.validation_batches(settings.data, model_cfg.seq_len, train.global_batch_size, train.eval_batches, *dp)
     step = TrainStep(engine, train.micro_batch_size, device,
                      autocast=resolve_precision(train.precision, device) == "autocast")
     progress = Progress()
@@ -222,7 +223,7 @@ def build(spec: RunSpec) -> Trainer:
         trainer,
         f"model {model_cfg.name}: {count_parameters(full_shapes_model(model_cfg)) / 1e6:.2f}M parameters | "
         f"{topology.world_size} process(es) on {device} (tp={topology.tp_size} pp={topology.pp_size} "
-        f"dp={topology.dp_size} zero={cfg.parallel.zero_stage}) | {_batch_line(ramp)} | run dir {spec.run_dir}",
+        f"dp={topology.dp_size} zero={settings.parallel.zero_stage}) | {_batch_line(ramp)} | run dir {spec.run_dir}",
     )
     return trainer
 
@@ -238,6 +239,7 @@ def checkpoint_parts(progress: Progress, batches: data.TrainBatches, lr: TokenLR
     parts.add("engine counters", EngineCounters(engine))
     parts.add("schedule record", Record({"extra": {"schedule": schedule}}))
     parts.add("rng", ProcessRNG(), per_rank=True)
+    parts.add("kernel choices", KernelChoices(), per_rank=True)
     return parts
 
 
@@ -263,16 +265,16 @@ def open_logger(trainer: Trainer, resumed_step: int | None) -> metrics.MetricsLo
     W&B gets the resolved config (metrics.run_record) and, by default, a name saying model and layout; the first
     record of each start holds its layout (layout/*), with parallel.layout=auto also why it was chosen."""
     topo, spec = trainer.topology, trainer.spec
-    layout = {"tp": topo.tp_size, "pp": topo.pp_size, "dp": topo.dp_size, "zero_stage": trainer.cfg.parallel.zero_stage,
-              "micro_batch": trainer.cfg.train.micro_batch_size,
-              "activation_checkpointing": trainer.cfg.parallel.activation_checkpointing}
+    layout = {"tp": topo.tp_size, "pp": topo.pp_size, "dp": topo.dp_size, "zero_stage": trainer.sections.parallel.zero_stage,
+              "micro_batch": trainer.sections.train.micro_batch_size,
+              "activation_checkpointing": trainer.sections.parallel.activation_checkpointing}
     first = {f"layout/{key}": value for key, value in layout.items()}
     if spec.layout is not None:  # parallel.layout=auto: what it chose and why
         layout["auto"], first["layout/auto"] = spec.layout.to_json(), spec.layout.line()
-    run_config = metrics.run_record(OmegaConf.to_container(trainer.cfg, resolve=True), spec.schedule.schedule, layout,
+    run_config = metrics.run_record({**trainer.sections.record(), "model": dataclasses.asdict(spec.model)}, spec.schedule.schedule, layout,
                                     trainer.ramp.full, spec.model.seq_len, trainer.plan)
     name = f"{spec.model.name}-tp{topo.tp_size}pp{topo.pp_size}dp{topo.dp_size}-{trainer.run_dir.name}"
-    return metrics.MetricsLogger(trainer.run_dir, trainer.cfg.logging, run_config, active=topo.rank == 0,
+    return metrics.MetricsLogger(trainer.run_dir, trainer.sections.logging, run_config, active=topo.rank == 0,
                                  resumed_step=resumed_step, resumed=spec.resume is not None, default_name=name,
                                  first_record=first)
 
@@ -286,7 +288,7 @@ def finish(trainer: Trainer, logger: metrics.MetricsLogger, sample: bool = True)
     """The data summary (bad records skipped, per file), the end-of-run sample (every rank takes
     part: stages pass activations, tp ranks share logits; none after a stop on a signal), then the
     data workers and the logger stop."""
-    train = trainer.cfg.train
+    train = trainer.sections.train
     bad = trainer.batches.bad_records(gather=True)  # a collective when ranks read different streams
     if bad:
         total = sum(n for reasons in bad.values() for n in reasons.values())

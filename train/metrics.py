@@ -20,7 +20,6 @@ import torch
 
 from model import GPT, count_parameters, flops_per_token
 
-WANDB_MODES = ("offline", "online", "disabled")
 
 # Peak dense bf16 tensor-core FLOP/s by GPU name fragment (vendor data sheets, without sparsity); the
 # first fragment found in the device name wins, so longer names come before their prefixes.
@@ -85,7 +84,7 @@ class MetricsLogger:
         self.path = Path(run_dir) / "metrics.jsonl"
         if resumed_step is not None and self.path.exists():
             _truncate_after(self.path, resumed_step)
-        mode = logging_cfg.wandb.mode  # one of WANDB_MODES (train/config/checks.py)
+        mode = logging_cfg.wandb.mode  # one of WANDB_MODES (train/config/sections/logging.py)
         if mode != "disabled":
             import wandb
 

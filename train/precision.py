@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import torch
 
-PRECISIONS = ("auto", "fp32", "autocast", "bf16", "fp8")
+from train.config.sections.train import PRECISIONS
+
 FP8_MIN_CAPABILITY = (9, 0)  # float8 tensor cores: Hopper (sm_90) and newer
 
 

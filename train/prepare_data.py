@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from train.config.entry import CONFIG_DIR, EXIT_BAD_INPUT
+from train.config.entry import CONFIG_DIR, EXIT_BAD_INPUT, register_config
 from train.data.prepare import bad_summary, prepare
 from train.data.sources import DataError, resolve
 
@@ -58,6 +58,7 @@ def _source(overrides: list[str]):
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    register_config()  # the schema the data groups start from
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
             cfg = compose(config_name="config", overrides=overrides)

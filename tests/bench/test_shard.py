@@ -14,7 +14,7 @@ from model.gpt import make_layer
 TOY = GPTConfig(name="toy", n_layer=2, n_head=4, d_model=32, seq_len=32)
 # the dimension tensor parallelism cuts: column-parallel outputs (0), row-parallel inputs (1)
 CUT = {"attn.qkv.weight": 0, "attn.qkv.bias": 0, "mlp.fc.weight": 0, "mlp.fc.bias": 0,
-       "attn.proj.weight": 1, "mlp.proj.weight": 1}  # fmt: skip
+       "attn.proj.weight": 1, "mlp.proj.weight": 1}
 
 
 def test_the_shard_holds_the_full_blocks_parameters_divided_by_tp():
@@ -34,7 +34,7 @@ def test_runs_forward_and_backward_and_prints_measured_and_predicted():
     out, err = io.StringIO(), io.StringIO()
     overrides = ["model=toy", "model.n_layer=2", "model.d_model=32", "model.n_head=4", "model.seq_len=32", "model.d_ff=128",
                  "parallel.tp=2", "parallel.sequence_parallel=true", "train.micro_batch_size=2",
-                 "bench.iterations=2", "bench.warmup=1"]  # fmt: skip
+                 "bench.iterations=2", "bench.warmup=1"]
     assert run(overrides, out, err) == 0, err.getvalue()
     text = out.getvalue()
     assert "2 of 4 heads, d_ff 64 of 128, micro batch 2 × T 32" in text and "sequence parallelism" in text

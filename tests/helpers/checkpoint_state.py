@@ -82,7 +82,7 @@ def save_checkpoint(trainer) -> None:
     loop's safeguards around it (they refuse non-finite weights)."""
     from train.guard.safeguards import Safeguards
 
-    guard = Safeguards(trainer.cfg, trainer.run_dir, trainer.engine, trainer.topology.rank, print)
+    guard = Safeguards(trainer.spec.sections.train, trainer.run_dir, trainer.engine, trainer.topology.rank, print)
     try:
         trainer.checkpointer.connect(guard, NoLogger())
         trainer.checkpointer.save(trainer.progress.step, last=True)

@@ -54,7 +54,7 @@ def _state(engine, stage: int) -> dict:
     return {
         "parameters": count, "weights": _storage_bytes(weights), "gradients": _storage_bytes(grads),
         "master": _storage_bytes(master), "moments": _storage_bytes(moments), "buffers": _storage_bytes(buffers),
-    }  # fmt: skip
+    }
 
 
 def probe(model: dict, tp: int, pp: int, zero_stages: list[int], global_batch: int, micro_batch: int) -> list[dict]:
@@ -67,6 +67,7 @@ def probe(model: dict, tp: int, pp: int, zero_stages: list[int], global_batch: i
     from parallel.topology import Topology
     from train import engine as engines
     from train.optimizer import TokenLR, make_optimizer, make_schedule
+    from train.step import pipeline_inputs
 
     engines.init_distributed(torch.device("cpu"))
     topology = Topology.create(tp, pp)
@@ -81,14 +82,15 @@ def probe(model: dict, tp: int, pp: int, zero_stages: list[int], global_batch: i
             "optim": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "grad_clip": 1.0,
                       "warmup_tokens": 10, "decay_tokens": 10_000, "min_lr_ratio": 0.1},
             "deepspeed": {"comms_logger": {"enabled": True, "prof_all": True, "verbose": False}},
-        })  # fmt: skip
+        })
         options = BuildOptions(cfg.parallel.sequence_parallel, cfg.parallel.activation_checkpointing)
         model_obj = build_model(cfg_model, topology, cfg.train.seed, torch.device("cpu"), options)
         pipelined = pp > 1
         mpu = model_obj.mpu() if pipelined else topology.mpu
-        optimizer = make_optimizer(model_obj, cfg.optim, 1e-3, clip=engines.clipping(cfg, torch.device("cpu")), mpu=mpu)
+        optimizer = make_optimizer(model_obj, cfg.optim, 1e-3, clip=engines.clipping(cfg.train, cfg.parallel, torch.device("cpu")), mpu=mpu)
         scheduler = TokenLR(optimizer, make_schedule(cfg.optim, "probe", 64 * 10), 64)
-        ds_config = engines.deepspeed_config(cfg, topology.dp_size, torch.device("cpu"))
+        ds_config = engines.deepspeed_config(cfg.train, cfg.parallel, cfg.optim, OmegaConf.to_container(cfg.deepspeed),
+                                              topology.dp_size, torch.device("cpu"))
         engine = engines.create_engine(model_obj, optimizer, scheduler, ds_config, mpu=None if pipelined else mpu)
         captured = {}
         zero = engine.optimizer
@@ -105,7 +107,7 @@ def probe(model: dict, tp: int, pp: int, zero_stages: list[int], global_batch: i
 
         def train_step():
             if pipelined:
-                engine.train_batch(data_iter=iter(batches))
+                engine.train_batch(data_iter=pipeline_inputs(batches))
             else:
                 for inputs, targets in batches:
                     engine.backward(engine(inputs, targets))
@@ -118,10 +120,10 @@ def probe(model: dict, tp: int, pp: int, zero_stages: list[int], global_batch: i
             train_step()
         zero.step = original_step
         deepspeed_log = {op: {size: record[0] for size, record in sizes.items()}
-                         for op, sizes in ds_comm.comms_logger.comms_dict.items()}  # fmt: skip
+                         for op, sizes in ds_comm.comms_logger.comms_dict.items()}
         results.append({
             "zero_stage": stage, "coords": (topology.pp_rank, topology.dp_rank, topology.tp_rank),
             "state": captured, "tp_events": [(e.op, e.phase, e.nbytes) for e in events], "deepspeed": deepspeed_log,
-        })  # fmt: skip
+        })
         del engine, model_obj, optimizer
     return results

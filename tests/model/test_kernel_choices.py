@@ -63,3 +63,42 @@ def test_attention_choices_are_empty_until_the_kernels_ran_and_refuse_unknown_ke
     pin_attention_choices({})  # nothing to pin: nothing happens
     with pytest.raises(ValueError, match="'retired'"):
         pin_attention_choices({"retired": []})
+
+
+def attention_tuned_and_saved() -> dict:
+    """A process whose forward kernel chose a config for one key, as its autotuner leaves it, saved as a
+    checkpoint's per-rank part (train/checkpoint/kernels.py)."""
+    from model import attention_triton
+    from train.checkpoint.kernels import KernelChoices
+
+    tuner = attention_triton.autotuners()["forward"]
+    config = attention_triton.triton_configs([attention_triton.FWD_TUNING[64][1]], "MASK_N")[0]
+    tuner.cache[(2048, 2048, 64, "torch.bfloat16", "torch.bfloat16")] = config
+    return json.loads(json.dumps(KernelChoices().state_dict()))
+
+
+def attention_restored(state: dict) -> dict:
+    from model import attention_triton
+    from train.checkpoint.kernels import KernelChoices
+
+    KernelChoices().load_state_dict(state)
+    return {key: (dict(config.kwargs), config.num_warps, config.num_stages)
+            for key, config in attention_triton.autotuners()["forward"].cache.items()}
+
+
+def test_a_checkpoint_carries_the_attention_kernels_choices_to_the_resumed_process():
+    from model.attention_triton import FWD_TUNING
+    from train.checkpoint.schema import rng_problem
+
+    state = run_distributed(attention_tuned_and_saved, 1)[0]
+    m, n, mask, warps, stages = FWD_TUNING[64][1]
+    assert state == {"kernels": {"forward": [[[2048, 2048, 64, "torch.bfloat16", "torch.bfloat16"],
+                                              {"kwargs": {"BLOCK_M": m, "BLOCK_N": n, "MASK_N": mask},
+                                               "num_warps": warps, "num_stages": stages}]]}}
+    rank = {"torch": "AA==", "python": [3, list(range(624)) + [0], None], **state}
+    assert rng_problem({"ranks": [rank]}, None) is None  # rng.json's schema takes it
+    assert "num_warps" in rng_problem({"ranks": [{**rank, "kernels": {"forward": [[[1], {"kwargs": {}}]]}}]}, None)
+    restored = run_distributed(attention_restored, 1, state)[0]
+    assert restored == {(2048, 2048, 64, "torch.bfloat16", "torch.bfloat16"): ({"BLOCK_M": m, "BLOCK_N": n, "MASK_N": mask},
+                                                                           warps, stages)}
+    assert run_distributed(attention_restored, 1, {})[0] == {}  # a checkpoint without choices pins nothing

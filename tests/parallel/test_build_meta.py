@@ -68,7 +68,7 @@ def meta_worker(layouts) -> list[dict]:
         with OffMetaTensors() as on_cpu:
             real = build_model(CONFIG, topology, 1234, "cpu", options)
         results.append({"meta": describe(meta), "cpu": describe(real), "made_on_meta": on_meta.made,
-                        "made_on_cpu": on_cpu.made})  # fmt: skip
+                        "made_on_cpu": on_cpu.made})
     return results
 
 

@@ -13,7 +13,8 @@ from model import GPTConfig, build
 from distributed import run_distributed
 from train.batch_ramp import BatchRamp, from_config
 from train.optimizer import Schedule
-from train.config.checks import ConfigError, check_batch_ramp
+from train.config.checks import check_batch_ramp
+from train.config.settings import ConfigError
 
 
 def _train(full=8, micro=1, **ramp):
@@ -93,16 +94,16 @@ def test_the_ramp_must_split_over_streams_ranks_and_micro_batches():
     model = GPTConfig(name="t", n_layer=1, n_head=1, d_model=8, seq_len=32, vocab_size=50257)
     cfg = OmegaConf.create({"train": _train(16, micro=2, start=2, tokens=1000)})
     with pytest.raises(ConfigError) as err:
-        check_batch_ramp(cfg, model, dp=2, streams=2)
+        check_batch_ramp(cfg.train, model, dp=2, streams=2)
     assert ("train.batch_ramp.start=2 sequences (2 sequences) is not a multiple of 4 sequences, the least common "
             "multiple of data.streams=2 and train.micro_batch_size=2 × data-parallel size 2") in str(err.value)
     assert "start values that fit: [4, 8] sequences" in str(err.value)  # 12 does not divide 16
     cfg = OmegaConf.create({"train": _train(16, micro=2, start=256, unit="tokens", increment=64, tokens=1000)})
     fits = r"increment=64 tokens \(2 sequences\).*increment values that fit: \[128, 256\] tokens"
     with pytest.raises(ConfigError, match=fits):
-        check_batch_ramp(cfg, model, dp=2, streams=2)
+        check_batch_ramp(cfg.train, model, dp=2, streams=2)
     fits = OmegaConf.create({"train": _train(16, micro=2, start=4, tokens=1000)})
-    ramp = check_batch_ramp(fits, model, dp=2, streams=2)
+    ramp = check_batch_ramp(fits.train, model, dp=2, streams=2)
     assert (ramp.start, ramp.increment, ramp.full) == (4, 4, 16)
 
 
@@ -135,12 +136,12 @@ def ramp_worker(pp: int, zero: int, micro: int) -> dict:
         "train": {"global_batch_size": max(SIZES), "micro_batch_size": micro, "precision": "fp32"},
         "parallel": {"tp": 1, "pp": pp, "zero_stage": zero, "offload_optimizer": False, "sequence_parallel": False},
         "optim": OPTIM,
-    })  # fmt: skip
+    })
     part = build_model(CONFIG, topology, 7, "cpu")
     mpu = part.mpu() if pp > 1 else topology.mpu
-    optimizer = make_optimizer(part, cfg.optim, SCHEDULE.peak_lr, clip=engines.clipping(cfg, torch.device("cpu")), mpu=mpu)
+    optimizer = make_optimizer(part, cfg.optim, SCHEDULE.peak_lr, clip=engines.clipping(cfg.train, cfg.parallel, torch.device("cpu")), mpu=mpu)
     lr = TokenLR(optimizer, SCHEDULE, SIZES[0] * CONFIG.seq_len)
-    ds_config = engines.deepspeed_config(cfg, topology.dp_size, torch.device("cpu"))
+    ds_config = engines.deepspeed_config(cfg.train, cfg.parallel, cfg.optim, {}, topology.dp_size, torch.device("cpu"))
     engine = engines.create_engine(part, optimizer, lr, ds_config, mpu=None if pp > 1 else mpu)
     step, tokens, results = TrainStep(engine, micro, torch.device("cpu")), 0, []
     dp, r = topology.dp_size, topology.dp_rank

@@ -4,20 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from omegaconf import OmegaConf
-
-from train.engine import clipping, deepspeed_config, order_cuda_queues
+from train.config.sections import OptimConfig, ParallelConfig, TrainConfig
+from train.engine import clipping, deepspeed_config, order_cuda_queues, owned_deepspeed_keys, written
 from train.optimizer import ELSEWHERE, GIVEN_NORM, OWN_NORM
 
-CONFIG = {
-    "train": {"global_batch_size": 8, "micro_batch_size": 2, "precision": "fp32"},
-    "parallel": {"zero_stage": 0, "offload_optimizer": False, "sequence_parallel": False, "pp": 1},
-    "optim": {"grad_clip": 1.0},
-}
+CPU = torch.device("cpu")
 
 
-def cfg(**sections):
-    return OmegaConf.merge(CONFIG, sections)
+def config(precision: str = "fp32", zero: int = 0, **parallel) -> dict:
+    train = TrainConfig(global_batch_size=8, micro_batch_size=2, precision=precision)
+    return deepspeed_config(train, ParallelConfig(zero_stage=zero, **parallel), OptimConfig(), {}, 1, CPU)
 
 
 @pytest.mark.parametrize("tp, layout, overlap, device, wanted", [
@@ -47,8 +43,7 @@ def test_a_users_own_queue_count_is_kept(monkeypatch):
 
 def test_deepspeeds_throughput_timer_is_off():
     """It synchronizes the device at the start and end of every micro batch."""
-    config = deepspeed_config(cfg(), 1, torch.device("cpu"))
-    assert config["timers"] == {"throughput": {"enabled": False}}
+    assert config()["timers"] == {"throughput": {"enabled": False}}
 
 
 @pytest.mark.parametrize("precision, zero, who, deepspeed_clip", [
@@ -56,6 +51,22 @@ def test_deepspeeds_throughput_timer_is_off():
     ("bf16", 0, GIVEN_NORM, 0.0), ("bf16", 1, GIVEN_NORM, 0.0), ("bf16", 2, ELSEWHERE, 1.0), ("bf16", 3, ELSEWHERE, 1.0),
 ])
 def test_the_gradient_is_clipped_once_by_whoever_computes_the_norm(precision, zero, who, deepspeed_clip):
-    run = cfg(train={"precision": precision}, parallel={"zero_stage": zero})
-    assert clipping(run, torch.device("cpu")) == who
-    assert deepspeed_config(run, 1, torch.device("cpu"))["gradient_clipping"] == deepspeed_clip
+    assert clipping(TrainConfig(precision=precision), ParallelConfig(zero_stage=zero), CPU) == who
+    assert config(precision, zero)["gradient_clipping"] == deepspeed_clip
+
+
+def test_the_deepspeed_keys_gpt3d_owns_are_those_its_config_writes_from_a_setting():
+    """Derived from `written` over every precision, ZeRO stage, offload and pipeline: each key a run's
+    config holds comes from a gpt3d setting (owned: the deepspeed group may not set it) or is one of
+    gpt3d's own defaults (which it may change); the client objects are owned too."""
+    owned = owned_deepspeed_keys()
+    assert owned["train_batch_size"] == "train.global_batch_size"
+    assert owned["zero_optimization.stage"] == "parallel.zero_stage"
+    assert owned["bf16.enabled"] == owned["torch_autocast.enabled"] == owned["fp16.enabled"] == "train.precision"
+    assert owned["pipeline.pipe_partitioned"] == "parallel.sequence_parallel"
+    assert owned["zero_optimization.offload_optimizer"] == "parallel.offload_optimizer"
+    assert owned["optimizer"] == owned["scheduler"] == "optim.*"
+    assert not {"steps_per_print", "wall_clock_breakdown", "timers.throughput.enabled"} & set(owned)  # defaults
+    bf16 = written(TrainConfig(precision="bf16"), ParallelConfig(zero_stage=1, offload_optimizer=True, pp=2,
+                                                                  sequence_parallel=True), OptimConfig(), 1, CPU)
+    assert {path for path, _, source in bf16 if source is not None} <= set(owned)

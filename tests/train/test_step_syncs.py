@@ -38,9 +38,9 @@ def compose(corpus: str, overrides: list[str]):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from train.config.entry import CONFIG_DIR, register_resolvers
+    from train.config.entry import CONFIG_DIR, register_config
 
-    register_resolvers()
+    register_config()
     base = [o for o in TINY if not o.startswith(("data", "model.n_layer", "train.global", "train.micro"))]
     with initialize_config_dir(version_base=None, config_dir=str(CONFIG_DIR), job_name="test"):
         return hydra_compose("config", overrides=[*base, "model.n_layer=2", "train.global_batch_size=4",
@@ -128,7 +128,7 @@ ONE_EACH = {"syncs": 0, "reads": 1, "nonzero": 0}
 def test_a_step_and_an_evaluation_wait_for_the_device_once(tmp_path, corpus, nproc, overrides):
     """One read each (no sync, no nonzero) for a step of 1 or 4 micro batches and an evaluation, on every rank."""
     for rank, counts in enumerate(run_distributed(count, nproc, str(corpus), str(tmp_path / "run"), overrides,
-                                                  timeout=600)):  # fmt: skip
+                                                  timeout=600)):
         for micro_batches, runs in counts.items():
             for stepped, evaluated in runs:
                 assert stepped == ONE_EACH, (rank, micro_batches, stepped)

@@ -14,7 +14,7 @@ The schedule a run keeps is recorded again in its own checkpoints, so it stays t
 started with (or was last reset to), however often the run is resumed.
 
 These functions only read: the batch settings a kept schedule brings back are returned
-(`KeptSchedule.batch`), and train/config/spec.py applies them to its own copy of the config. The
+(`KeptSchedule.batch`), and train/config/spec.py makes new config sections with them. The
 checkpoint is chosen and verified once per run, in every process alike (`resume_point`): the newest
 intact one, each damaged one on the way reported in one warning (by rank 0). Its state.json, checked
 against train/checkpoint/schema.py, is what these checks read and exactly what loading restores, so
@@ -27,8 +27,6 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
 from train import report
 from train.checkpoint import integrity, schema
 from train.checkpoint.files import CheckpointError
@@ -40,7 +38,6 @@ BATCH_KEYS = ("train.global_batch_size", "train.batch_ramp.start", "train.batch_
 SCHEDULE_KEYS = ("train.max_steps", *BATCH_KEYS, "optim.lr", "optim.warmup_tokens", "optim.decay_tokens",
                  "optim.min_lr_ratio")
 
-
 @dataclass(frozen=True)
 class ResumePoint:
     """Where a resume starts: `path` as train.resume names it (a checkpoints/ folder or one step
@@ -50,7 +47,6 @@ class ResumePoint:
     path: Path
     folder: Path
     state: dict
-
 
 @dataclass(frozen=True)
 class KeptSchedule:
@@ -62,12 +58,10 @@ class KeptSchedule:
     batch: dict = dataclasses.field(default_factory=dict)
     lr: Schedule | None = None
 
-
 @dataclass(frozen=True)
 class RunSchedule:
     schedule: Schedule  # the LR schedule this run follows
     state: dict  # what its checkpoints record: {"config": {key: value}, "resolved": Schedule's fields}
-
 
 def resume_point(resume, run_dir: Path, model_cfg) -> ResumePoint | None:
     """The checkpoint train.resume names for a run in `run_dir` (None: a fresh start): the newest
@@ -89,24 +83,22 @@ def resume_point(resume, run_dir: Path, model_cfg) -> ResumePoint | None:
 
     return ResumePoint(path, folder, state)
 
-
 def recorded_schedule(state: dict | None) -> dict | None:
     """The schedule a checkpoint's state.json records (the `schedule` entry of its client state), or
     None (no checkpoint, or one that records none)."""
     extra = state.get("extra") if state is not None else None
     return extra.get("schedule") if isinstance(extra, dict) else None
 
-
-def kept_schedule(saved: dict | None, cfg) -> KeptSchedule:
-    """Compare the configured schedule with `saved`, the one a checkpoint records (see the module
-    docstring; the model's shape is checked by `resume_point`)."""
+def kept_schedule(saved: dict | None, sections) -> KeptSchedule:
+    """Compare the configured schedule (the run's config sections, train/config/sections/) with `saved`,
+    the one a checkpoint records (see the module docstring; the model's shape is checked by `resume_point`)."""
     if saved is None:
         return KeptSchedule()
     before = saved["config"]
     # keys a checkpoint does not record (written before they existed) are not compared
-    changed = {key: (before[key], OmegaConf.select(cfg, key)) for key in SCHEDULE_KEYS
-               if key in before and before[key] != OmegaConf.select(cfg, key)}
-    if cfg.train.reset_schedule:
+    changed = {key: (before[key], sections.value(key)) for key in SCHEDULE_KEYS
+               if key in before and before[key] != sections.value(key)}
+    if sections.train.reset_schedule:
         if not changed:
             return KeptSchedule()
         return KeptSchedule(f"resume: {_listed(changed)}: train.reset_schedule=true: the new schedule applies from the "
@@ -117,13 +109,11 @@ def kept_schedule(saved: dict | None, cfg) -> KeptSchedule:
     note = (f"resume: {_listed(changed)}: keeping the checkpoint's schedule (peak LR {kept.peak_lr:g}, warmup "
             f"{kept.warmup_tokens:,} tokens, cosine to {kept.min_lr_ratio:g}× by {kept.decay_tokens:,} tokens, global "
             f"batch {before['train.global_batch_size']}{_ramp_text(before)}); the run stops at "
-            f"train.max_steps={cfg.train.max_steps}. Set train.reset_schedule=true to follow the new values instead")
+            f"train.max_steps={sections.train.max_steps}. Set train.reset_schedule=true to follow the new values instead")
     return KeptSchedule(note, {key: before[key] for key in BATCH_KEYS if key in changed}, kept)
-
 
 def _listed(changed: dict) -> str:
     return ", ".join(f"{key} {old!r} → {new!r}" for key, (old, new) in changed.items())
-
 
 def _ramp_text(config: dict) -> str:
     start = config.get("train.batch_ramp.start")
@@ -132,15 +122,14 @@ def _ramp_text(config: dict) -> str:
     return (f" reached by a ramp from {start} {config['train.batch_ramp.unit']} over "
             f"{config['train.batch_ramp.tokens']:,} tokens")
 
-
-def schedule_for_run(cfg, model_name: str, run_tokens: int, kept: KeptSchedule, saved: dict | None) -> RunSchedule:
+def schedule_for_run(sections, model_name: str, run_tokens: int, kept: KeptSchedule, saved: dict | None) -> RunSchedule:
     """The checkpoint's schedule when the resume keeps it (`kept.lr`; `saved` is what the checkpoint
     records), else the configured one for a run of `run_tokens` tokens (ValueError if none can be
     built). The LR follows the tokens trained on (train/optimizer.py: TokenLR), which the checkpoint
     restores: a reset schedule applies at once from the tokens reached."""
-    configured = make_schedule(cfg.optim, model_name, run_tokens)
+    configured = make_schedule(sections.optim, model_name, run_tokens)
     if kept.lr is not None:
         return RunSchedule(kept.lr, saved)
-    state = {"config": {key: OmegaConf.select(cfg, key) for key in SCHEDULE_KEYS},
+    state = {"config": {key: sections.value(key) for key in SCHEDULE_KEYS},
              "resolved": dataclasses.asdict(configured)}
     return RunSchedule(configured, state)

@@ -192,10 +192,12 @@ def _rng(rng, torch_bytes: int) -> None:
         raise Invalid(f"{f}: ranks is empty; it must hold one entry per rank that saved")
     for i, rank in enumerate(rng["ranks"]):
         where = f"ranks[{i}]"
-        _keys(rank, f, where, required={"torch", "python"}, optional={"cuda"})
+        _keys(rank, f, where, required={"torch", "python"}, optional={"cuda", "kernels"})
         _b64(rank["torch"], f, f"{where}.torch", torch_bytes)
         if "cuda" in rank:
             _b64(rank["cuda"], f, f"{where}.cuda", None)
+        if "kernels" in rank:
+            _kernels(rank["kernels"], f, f"{where}.kernels")
         python = rank["python"]
         _list(python, f, f"{where}.python")
         if len(python) != 3:
@@ -262,6 +264,28 @@ def _hf_config(config, f: str) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # the field checks
+
+
+def _kernels(kernels, f: str, where: str) -> None:
+    """model/kernel_choices.py's record: {kernel: [[key, {"kwargs": {name: int}, "num_warps": n, "num_stages": n}], …]}."""
+    if not isinstance(kernels, dict):
+        raise Invalid(f"{f}: {where} must be a mapping of kernel names, not {_show(kernels)}")
+    for name, entries in kernels.items():
+        _list(entries, f, f"{where}.{name}")
+        for i, entry in enumerate(entries):
+            at = f"{where}.{name}[{i}]"
+            if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], list)):
+                raise Invalid(f"{f}: {at} must be [key, config], not {_show(entry)}")
+            for j, part in enumerate(entry[0]):
+                if not (isinstance(part, str) or (isinstance(part, int) and not isinstance(part, bool))):
+                    raise Invalid(f"{f}: {at}[0][{j}] must be an integer or a dtype's name, not {_show(part)}")
+            _keys(entry[1], f, f"{at}[1]", required={"kwargs", "num_warps", "num_stages"})
+            _int(entry[1]["num_warps"], f, f"{at}[1].num_warps", 1, 64)
+            _int(entry[1]["num_stages"], f, f"{at}[1].num_stages", 1, 16)
+            if not isinstance(entry[1]["kwargs"], dict):
+                raise Invalid(f"{f}: {at}[1].kwargs must be a mapping, not {_show(entry[1]['kwargs'])}")
+            for key, value in entry[1]["kwargs"].items():
+                _int(value, f, f"{at}[1].kwargs.{key}", 1, 4096)
 
 
 def _keys(value, f: str, where: str, required=(), optional=()) -> None:

@@ -2,11 +2,13 @@
 that exists, and the run folder must be usable, else one line and EXIT_BAD_INPUT (2).
 
 Hydra reports a misspelled key (`train.max_step=5`) by advising `+` to add it, an unknown config
-(`model=doesnotexist`) with a traceback-like block, and a run folder under a file with a raw
+(`model=doesnotexist`) with a traceback-like block, a value of the wrong type for its typed section
+(`train.max_steps=abc`) as OmegaConf's validation error, and a run folder under a file with a raw
 NotADirectoryError, all with exit code 1. `check_command_line` composes the same config first with
 Hydra's compose API (milliseconds); only when that fails does it look at each override to name the
-bad one: the nearest existing key (difflib over every dotted key of the config), or the group's
-configs. Command lines with Hydra's own flags (--help, --cfg, -m, ...) are left to Hydra.
+bad one: a value of the wrong type in the words of its field's own check (train/config/settings.py),
+the nearest existing key (difflib over every dotted key of the config), or the group's configs.
+Command lines with Hydra's own flags (--help, --cfg, -m, ...) are left to Hydra.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from train.config.checks import ConfigError
 from train.config.entry import CONFIG_DIR
+from train.config.settings import ConfigError
 
 SKIPPED_ROOTS = ("hydra", "deepspeed")  # Hydra's own settings; DeepSpeed's pass-through (checked later)
 
@@ -41,8 +43,19 @@ def check_command_line(arguments: list[str], config_name: str = "config") -> Non
     check_usable(run_dir)
 
 
+def explain(arguments: list[str], config_name: str, err: Exception) -> str:
+    """One line naming the override Hydra refused (composing `config_name` with `arguments` raised `err`)
+    and what would be valid."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    if GlobalHydra.instance().is_initialized():
+        return _explain(arguments, config_name, err)
+    with initialize_config_dir(str(CONFIG_DIR), version_base=None):
+        return _explain(arguments, config_name, err)
+
+
 def _explain(arguments: list[str], config_name: str, err: Exception) -> str:
-    """One line naming the override Hydra refused and what would be valid."""
     from hydra import compose
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
@@ -54,6 +67,9 @@ def _explain(arguments: list[str], config_name: str, err: Exception) -> str:
             parsed.append((text, parser.parse_override(text)))
         except HydraException as bad:
             return f"cannot read the command-line argument {text!r} ({_first_line(bad)}); write key=value, quoting values with spaces or brackets"
+    wrong_type = _wrong_type(parsed, err)
+    if wrong_type:
+        return wrong_type
     groups = [(text, o) for text, o in parsed if _is_group(o.key_or_group)]
     for text, o in groups:
         options = _options(o.key_or_group)
@@ -69,6 +85,11 @@ def _explain(arguments: list[str], config_name: str, err: Exception) -> str:
     keys = _dotted_keys(reference)
     for text, o in parsed:
         key = o.key_or_group
+        if key in reference and isinstance(reference[key], DictConfig) and not _is_group(key):
+            return (f"{text}: {key} is a section of settings, not one value; set its keys, e.g. "
+                    f"{key}.{next(iter(reference[key]))}=…; valid keys of {key}: {sorted(reference[key])}")
+    for text, o in parsed:
+        key = o.key_or_group
         if _is_group(key) or key.split(".")[0] in SKIPPED_ROOTS or o.is_add() or o.is_force_add():
             continue
         if key not in keys:
@@ -78,6 +99,23 @@ def _explain(arguments: list[str], config_name: str, err: Exception) -> str:
             guess = f"did you mean {near[0]}? " if near else ""
             return f"{key} is not a setting; {guess}valid keys of {parent or 'the top level'}: {siblings}"
     return _first_line(err)
+
+
+def _wrong_type(parsed: list, err: Exception) -> str | None:
+    """OmegaConf's refusal of a value for its field's type (an int field given 'abc', a bool one 'perhaps'),
+    as the field's own check words it: "train.max_steps='abc': must be a positive integer"."""
+    from omegaconf.errors import ValidationError
+
+    from train.config.sections import SECTIONS
+
+    cause = err if isinstance(err, ValidationError) else err.__cause__
+    if not isinstance(cause, ValidationError) or not getattr(cause, "full_key", None):
+        return None
+    prefix, _, name = str(cause.full_key).rpartition(".")
+    section = next((s for s in SECTIONS if s.PREFIX == prefix), None)
+    must = section.must(name) if section is not None else None
+    value = next((o.value() for _, o in parsed if o.key_or_group == cause.full_key), cause.value)
+    return f"{cause.full_key}={value!r}: {must}" if must else None
 
 
 def _is_group(name: str) -> bool:

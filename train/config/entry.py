@@ -1,9 +1,11 @@
 """What every command's entry point needs before Hydra composes a config.
 
 - CONFIG_DIR: the Hydra config folder (configs/ at the repository root), the one definition.
-- register_resolvers(): the `${launch_stamp:}` and `${rank_zero_only:}` resolvers configs/config.yaml
-  uses, so that all ranks of one launch agree on the run directory and only rank 0 writes Hydra's
-  record of the config (.hydra/). Call it before composing (hydra.main or hydra.compose).
+- register_config(): the typed schema every command's config is composed on (train/config/sections/:
+  configs/config.yaml's defaults list starts with it), and the `${launch_stamp:}` and
+  `${rank_zero_only:}` resolvers configs/config.yaml uses, so that all ranks of one launch agree on the
+  run directory and only rank 0 writes Hydra's record of the config (.hydra/). Call it before composing
+  (hydra.main or hydra.compose).
 - drop_launcher_arguments(): the deepspeed launcher appends --local_rank=N; Hydra takes only overrides.
 - quiet_library_warnings(): silences library warnings that tell the user nothing (call before importing them).
 - Exit codes: EXIT_BAD_INPUT (2) for anything refused before the run starts, EXIT_FAILED (1) for a run
@@ -25,8 +27,16 @@ EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
 
 
-def register_resolvers() -> None:
-    """Register the resolvers configs/config.yaml uses (idempotent)."""
+def register_config() -> None:
+    """Register the schema and the resolvers configs/config.yaml uses (idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
+    from train.config.sections import DATA_KINDS, SCHEMA_NAME, RunConfig
+
+    store = ConfigStore.instance()
+    store.store(name=SCHEMA_NAME, node=RunConfig)
+    for kind, schema in DATA_KINDS.items():  # each configs/data/*.yaml starts from its kind's
+        store.store(group="data", name=f"schema_{kind}", node=schema)
     OmegaConf.register_new_resolver("launch_stamp", launch_timestamp, replace=True)
     OmegaConf.register_new_resolver("rank_zero_only", lambda value: value if is_rank_zero() else None, replace=True)
 

@@ -46,8 +46,8 @@ def _unknown(cfg, reference, prefix: str):
         path = f"{prefix}{key}"
         if not prefix and key in PASS_THROUGH:
             continue
-        if key not in reference:
-            yield path, sorted(str(k) for k in reference)
+        if key not in reference:  # the valid keys: those this command's config holds (not another's, left null)
+            yield path, sorted(str(k) for k in reference if OmegaConf.is_missing(reference, k) or reference[k] is not None)
             continue
         value, known = cfg[key], reference[key]
         if isinstance(value, DictConfig) and isinstance(known, DictConfig) and not OmegaConf.is_missing(reference, key):

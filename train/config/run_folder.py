@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from train.checkpoint import checkpoint_dir, find_resume_path
-from train.config.checks import OVERWRITE, ConfigError
+from train.config.sections.train import OVERWRITE
+from train.config.settings import ConfigError
 
 KEPT = (".hydra",)  # Hydra's record of this very launch, written before any check
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from train import report
 from train.data.records import Bad, BadRecords, by_files, in_validation, open_hub, prepared_split, records
-from train.data.sources import DataError, DataSpec, SourceSpec, resolve
+from train.data.sources import DataError, DataSpec, SourceSpec, plain_config, resolve
 
 
 def check_layout(spec: DataSpec, seq_len: int, batch: int, dp_rank: int, dp_size: int) -> None:
@@ -81,7 +81,7 @@ def check_data(data_cfg, dp_size: int = 1, global_batch: int | None = None, vali
                 if fewer is None:
                     raise DataError(str(err)) from None
                 _warn_fewer(src, spec.streams, fewer, len(err.indices))
-                return check_data({**_plain(data_cfg), "streams": fewer}, dp_size, global_batch, validation, True)
+                return check_data({**plain_config(data_cfg), "streams": fewer}, dp_size, global_batch, validation, True)
     return spec
 
 
@@ -102,14 +102,6 @@ def _warn_fewer(src: SourceSpec, streams: int, fewer: int, n_train: int) -> None
     report.warn(f"data: {src.label} has {n_train} training document(s), too few for data.streams={streams}; "
                 f"using data.streams={fewer} (set data.streams on the command line to make this an error)",
                 speaks=is_rank_zero())
-
-
-def _plain(data_cfg) -> dict:
-    if isinstance(data_cfg, dict):
-        return dict(data_cfg)
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(data_cfg, resolve=True)
 
 
 def _probe_records(src: SourceSpec, spec: DataSpec, validation: bool) -> None:

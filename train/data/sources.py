@@ -23,6 +23,7 @@ Record keys (top level, or per mixture entry): ``text_field``, ``encoding``, ``v
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import glob
 import json
 import os
@@ -128,7 +129,7 @@ def check_data_config(data_cfg) -> DataSpec:
 
 def resolve(data_cfg) -> DataSpec:
     """Check `data_cfg` (a dict or omegaconf DictConfig) and resolve its sources."""
-    cfg = _as_dict(data_cfg)
+    cfg = plain_config(data_cfg)
     _refuse_unknown(cfg, KEYS, "data")
     source = cfg.get("source", "stdlib")
     if source not in SOURCES:
@@ -212,15 +213,18 @@ def _source(cfg: dict, kind: str, label: str, where: str, record: dict) -> Sourc
                       **{**record, "val_permille": meta["val_permille"], "encoding": meta["encoding"]})
 
 
-def _as_dict(data_cfg) -> dict:
-    """A plain dict of the set values (omegaconf's '???' placeholders dropped)."""
+def plain_config(data_cfg) -> dict:
+    """The data section (train/config/sections/data.py), a dict or an omegaconf DictConfig as a plain dict of
+    the keys that are set: null values (keys of another kind of source) and '???' placeholders dropped."""
     if data_cfg is None:
         return {}
-    if not isinstance(data_cfg, dict):
+    if dataclasses.is_dataclass(data_cfg):
+        data_cfg = dataclasses.asdict(data_cfg)
+    elif not isinstance(data_cfg, dict):
         from omegaconf import OmegaConf
 
         data_cfg = OmegaConf.to_container(data_cfg, resolve=True)
-    return {k: v for k, v in data_cfg.items() if v != "???"}
+    return {k: v for k, v in data_cfg.items() if v is not None and v != "???"}
 
 
 def _refuse_unknown(cfg: dict, valid: tuple[str, ...], where: str) -> None:

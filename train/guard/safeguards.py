@@ -16,8 +16,9 @@ from train.guard.watchdog import FIRST_STEP_FACTOR, Watchdog
 
 
 class Safeguards:
-    def __init__(self, cfg, run_dir: Path, engine, rank: int, say, resumed_from: Path | None = None):
-        train = cfg.train
+    """The guards of one run, set by its train section (train.step_timeout_s, train.max_consecutive_skips)."""
+
+    def __init__(self, train, run_dir: Path, engine, rank: int, say, resumed_from: Path | None = None):
         self.run_dir, self.engine, self.rank, self.say = Path(run_dir), engine, rank, say
         self.last_checkpoint = resumed_from  # the newest checkpoint this run loaded or wrote (for messages)
         self.timeout = float(train.step_timeout_s)

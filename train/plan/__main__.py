@@ -19,8 +19,14 @@ import contextlib
 import json
 import sys
 
-from train.config.entry import CONFIG_DIR, EXIT_BAD_INPUT, EXIT_FAILED, register_resolvers
-from train.plan.config import gpus_of, model_config, plan_from_config
+from omegaconf import OmegaConf
+
+from train.config.entry import CONFIG_DIR, EXIT_BAD_INPUT, EXIT_FAILED, register_config
+from train.config.checks import check_model
+from train.config.command_line import explain
+from train.config.settings import ConfigError
+from train.config.sections import Sections
+from train.plan.config import gpus_of, plan_from_config
 from train.plan.report import format_plan, format_search
 from train.plan.search import search
 
@@ -30,9 +36,20 @@ def compose(overrides: list[str]):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    register_resolvers()
+    register_config()
     with initialize_config_dir(version_base=None, config_dir=str(CONFIG_DIR), job_name="plan"):
         return hydra_compose("config", overrides=["+plan=default", *overrides])
+
+
+def load(overrides: list[str]):
+    """(the run config's sections, the plan section, the model config) of the composed config; ConfigError
+    naming the first bad override or value."""
+    try:
+        cfg = compose(overrides)
+    except Exception as error:  # Hydra refused an override: name it, in its field's words where it has one
+        raise ConfigError(explain(["+plan=default", *overrides], "config", error)) from None
+    model_cfg = check_model(OmegaConf.to_container(cfg.model, resolve=True))
+    return Sections.of(cfg), OmegaConf.to_object(cfg.plan), model_cfg
 
 
 def run(overrides: list[str], out=sys.stdout, err=sys.stderr) -> int:
@@ -40,44 +57,43 @@ def run(overrides: list[str], out=sys.stdout, err=sys.stderr) -> int:
     with contextlib.redirect_stdout(err):  # DeepSpeed announces its accelerator on import: keep stdout clean
         import deepspeed.runtime.utils  # noqa: F401
     try:
-        cfg = compose(overrides)
-    except Exception as error:  # Hydra's own message names the bad override
-        print(f"gpt3d plan: error: {'; '.join(str(error).splitlines()[:2])}", file=err)
+        sections, plan_cfg, model_cfg = load(overrides)
+    except ConfigError as error:
+        print(f"gpt3d plan: error: {error}", file=err)
         return EXIT_BAD_INPUT
-    if cfg.plan.dry_run:
-        return _dry_run(cfg, out, err)
+    if plan_cfg.dry_run:
+        return _dry_run(model_cfg, sections.parallel, plan_cfg, out, err)
     try:
-        plan = plan_from_config(cfg)
-        if cfg.plan.search:
+        plan = plan_from_config(sections, plan_cfg, model_cfg)
+        if plan_cfg.search:
             plans = search(
                 plan.model, plan.layout.gpus, plan.layout.global_batch, plan.hardware,
-                gpus_per_node=cfg.plan.gpus_per_node, reserved_gib=plan.reserved_gib, tokens=plan.tokens,
+                gpus_per_node=plan_cfg.gpus_per_node, reserved_gib=plan.reserved_gib, tokens=plan.tokens,
                 implementation=plan.implementation,
-            )  # fmt: skip
+            )
     except ValueError as error:
         print(f"gpt3d plan: error: {error}", file=err)
         return EXIT_BAD_INPUT
-    if cfg.plan.format == "json":
+    if plan_cfg.format == "json":
         document = plan.to_json()
-        if cfg.plan.search:
-            document["search"] = [p.to_json() | {"ranks": None} for p in plans[: cfg.plan.top]]
+        if plan_cfg.search:
+            document["search"] = [p.to_json() | {"ranks": None} for p in plans[: plan_cfg.top]]
         print(json.dumps(document, indent=2), file=out)
     else:
         print(format_plan(plan), file=out)
-        if cfg.plan.search:
-            print(f"\nlayouts on {plan.layout.gpus} GPUs that fit, fastest first:\n" + format_search(plans, cfg.plan.top), file=out)
+        if plan_cfg.search:
+            print(f"\nlayouts on {plan.layout.gpus} GPUs that fit, fastest first:\n" + format_search(plans, plan_cfg.top), file=out)
     return 0
 
 
-def _dry_run(cfg, out, err) -> int:
+def _dry_run(model_cfg, par, plan_cfg, out, err) -> int:
     """plan.dry_run=true: build and check the layout's shards (the batch does not matter here)."""
     from train.plan.dry_run import dry_run
     from parallel.topology import check_layout
     from train.engine import skip_shared_memory_op
 
     try:
-        model_cfg, par = model_config(cfg), cfg.parallel
-        check_layout(model_cfg.n_head, model_cfg.d_ff, par.tp, par.pp, model_cfg.n_layer, gpus_of(cfg.plan, cfg))
+        check_layout(model_cfg.n_head, model_cfg.d_ff, par.tp, par.pp, model_cfg.n_layer, gpus_of(plan_cfg, par))
     except ValueError as error:
         print(f"gpt3d plan: error: {error}", file=err)
         return EXIT_BAD_INPUT
@@ -85,7 +101,7 @@ def _dry_run(cfg, out, err) -> int:
     report = dry_run(model_cfg, par.tp, par.pp, log=lambda line: print(line, file=err, flush=True))
     if report.ok:
         print(f"dry run: built all {report.shards} distinct rank shards (tp × pp) on meta in {report.seconds:.1f} s; "
-              f"together they hold each of the {report.full_parameters:,} parameters exactly once", file=out)  # fmt: skip
+              f"together they hold each of the {report.full_parameters:,} parameters exactly once", file=out)
         return 0
     print(f"dry run FAILED: shards cover {report.covered_parameters:,} of {report.full_parameters:,} parameters", file=out)
     for problem in report.problems:

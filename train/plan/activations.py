@@ -191,7 +191,7 @@ def micro_batch_activations(
     config: GPTConfig, tp: int, pp: int, stage: int, micro_batch: int, *, sequence_parallel: bool = False,
     checkpoint_every: int = 0, autocast: bool = True, bf16_weights: bool = False, selective: bool = False,
     fused_loss: bool = True,
-) -> ActivationBytes:  # fmt: skip
+) -> ActivationBytes:
     """Activation bytes of one micro batch of `micro_batch` sequences on `stage` (module docstring).
 
     autocast: matmuls in bf16 (a = 2); bf16_weights: the parameters themselves are bf16 (r = 2, no

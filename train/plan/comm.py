@@ -17,7 +17,8 @@ Tensor parallel (per micro batch, n = b·T tokens; see parallel/tensor.py):
   weights and row-parallel biases all-reduce their d-sized gradients; the embedding output is
   scattered (its backward all-gathers). Element sizes: a row-parallel output is the matmul's dtype
   (bf16 under autocast), everything else the residual stream's (fp32; bf16 with bf16 weights).
-Pipeline (per micro batch): the stage output (n·d in the residual dtype) to the next stage forward,
+Pipeline (per micro batch): the stage output (n·d in the residual dtype) and the targets (n int64s,
+  whole: the last stage computes the loss) to the next stage forward,
   its gradient to the previous stage backward (with tp > 1 partitioned over the tp ranks, or under
   sequence parallelism each rank's own part, see `pipeline`); per step the tied embedding's gradient
   is all-reduced between the first and last stage.
@@ -33,14 +34,14 @@ from dataclasses import dataclass
 
 from model import GPTConfig
 from model.fused_loss import token_chunk
-from train.plan.activations import StageShape, unembedding_rows
+from train.plan.activations import INT64, StageShape, unembedding_rows
 from train.plan.counts import FP32, PERSISTENCE_THRESHOLD, ParamShape
 
 WEIGHT_GRADIENT = "column layer's weight-gradient GEMM"  # parallel.overlap_communication
 BACKWARD = "backward of the micro batch"  # DeepSpeed's zero_optimization.overlap_comm
 MAX_REUSE_DISTANCE = 1_000_000_000  # DeepSpeed's default stage3_max_reuse_distance (elements)
 RING_FACTOR = {"all_reduce": lambda g: 2 * (g - 1) / g, "all_gather": lambda g: (g - 1) / g,
-               "reduce_scatter": lambda g: (g - 1) / g, "send": lambda g: 1.0}  # fmt: skip
+               "reduce_scatter": lambda g: (g - 1) / g, "send": lambda g: 1.0}
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ class Transfer:
 def tensor_parallel(
     config: GPTConfig, shape: StageShape, tp: int, micro_batch: int, micro_batches: int, *,
     sequence_parallel: bool = False, autocast: bool = True, residual_bytes: int = FP32, fused_loss: bool = True,
-) -> list[Transfer]:  # fmt: skip
+) -> list[Transfer]:
     """Tensor-parallel collectives of one step on a stage (module docstring). `act32` below is a
     tensor of the residual stream (residual_bytes an element), `act_mm` a matmul output."""
     if tp == 1:
@@ -120,7 +121,7 @@ def tensor_parallel(
 
 def pipeline(config: GPTConfig, shape: StageShape, tp: int, pp: int, micro_batch: int, micro_batches: int,
              tied_gradient_elements: int, *, sequence_parallel: bool = False,
-             residual_bytes: int = FP32) -> list[Transfer]:  # fmt: skip
+             residual_bytes: int = FP32) -> list[Transfer]:
     """Pipeline traffic of one step by a stage: point-to-point sends, the tied-embedding all-reduce,
     and with tp > 1 DeepSpeed's partitioned sends (each tp rank sends 1/tp of the tensor and the
     receiver all-gathers it over its tp group; a stage also re-gathers its own kept output before
@@ -132,6 +133,8 @@ def pipeline(config: GPTConfig, shape: StageShape, tp: int, pp: int, micro_batch
     m, out = micro_batches, []
     if not shape.head:
         out.append(Transfer("pp", "send", "forward", act // tp, m, 2, "stage output to the next stage"))
+        out.append(Transfer("pp", "send", "forward", micro_batch * config.seq_len * INT64, m, 2,
+                            "the targets, with the stage output (parallel/pipeline.py)"))
     if not shape.embedding:
         out.append(Transfer("pp", "send", "backward", act // tp, m, 2, "input gradient to the previous stage"))
     if tp > 1 and not sequence_parallel:
@@ -139,14 +142,14 @@ def pipeline(config: GPTConfig, shape: StageShape, tp: int, pp: int, micro_batch
         out.append(Transfer("tp", "all_gather", "pipeline", act, gathers, tp, "partitioned pipeline tensors"))
     if shape.embedding or shape.head:
         out.append(Transfer("pp", "all_reduce", "step", tied_gradient_elements * FP32, 1, 2,
-                            "tied embedding gradient, first and last stage"))  # fmt: skip
+                            "tied embedding gradient, first and last stage"))
     return [x for x in out if x.count]
 
 
 def data_parallel(
     params: list[ParamShape], dp: int, zero_stage: int, micro_batches: int, *, flat_elements: int = 0,
     grad_bytes=lambda p: FP32, weight_bytes: int = FP32,
-) -> list[Transfer]:  # fmt: skip
+) -> list[Transfer]:
     """Data-parallel collectives of one step by a rank holding `params`, as DeepSpeed 0.19 runs them.
 
     flat_elements: ZeRO 1/2's padded flat parameter count (plan_counts.StateBytes.details["flat"]);
@@ -176,4 +179,4 @@ def data_parallel(
         Transfer("dp", "all_gather", "forward", gathered, per_micro_batch * micro_batches, dp, "partitioned parameters"),
         Transfer("dp", "all_gather", "step", persistent, 1, dp, "updated persistent parameters"),
         Transfer("dp", "reduce_scatter", "backward", sum(n * grad_bytes(p) for p, n in padded), micro_batches, dp, "gradients"),
-    ] if x.total]  # fmt: skip
+    ] if x.total]

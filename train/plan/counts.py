@@ -185,7 +185,7 @@ def _zero12(params: list[ParamShape], dp: int, dp_rank: int) -> tuple[int, int, 
 def state_bytes(
     params: list[ParamShape], zero_stage: int, dp: int, dp_rank: int = 0, offload: bool = False,
     comm_dtype_bytes: tuple[int, ...] = (FP32,), bf16_weights: bool = False, reduce_bucket_size: int = REDUCE_BUCKET_SIZE,
-) -> StateBytes:  # fmt: skip
+) -> StateBytes:
     """The bytes a rank holding `params` keeps under ZeRO `zero_stage` over `dp` data-parallel ranks.
 
     comm_dtype_bytes: element sizes of the gradient-reduction dtypes (fp32; with autocast on a GPU
@@ -210,7 +210,7 @@ def state_bytes(
         persistent = sum(-(-p.numel // dp) * dp for p in params if p.numel <= PERSISTENCE_THRESHOLD)
         buffers = reduce_bucket_size * (2 if bf16_weights else sum(comm_dtype_bytes))
         return _with_optimizer(width * (pieces + persistent), width * pieces, pieces, offload, buffers=buffers,
-                               details={"persistent": persistent})  # fmt: skip
+                               details={"persistent": persistent})
     raise ValueError(f"zero_stage={zero_stage!r}: must be one of [0, 1, 2, 3]")
 
 
@@ -220,7 +220,7 @@ def _with_optimizer(weights: int, gradients: int, partition: int, offload: bool,
     master, moments = FP32 * partition, 2 * FP32 * partition
     return StateBytes(weights=weights, gradients=gradients, master=0 if offload else master,
                       moments=0 if offload else moments, host=master + moments if offload else 0,
-                      partition=partition, **extra)  # fmt: skip
+                      partition=partition, **extra)
 
 
 def count_full_parameters(config: GPTConfig) -> int:

@@ -74,7 +74,7 @@ def _build_rank_shard(model_cfg: GPTConfig, tp: int, pp: int):
 
 
 def _compare(part: torch.nn.Module, shards: dict[str, Shard], expected: tuple[ParamShape, ...],
-             where: str) -> list[str]:  # fmt: skip
+             where: str) -> list[str]:
     """The part's parameters (unique, in order) against what the planner counts for its rank: full
     name, local shape, and whether DeepSpeed's autocast would reduce its gradient in bf16 (it belongs
     to a module of a class DeepSpeed lists as safe in lower precision)."""

@@ -30,7 +30,8 @@ import math
 from dataclasses import dataclass
 
 from model import GPTConfig
-from train.config.checks import AUTO, AUTO_KEYS, ConfigError
+from train.config.sections.parallel import AUTO
+from train.config.settings import ConfigError
 from train.plan.estimate import Layout, Plan
 from train.plan.hardware import Hardware
 from train.plan.search import candidate_layouts, search
@@ -71,7 +72,7 @@ class LayoutChoice:
             "parallel.tp": lay.tp, "parallel.pp": lay.pp, "parallel.zero_stage": lay.zero_stage,
             "parallel.sequence_parallel": lay.sequence_parallel, "parallel.activation_checkpointing": lay.checkpoint_every,
             "parallel.offload_optimizer": False, "train.micro_batch_size": lay.micro_batch,
-        }  # fmt: skip
+        }
 
     @property
     def reason(self) -> str:
@@ -93,13 +94,13 @@ class LayoutChoice:
             "activation_checkpointing": lay.checkpoint_every, "sequence_parallel": lay.sequence_parallel,
             "processes": self.processes, "device": self.device, "valid": self.valid, "fitting": self.fitting,
             "reason": self.reason,
-        }  # fmt: skip
+        }
 
 
 def choose_layout(
     model_cfg: GPTConfig, processes: int, global_batch: int, order: DataOrder, hardware: Hardware | None,
     processes_per_node: int,
-) -> LayoutChoice:  # fmt: skip
+) -> LayoutChoice:
     """The layout for `processes` processes (module docstring); `hardware` None means a CPU. Raises
     ConfigError when none is valid or fits, naming the world sizes that would do."""
     choice = _choose(model_cfg, processes, global_batch, order, hardware, processes_per_node)
@@ -118,7 +119,7 @@ def choose_layout(
 
 
 def _choose(model_cfg: GPTConfig, processes: int, global_batch: int, order: DataOrder, hardware: Hardware | None,
-            processes_per_node: int) -> LayoutChoice | None:  # fmt: skip
+            processes_per_node: int) -> LayoutChoice | None:
     valid = [lay for lay in candidate_layouts(model_cfg, processes, global_batch, processes_per_node) if order.allows(lay)]
     if not valid:
         return None
@@ -126,7 +127,7 @@ def _choose(model_cfg: GPTConfig, processes: int, global_batch: int, order: Data
         best = min(valid, key=_simplicity)
         return LayoutChoice(best, processes, "cpu", len(valid), len(valid), None)
     fitting = [p for p in search(model_cfg, processes, global_batch, hardware, gpus_per_node=processes_per_node,
-                                 reserved_gib=HEADROOM_GIB) if order.allows(p.layout)]  # fmt: skip
+                                 reserved_gib=HEADROOM_GIB) if order.allows(p.layout)]
     if not fitting:
         return None
     best = fitting[0]  # the fastest; of equals the first in candidate order: the same on every rank
@@ -136,7 +137,7 @@ def _choose(model_cfg: GPTConfig, processes: int, global_batch: int, order: Data
 def _simplicity(layout: Layout) -> tuple:
     """The CPU rule's order (module docstring): smaller is simpler."""
     return (layout.tp * layout.pp, layout.pp, layout.zero_stage, layout.checkpoint_every, layout.sequence_parallel,
-            -layout.micro_batch)  # fmt: skip
+            -layout.micro_batch)
 
 
 def _other_sizes(processes: int, per_node: int, hardware: Hardware | None) -> list[int]:

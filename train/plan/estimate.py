@@ -1,9 +1,10 @@
 """The planner's model of one training step: memory per rank, FLOPs, communication and time.
 
-Counted quantities (parameters, state bytes, activations, communication) come from parallel/plan_*;
-this module adds the time model and assembles a `Plan`.
+Counted quantities (parameters, state bytes, activations, communication) come from train/plan/counts.py,
+activations.py and comm.py; this module adds the time model and assembles a `Plan`.
 
-Step time, per rank of pipeline stage s with m micro batches (README, "How the step time is modelled"):
+Step time, per rank of pipeline stage s with m micro batches (docs/planner.md, "What is counted, and how
+the step time is modelled"):
 
   t_mb(s)  = GEMMs + attention + memory-bound traffic + tensor-parallel collectives + pipeline sends
              (one micro batch, forward and backward; nothing overlaps on a rank's critical path)
@@ -20,7 +21,8 @@ plus a fixed latency each. Only what the code overlaps is hidden:
     exposed by max(0, collective − that GEMM). Under sequence parallelism the code does not overlap
     (the reduce-scatter of those gradients runs after the layer's backward) and neither does the plan;
   - with `Implementation.overlap_dp` (DeepSpeed's zero_optimization.overlap_comm; its ZeRO optimizer
-    at ZeRO 1 and 2, not bf16's BF16_Optimizer, which reduces after the backward; pp = 1), the gradient reduction runs in buckets during the backward that produces the gradients:
+    at ZeRO 1 and 2, not bf16's BF16_Optimizer, which reduces after the backward; pp = 1), the gradient
+    reduction runs in buckets during the backward that produces the gradients:
     ZeRO 2 reduces each micro batch during its own backward, ZeRO 1 only at the last micro batch;
     exposed is max(0, reduction − one micro batch's backward), the backward taken as 2/3 of the micro
     batch's compute (its GEMM FLOPs are twice the forward's; recomputation only lengthens it). Under
@@ -152,7 +154,7 @@ def for_precision(precision: str, overlap_communication: bool = True, fused_loss
     return Implementation(
         fp32_weights=precision in ("fp32", "autocast"), autocast=precision != "fp32",
         overlap_tp=overlap_communication, overlap_dp=overlap_communication, fused_loss=fused_loss,
-    )  # fmt: skip
+    )
 
 
 @dataclass
@@ -257,7 +259,7 @@ class Plan:
             "model_tflops_per_gpu": self.model_tflops_per_gpu, "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu,
             "mfu": self.predicted_mfu, "bubble": self.bubble, "tokens": self.tokens, "days": self.days,
             "ranks": [r.to_json() for r in self.ranks], "notes": self.notes,
-        }  # fmt: skip
+        }
 
 
 def model_flops_per_token(model_cfg: GPTConfig) -> float:
@@ -282,7 +284,7 @@ def _gemm_time(hw: Hardware, impl: Implementation, n: int, k: int, m: int, elem:
 
 
 def _blocks_compute(model_cfg, layout: Layout, impl: Implementation, hw: Hardware, blocks: list[int],
-                    recomputed: int) -> tuple[float, float, float]:  # fmt: skip
+                    recomputed: int) -> tuple[float, float, float]:
     """(seconds, hardware FLOPs, host kernels) of `blocks`' forward + backward of one micro batch on
     a rank, `recomputed` of them inside checkpointed segments: GEMMs, attention, memory-bound
     traffic and selective recomputation (not the weights' casts and gradient accumulation)."""
@@ -380,7 +382,7 @@ def _comm_time(transfers, hw: Hardware, inter_node: dict) -> float:
 
 
 def _memory(layout: Layout, impl: Implementation, params, state: StateBytes, acts: ActivationBytes,
-            in_flight: int, reduce_bucket: int) -> dict:  # fmt: skip
+            in_flight: int, reduce_bucket: int) -> dict:
     """Bytes by kind at the rank's peak: the larger of the backward phase (activations of the micro
     batches in flight, gradients as they accumulate) and the optimizer step (gradients as ZeRO
     hands them over, AdamW's foreach temporaries, DeepSpeed's flattened buffers)."""
@@ -391,10 +393,10 @@ def _memory(layout: Layout, impl: Implementation, params, state: StateBytes, act
     bf16_optimizer = impl.bf16_weights and zero <= 1  # its gradients are all there from the start
     grads_backward = {0: state.gradients, 1: state.gradients if bf16_optimizer else g * n_local,
                       2: state.gradients + g * min(reduce_bucket, n_local),
-                      3: state.gradients}[zero]  # fmt: skip
+                      3: state.gradients}[zero]
     backward = {**common, "gradients": grads_backward, "activations": in_flight * acts.activations,
                 "weight_copies": in_flight * acts.weight_copies,
-                "transient": max(acts.recompute, acts.cast_transient - acts.weight_copies, acts.loss_transient)}  # fmt: skip
+                "transient": max(acts.recompute, acts.cast_transient - acts.weight_copies, acts.loss_transient)}
     largest_group = max(sum(p.numel for p in params if p.decay), sum(p.numel for p in params if not p.decay))
     partitioned = zero > 0 or bf16_optimizer
     step_extra = FP32 * (state.partition if partitioned else largest_group)  # foreach sqrt of the second moment
@@ -414,12 +416,12 @@ def _rank(model_cfg, layout: Layout, impl: Implementation, hw: Hardware, stage: 
     comm_dtypes = (FP32, 2) if impl.autocast and tp == 1 else (FP32,)
     bucket = bucket_elements(model_cfg, tp)  # what train/plan/zero_buckets.py sets
     state = state_bytes(params, layout.zero_stage, dp, 0, layout.offload_optimizer, comm_dtypes,
-                        bf16_weights=bf16_weights, reduce_bucket_size=bucket)  # fmt: skip
+                        bf16_weights=bf16_weights, reduce_bucket_size=bucket)
     acts = micro_batch_activations(
         model_cfg, tp, pp, stage, layout.micro_batch, sequence_parallel=layout.sequence_parallel,
         checkpoint_every=layout.checkpoint_every, autocast=impl.autocast, bf16_weights=bf16_weights,
         selective=layout.selective_recompute, fused_loss=impl.fused_loss,
-    )  # fmt: skip
+    )
     in_flight = min(pp - stage, m) if pp > 1 else 1
     memory = _memory(layout, impl, params, state, acts, in_flight, bucket)
 
@@ -440,7 +442,7 @@ def _rank(model_cfg, layout: Layout, impl: Implementation, hw: Hardware, stage: 
         + plan_comm.data_parallel(params, dp, 1 if bf16_weights and layout.zero_stage == 0 else layout.zero_stage,
                                   m, flat_elements=state.details.get("flat", 0),
                                   grad_bytes=grad_bytes, weight_bytes=FP32 if impl.fp32_weights else 2)
-    )  # fmt: skip
+    )
     compute_s, flops = _stage_compute(model_cfg, layout, impl, hw, stage, shape)
     tp_transfers = [t for t in transfers if t.group == "tp"]
     overlapped = [t for t in tp_transfers if impl.overlap_tp and t.overlaps == plan_comm.WEIGHT_GRADIENT]
@@ -462,13 +464,13 @@ def _rank(model_cfg, layout: Layout, impl: Implementation, hw: Hardware, stage: 
         "micro_batch_s": compute_s + gather_s + tp_s + pp_s,
         "dp_comm_s": dp_s,
         "optimizer_s": 0.0 if layout.offload_optimizer else OPTIMIZER_BYTES * updated / hw.memory_bandwidth,
-    }  # fmt: skip
+    }
     parameters = sum(p.numel for p in params)
     return RankPlan(stage, parameters, state, acts, in_flight, memory, sum(memory.values()), flops * m, transfers, time)
 
 
 def _exposed_behind_weight_gradients(model_cfg, layout: Layout, impl: Implementation, hw: Hardware, transfers,
-                                     inter_node: dict) -> float:  # fmt: skip
+                                     inter_node: dict) -> float:
     """Seconds per step of the column layers' input-gradient collectives that their weight-gradient
     GEMMs do not hide: each block's attn.qkv and mlp.fc collective against that layer's GEMM
     (n×d)ᵀ·(n×3d/p), (n×d)ᵀ·(n×f/p)."""
@@ -485,7 +487,7 @@ def _exposed_behind_weight_gradients(model_cfg, layout: Layout, impl: Implementa
 def build_plan(
     model_cfg: GPTConfig, layout: Layout, hardware: Hardware, *, implementation: Implementation = Implementation(),
     gpus_per_node: int = 8, reserved_gib: float = 0.0, tokens: float = 300e9,
-) -> Plan:  # fmt: skip
+) -> Plan:
     """The prediction for `layout` (see module docstring); ranks: first, middle and last stage."""
     tp, dp = layout.tp, layout.dp
     inter_node = {"tp": tp > gpus_per_node, "pp": tp * dp >= gpus_per_node, "dp": tp * dp > gpus_per_node}
@@ -506,7 +508,7 @@ def build_plan(
         model_flops_per_step=model_flops_per_token(model_cfg) * layout.global_batch * model_cfg.seq_len,
         hardware_flops_per_step=sum(r.hardware_flops for r in stages) * tp * dp,
         reserved_gib=reserved_gib, tokens=tokens, gpus_per_node=gpus_per_node, notes=_notes(layout),
-    )  # fmt: skip
+    )
 
 
 def _notes(layout: Layout) -> list[str]:

@@ -66,7 +66,7 @@ def format_plan(plan: Plan) -> str:
         ("micro batch: compute", [_ms(r.time["compute_s"]) for r in ranks]),
         ("micro batch: tp / pp / ZeRO-3 comm", [" / ".join(_ms(r.time[k]) for k in ("tp_comm_s", "pp_comm_s", "zero3_gather_s")) for r in ranks]),
         ("step: dp comm + optimizer", [_ms(r.time["dp_comm_s"] + r.time["optimizer_s"]) for r in ranks]),
-    ]  # fmt: skip
+    ]
     label = max(len(name) for name, _ in rows) + 2
     width = max(14, *(len(v) for _, values in rows for v in values if len(v) < 30)) + 2
     lines = [
@@ -121,9 +121,9 @@ def format_breakdown(plan: Plan) -> list[str]:
              ("pipeline sends", slowest.time["pp_comm_s"] * slots),
              ("ZeRO-3 parameter gathers", slowest.time["zero3_gather_s"] * slots),
              ("data-parallel communication, exposed", last.time["dp_comm_s"]),
-             ("optimizer step", last.time["optimizer_s"])]  # fmt: skip
+             ("optimizer step", last.time["optimizer_s"])]
     lines = [f"step time {plan.step_time_s:.3f} s: {slots} slots of stage {slowest.stage}'s micro batch "
-             f"({_ms(slowest.time['micro_batch_s'])}, {lay.pp - 1} of them the bubble), then the step"]  # fmt: skip
+             f"({_ms(slowest.time['micro_batch_s'])}, {lay.pp - 1} of them the bubble), then the step"]
     lines += [f"  {name:<52}{seconds:>9.3f} s {100 * seconds / plan.step_time_s:>6.1f}%" for name, seconds in parts if seconds]
     bubble = (lay.pp - 1) * slowest.time["micro_batch_s"]
     if bubble:

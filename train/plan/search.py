@@ -37,7 +37,7 @@ def layout_problem(model_cfg: GPTConfig, layout: Layout) -> str | None:
         return "parallel.sequence_parallel=true needs tp > 1 and model.seq_len divisible by tp"
     if layout.checkpoint_every < 0 or (layout.selective_recompute and layout.checkpoint_every):
         return (f"parallel.activation_checkpointing={layout.checkpoint_every}: must be 0 (off), a positive block "
-                f"count, or selective")  # fmt: skip
+                f"count, or selective")
     if layout.micro_batch < 1 or layout.global_batch % (layout.micro_batch * layout.dp):
         return (
             f"train.global_batch_size={layout.global_batch} is not divisible by train.micro_batch_size="
@@ -71,12 +71,12 @@ def candidate_layouts(model_cfg: GPTConfig, gpus: int, global_batch: int, gpus_p
 def search(
     model_cfg: GPTConfig, gpus: int, global_batch: int, hardware: Hardware, *, gpus_per_node: int = 8,
     reserved_gib: float = 0.0, tokens: float = 300e9, implementation: Implementation = Implementation(),
-) -> list[Plan]:  # fmt: skip
+) -> list[Plan]:
     """The layouts that fit, fastest first (predicted tokens/s)."""
     plans = []
     for layout in candidate_layouts(model_cfg, gpus, global_batch, gpus_per_node):
         plan = build_plan(model_cfg, layout, hardware, implementation=implementation, gpus_per_node=gpus_per_node,
-                          reserved_gib=reserved_gib, tokens=tokens)  # fmt: skip
+                          reserved_gib=reserved_gib, tokens=tokens)
         if plan.fits:
             plans.append(plan)
     return sorted(plans, key=lambda p: -p.tokens_per_s)

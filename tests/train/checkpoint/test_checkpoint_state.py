@@ -31,9 +31,9 @@ def compose(corpus: str, overrides: list[str]):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from train.config.entry import CONFIG_DIR, register_resolvers
+    from train.config.entry import CONFIG_DIR, register_config
 
-    register_resolvers()
+    register_config()
 
     with initialize_config_dir(version_base=None, config_dir=str(CONFIG_DIR), job_name="test"):
         return hydra_compose("config", overrides=[*MODEL, "data=files", f"data.paths=[{corpus}/*.txt]", *overrides])

@@ -18,7 +18,8 @@ from cli import train
         ("data.pathz=[a.txt]", "gpt3d: error: data.pathz is not a setting; did you mean data.paths? "),
         ("model=gpt3-125", "gpt3d: error: model=gpt3-125: there is no model config 'gpt3-125'; did you mean model=gpt3-125m? "
                            "model is one of ['gpt3-1.3b', 'gpt3-125m', "),
-        ("parallel=fast", "gpt3d: error: parallel=fast: there is no parallel config 'fast'; parallel is one of ['default']"),
+        ("parallel=fast", "gpt3d: error: parallel=fast: parallel is a section of settings, not one value; set its keys, "
+                          "e.g. parallel.layout=…; valid keys of parallel: ['activation_checkpointing', "),
         ("train.max_steps=[", "gpt3d: error: cannot read the command-line argument 'train.max_steps=['"),
     ],
 )

@@ -22,9 +22,9 @@ def compose(corpus, overrides: list[str]):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from train.config.entry import CONFIG_DIR, register_resolvers
+    from train.config.entry import CONFIG_DIR, register_config
 
-    register_resolvers()
+    register_config()
     with initialize_config_dir(version_base=None, config_dir=str(CONFIG_DIR), job_name="test"):
         return hydra_compose("config", overrides=[*TINY, f"data.paths=[{corpus}/*.txt]",
                                                   "logging.wandb.mode=disabled", *overrides])
@@ -47,7 +47,7 @@ def test_resolving_never_changes_the_config(two_steps, corpus, tmp_path):
     assert OmegaConf.to_container(cfg) == before  # both resolutions left the caller's config as it was
     assert cfg.train.global_batch_size == 8
     for spec in (first, second):  # the run follows the checkpoint's batch (the kept schedule)
-        assert spec.cfg.train.global_batch_size == 4 and spec.ramp.full == 4
+        assert spec.sections.train.global_batch_size == 4 and spec.ramp.full == 4
         assert spec.resume.folder.name == "step00000002" and spec.resume.state["step"] == 2
 
 

@@ -49,7 +49,7 @@ def _cfg(root, weights=(3, 1), **kw):
              "text_field": "content"},
         ],
         "streams": S, "shuffle_buffer": 4, "val_permille": 100, **kw,
-    }  # fmt: skip
+    }
 
 
 def _from_words(window: torch.Tensor, a_vocab: set) -> bool:

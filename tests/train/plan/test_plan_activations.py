@@ -57,7 +57,7 @@ def _build(cfg: GPTConfig, checkpoint_every: int | str, fused_loss: bool = False
 def test_saved_activations_match_the_planner(cfg, checkpoint_every, autocast):
     measured = saved_bytes(_build(cfg, checkpoint_every), cfg, MICRO_BATCH, autocast)
     predicted = micro_batch_activations(cfg, 1, 1, 0, MICRO_BATCH, checkpoint_every=checkpoint_every, autocast=autocast,
-                                        fused_loss=False)  # fmt: skip
+                                        fused_loss=False)
     assert predicted.saved == pytest.approx(measured, rel=0.10), (predicted, measured)
 
 
@@ -104,7 +104,7 @@ def test_tensor_parallel_saved_activations_match_the_planner():
     for rank, measured in enumerate(run_distributed(_tensor_parallel_saved, 2, cfg)):
         for (sequence_parallel, selective, fused_loss), rank_bytes in measured.items():
             predicted = micro_batch_activations(GPTConfig(**cfg), 2, 1, 0, MICRO_BATCH, sequence_parallel=sequence_parallel,
-                                                autocast=False, selective=selective, fused_loss=fused_loss)  # fmt: skip
+                                                autocast=False, selective=selective, fused_loss=fused_loss)
             where = (rank, sequence_parallel, selective, fused_loss, predicted, rank_bytes)
             if selective or fused_loss:
                 assert abs(predicted.saved - rank_bytes) <= SELECTIVE_SLACK_BYTES, where
@@ -118,5 +118,5 @@ def test_selective_recomputation_saved_activations_match_the_planner(autocast, f
     cfg = TOY
     measured = saved_bytes(_build(cfg, "selective", fused_loss), cfg, MICRO_BATCH, autocast)
     predicted = micro_batch_activations(cfg, 1, 1, 0, MICRO_BATCH, autocast=autocast, selective=True,
-                                        fused_loss=fused_loss)  # fmt: skip
+                                        fused_loss=fused_loss)
     assert abs(predicted.saved - measured) <= SELECTIVE_SLACK_BYTES, (predicted.saved, measured)

@@ -23,7 +23,7 @@ GPT3_175B = ["model=gpt3-175b", "parallel.tp=8", "parallel.pp=16", "plan.gpus=10
 def plan(*overrides: str, check: bool = True) -> subprocess.CompletedProcess:
     """`python -m train.plan` in a fresh process, as users run it."""
     proc = subprocess.run([sys.executable, "-m", "train.plan", *overrides], cwd=REPO, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+                          text=True, timeout=300)
     if check:
         assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
@@ -96,7 +96,7 @@ def test_coverage_check_finds_gaps_overlaps_and_strays(pieces, problem):
 def test_coverage_counts_a_padded_vocabulary_once_and_each_parameter_whole():
     """Rows past the vocabulary are nobody's: 300 rows over 4 ranks of 128 leave the last rank none."""
     rows = [_piece("wte", 0, 128, full=(300, 4)), _piece("wte", 128, 256, full=(300, 4)),
-            _piece("wte", 256, 300, full=(300, 4)), _piece("wte", 300, 300, full=(300, 4))]  # fmt: skip
+            _piece("wte", 256, 300, full=(300, 4)), _piece("wte", 300, 300, full=(300, 4))]
     covered, problems = coverage(rows + [_whole("ln")], {"wte": (300, 4), "ln": (10, 4)})
     assert problems == [] and covered == 300 * 4 + 10 * 4
 
@@ -109,7 +109,7 @@ def test_only_tp_rank_0_counts_a_replica_and_no_rank_the_tied_copy():
 
 def test_table_lists_first_middle_and_last_stage_and_fits_the_175b_paper_setting():
     proc = plan(*GPT3_175B, "train.global_batch_size=1536", "train.micro_batch_size=1", "parallel.zero_stage=1",
-                "parallel.activation_checkpointing=1")  # fmt: skip
+                "parallel.activation_checkpointing=1")
     header = next(line for line in proc.stdout.splitlines() if "first stage" in line)
     assert header.split() == ["first", "stage", "middle", "stage", "last", "stage"]
     assert "174.60B parameters" in proc.stdout and ": fits" in proc.stdout
@@ -120,10 +120,10 @@ def test_table_lists_first_middle_and_last_stage_and_fits_the_175b_paper_setting
 
 def test_json_carries_the_summary_and_the_per_rank_breakdown():
     proc = plan_here("model=gpt3-1.3b", "parallel.tp=2", "parallel.pp=2", "plan.gpus=16", "train.global_batch_size=512",
-                "train.micro_batch_size=2", "plan.format=json", "plan.hardware=a100-80g")  # fmt: skip
+                "train.micro_batch_size=2", "plan.format=json", "plan.hardware=a100-80g")
     doc = json.loads(proc.stdout)
     for key in ("fits", "peak_memory_gib", "step_time_s", "tokens_per_s", "model_tflops_per_gpu",
-                "hardware_tflops_per_gpu", "mfu", "days", "ranks"):  # fmt: skip
+                "hardware_tflops_per_gpu", "mfu", "days", "ranks"):
         assert key in doc, key
     assert doc["layout"]["dp"] == 4 and doc["hardware"]["name"] == "a100-80g"
     assert [r["stage"] for r in doc["ranks"]] == [0, 1]
@@ -143,7 +143,7 @@ def test_json_carries_the_summary_and_the_per_rank_breakdown():
 
 def test_search_ranks_valid_layouts_by_throughput():
     proc = plan_here("model=gpt3-1.3b", "plan.gpus=8", "train.global_batch_size=64", "plan.search=true", "plan.top=5",
-                "plan.hardware=a100-40g")  # fmt: skip
+                "plan.hardware=a100-40g")
     rows = [line for line in proc.stdout.splitlines() if line.strip()[:2].strip().isdigit() and "tp=" in line]
     assert len(rows) == 5
     speeds = [float(row.split()[-4].replace(",", "")) for row in rows]
@@ -159,12 +159,12 @@ def test_search_ranks_valid_layouts_by_throughput():
     [
         (["parallel.tp=3", "plan.gpus=4"], "not a multiple of tp·pp = 3"),
         (["parallel.tp=3", "plan.gpus=3"], "parallel.tp=3 does not divide model.n_head=4"),
-        (["parallel.pp=2", "parallel.zero_stage=2", "plan.gpus=2"], "use ZeRO 0 or 1 with pp > 1"),
+        (["parallel.pp=2", "parallel.zero_stage=2", "plan.gpus=2"], "use zero_stage 0 or 1 with pp > 1"),
         (["plan.hardware=b200"], "presets: ['a100-40g', 'a100-80g', 'h100-80g', 'h200']"),
         (["plan.device.gemm_efficiency=1.5"], "gemm_efficiency=1.5 must be at most 1"),
         (["plan.format=yaml"], "must be one of ['table', 'json']"),
         (["plan.gpus=0"], "plan.gpus=0: must be a positive integer"),
-        (["plan.gpuz=3"], "Could not override 'plan.gpuz'"),
+        (["plan.gpuz=3"], "plan.gpuz is not a setting; did you mean plan.gpus?"),
         (["train.micro_batch_size=3"], "not divisible by train.micro_batch_size=3"),
     ],
 )
@@ -190,16 +190,21 @@ def test_every_preset_names_a_source_for_each_figure():
 
 
 def test_preflight_stops_a_layout_that_cannot_fit_and_names_three_that_do(monkeypatch):
-    from train.config.checks import ConfigError
+    from omegaconf import OmegaConf
+
+    from train.config.checks import check_model
+    from train.config.sections import Sections
+    from train.config.settings import ConfigError
     from train.plan.__main__ import compose
-    from train.plan.config import model_config, plan_for_run, preflight
+    from train.plan.config import plan_for_run, preflight
 
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     cfg = compose(["model=gpt3-1.3b", "train.global_batch_size=128", "train.micro_batch_size=16"])
+    sections, model_cfg = Sections.of(cfg), check_model(OmegaConf.to_container(cfg.model))
     with pytest.raises(ConfigError) as raised:
-        preflight(plan_for_run(cfg, model_config(cfg), preset("a100-40g")))
+        preflight(plan_for_run(sections.train, sections.parallel, model_cfg, preset("a100-40g")))
     message = str(raised.value)
     assert "predicted peak memory" in message and "exceeds the 40.0 GiB of a100-40g" in message
     assert message.count("parallel.tp=") == 3 and "(3)" in message
-    preflight(plan_for_run(cfg, model_config(cfg), preset("h200")))  # 140 GiB: the same run fits and pre-flight says nothing
+    preflight(plan_for_run(sections.train, sections.parallel, model_cfg, preset("h200")))  # 140 GiB: the same run fits and pre-flight says nothing

@@ -18,8 +18,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from model import GPTConfig
-from train.config.checks import ConfigError
-from train.config.checks import AUTO_KEYS
+from train.config.sections.parallel import AUTO_KEYS
+from train.config.settings import ConfigError
 from train.plan.elastic import HEADROOM_GIB, DataOrder, choose_layout
 from train.plan.estimate import build_plan
 from train.plan.hardware import preset
@@ -39,7 +39,7 @@ def shape(choice) -> tuple:
     (4, (1, 1, 4, 0, 6, 0, False)),
     (3, (1, 3, 1, 0, 12, 0, False)),  # dp 3 refused by the streams: one replica of 3 stages; 16 does not divide 24
     (1, (1, 1, 1, 0, 12, 0, False)),  # the largest divisor of 24 up to 16
-])  # fmt: skip
+])
 def test_cpu_rule_gives_the_hand_computed_layout(processes, expected):
     choice = choose_layout(TOY, processes, 24, DataOrder(4), None, processes)
     assert shape(choice) == expected
@@ -88,9 +88,9 @@ def compose(corpus, overrides):
     from hydra import initialize_config_dir
 
     from cli import TINY
-    from train.config.entry import CONFIG_DIR, register_resolvers
+    from train.config.entry import CONFIG_DIR, register_config
 
-    register_resolvers()
+    register_config()
     keep = [o for o in TINY if not o.startswith("train.micro_batch_size")]
     with initialize_config_dir(version_base=None, config_dir=str(CONFIG_DIR), job_name="test"):
         return hydra_compose("config", overrides=[*keep, f"data.paths=[{corpus}/*.txt]", "logging.wandb.mode=disabled",
@@ -105,18 +105,18 @@ def test_the_run_specification_follows_the_choice_and_leaves_the_config_alone(co
     before = copy.deepcopy(OmegaConf.to_container(cfg))
     spec = resolve(cfg, tmp_path / "run", ["parallel.layout=auto"])
     assert OmegaConf.to_container(cfg) == before
-    assert (spec.cfg.parallel.tp, spec.cfg.parallel.pp, spec.dp, spec.cfg.train.micro_batch_size) == (1, 3, 2, 12)
+    assert (spec.sections.parallel.tp, spec.sections.parallel.pp, spec.dp, spec.sections.train.micro_batch_size) == (1, 3, 2, 12)
     assert spec.layout.to_json()["pp"] == 3
     assert capsys.readouterr().out.startswith("gpt3d: layout auto for 6 processes on cpu: tp=1 pp=3 dp=2 zero=0 micro=12")
     manual = resolve(compose(corpus, ["parallel.pp=3", "train.micro_batch_size=4"]), tmp_path / "manual")
-    assert manual.layout is None and (manual.dp, manual.cfg.train.micro_batch_size) == (2, 4)
+    assert manual.layout is None and (manual.dp, manual.sections.train.micro_batch_size) == (2, 4)
 
 
 @pytest.mark.parametrize("world, overrides, message", [
     ("5", ["parallel.layout=auto"], "no layout of 5 processes is valid"),
     ("2", ["parallel.layout=auto", "train.micro_batch_size=4"], "drop train.micro_batch_size from the command line"),
     ("2", ["parallel.layout=fast"], "parallel.layout='fast': must be one of ['manual', 'auto']"),
-])  # fmt: skip
+])
 def test_bad_layout_settings_are_one_config_error(corpus, tmp_path, monkeypatch, world, overrides, message):
     from train.config.spec import resolve
 

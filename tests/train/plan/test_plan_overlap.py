@@ -60,7 +60,7 @@ def test_zero_gradient_reduction_hides_behind_the_backward_and_the_gather_stays(
     autocast = for_precision("autocast"), for_precision("autocast", overlap_communication=False)
     for layout, implementations, hides in ((dataclasses.replace(zero2, zero_stage=1), (BF16, BF16_SERIAL), False),
                                            (Layout(1, 2, 8, 64, 1, zero_stage=1), autocast, False),
-                                           (dataclasses.replace(zero2, zero_stage=1), autocast, True)):  # fmt: skip
+                                           (dataclasses.replace(zero2, zero_stage=1), autocast, True)):
         on, off = (build_plan(CFG, layout, fast, implementation=i).ranks[0].time["dp_comm_s"] for i in implementations)
         assert (on < off) == hides, layout
 
@@ -72,8 +72,9 @@ def test_sequence_parallelism_runs_at_pp_above_1():
     plan = build_plan(CFG, layout, H100, implementation=BF16)
     pipeline = [t for t in plan.ranks[0].transfers if t.group == "pp" or t.what == "partitioned pipeline tensors"]
     sends = [t for t in pipeline if t.op == "send"]
-    assert [t.op for t in pipeline] == ["send", "all_reduce"]  # each rank's own part: nothing gathered
+    assert [t.op for t in pipeline] == ["send", "send", "all_reduce"]  # each rank's own part: nothing gathered
     assert sends[0].nbytes == 16 * 2048 * 2048 * 2 // 2  # its half of the sequence, bf16
+    assert sends[1].nbytes == 16 * 2048 * 8  # the targets, whole, with it
     no_sp = build_plan(CFG, dataclasses.replace(layout, sequence_parallel=False), H100, implementation=BF16)
     n, d = 16 * 2048, 2048  # LayerNorms and residual adds: 2·2·r·d + 2·(2r + a)·d bytes a token, halved by σ = 2
     halved = 3 * 2 * n * (2 * 2 * 2 * d + 2 * (2 * 2 + 2) * d) / 2 / H100.memory_bandwidth  # 2 blocks, ×3 for backward
@@ -95,7 +96,7 @@ def test_a_block_has_the_parameters_the_bucket_is_sized_by():
     (2, 1, {"stage", "overlap_comm", "contiguous_gradients", "reduce_bucket_size", "allgather_bucket_size"}),
     (3, 1, {"stage", "overlap_comm", "contiguous_gradients", "reduce_bucket_size", "stage3_prefetch_bucket_size",
             "stage3_param_persistence_threshold"}),
-])  # fmt: skip
+])
 def test_zero_settings_are_deepspeeds_and_sized_by_one_block(zero, pp, keys):
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 

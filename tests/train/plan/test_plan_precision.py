@@ -26,7 +26,7 @@ TOY = GPTConfig(name="toy", n_layer=2, n_head=4, d_model=128, seq_len=64)
     (1, (2 * 36, 2 * 36 + 4 * 36, 4 * 18, 8 * 18)),  # the same optimizer (DeepSpeed runs both at stage 1)
     (2, (2 * 36, 2 * 36, 4 * 18, 8 * 18)),  # ZeRO optimizer: rank 0's partitions overlap both parameters
     (3, (2 * (18 + 36), 2 * 18, 4 * 18, 8 * 18)),  # pieces + both persistent (≤ 1e5) in full
-])  # fmt: skip
+])
 def test_bf16_state_bytes_per_zero_stage(zero, expected):
     state = state_bytes(PARAMS, zero, 2, 0, bf16_weights=True, reduce_bucket_size=1000)
     assert (state.weights, state.gradients, state.master, state.moments) == expected
@@ -65,34 +65,34 @@ def test_selective_recomputation_costs_its_memory_bound_recompute():
 
 
 def test_precision_from_the_config():
-    from train.plan.__main__ import compose
+    from train.plan.__main__ import load
     from train.plan.config import implementation_from_config, plan_from_config
 
     base = ["model=gpt3-1.3b", "plan.gpus=8", "train.global_batch_size=64", "train.micro_batch_size=4"]
-    assert implementation_from_config(compose(base)).precision == "bf16"  # auto: bf16, as on a GPU
+    sections, _, _ = load(base)
+    assert implementation_from_config(sections.train, sections.parallel).precision == "bf16"  # auto: as on a GPU
     for precision in ("fp32", "autocast", "bf16"):
-        cfg = compose([*base, f"++train.precision={precision}"])
-        assert plan_from_config(cfg).implementation.precision == precision
+        assert plan_from_config(*load([*base, f"++train.precision={precision}"])).implementation.precision == precision
     assert for_precision("autocast", overlap_communication=False) == Implementation()  # today's model
     with pytest.raises(ValueError, match="train.precision='fp16'.*auto"):
-        plan_from_config(compose([*base, "++train.precision=fp16"]))
+        load([*base, "++train.precision=fp16"])
 
 
 def test_fused_loss_from_the_config():
     """train.fused_loss (default true) picks the loss the head's memory is counted for: by hand, at
     tp = 1 in bf16 the plain loss keeps the unembedding's input (2·d), the log-softmax (4·V) and the
     targets (8) a token, the fused one ∂L/∂h (4·d a token) and ∂L/∂W (4·Vp·d)."""
-    from train.plan.__main__ import compose
+    from train.plan.__main__ import load
     from train.plan.config import plan_from_config
 
     base = ["model=gpt3-1.3b", "plan.gpus=8", "train.global_batch_size=64", "train.micro_batch_size=4"]
-    fused, plain = plan_from_config(compose(base)), plan_from_config(compose([*base, "train.fused_loss=false"]))
+    fused, plain = plan_from_config(*load(base)), plan_from_config(*load([*base, "train.fused_loss=false"]))
     assert fused.implementation.fused_loss and not plain.implementation.fused_loss
     n, d, v, vp = 4 * 2048, 2048, 50257, 50304
     difference = n * (2 * d + 4 * v + 8) - (4 * n * d + 4 * vp * d)
     assert plain.ranks[-1].activations.saved - fused.ranks[-1].activations.saved == difference
-    with pytest.raises(ValueError, match="train.fused_loss='yes'"):
-        plan_from_config(compose([*base, "train.fused_loss=yes"]))
+    with pytest.raises(ValueError, match="train.fused_loss='perhaps': must be true or false"):
+        load([*base, "train.fused_loss=perhaps"])
 
 
 def test_the_unembedding_gemms_run_over_the_padded_vocabulary_at_tp1():

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from train.plan.__main__ import compose
-from train.plan.config import model_config, plan_from_config, preflight
+from train.plan.__main__ import load
+from train.plan.config import plan_from_config, preflight
 from train.plan.dry_run import dry_run
 
 RECIPES = {  # recipe: (GPUs, the model it sets, layout it must hold, blocks for the dry run)
@@ -20,17 +20,18 @@ RECIPES = {  # recipe: (GPUs, the model it sets, layout it must hold, blocks for
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_fits_passes_preflight_and_its_shards_cover_the_model(recipe):
     gpus, model, layout, blocks = RECIPES[recipe]
-    cfg = compose([f"+recipe={recipe}", f"plan.gpus={gpus}"])
-    plan = plan_from_config(cfg)
+    sections, plan_cfg, model_cfg = load([f"+recipe={recipe}", f"plan.gpus={gpus}"])
+    plan = plan_from_config(sections, plan_cfg, model_cfg)
     assert plan.model.name == model and plan.layout.describe() == layout
     assert plan.implementation.precision == "bf16" and plan.fits
     assert plan.peak_memory_gib + 2 <= plan.hardware.memory_gib  # the headroom pre-flight leaves
     preflight(plan)  # raises ConfigError when the layout does not fit
     assert plan.predicted_mfu >= 0.40
-    shrunk = compose([f"+recipe={recipe}", f"model.n_layer={blocks}"]) if blocks else cfg
-    report = dry_run(model_config(shrunk), cfg.parallel.tp, cfg.parallel.pp)
+    shrunk = load([f"+recipe={recipe}", f"model.n_layer={blocks}"])[2] if blocks else model_cfg
+    tp, pp = sections.parallel.tp, sections.parallel.pp
+    report = dry_run(shrunk, tp, pp)
     assert report.ok, report.problems[:5]
-    assert report.shards == cfg.parallel.tp * cfg.parallel.pp
+    assert report.shards == tp * pp
 
 
 def test_the_13b_recipe_gives_deepspeed_one_block_per_bucket_and_overlapped_reduction():
@@ -41,11 +42,12 @@ def test_the_13b_recipe_gives_deepspeed_one_block_per_bucket_and_overlapped_redu
 
     from train.engine import deepspeed_config
 
-    cfg = compose(["+recipe=gpt3-13b-h100x64", "plan.gpus=64"])
-    plan = plan_from_config(cfg)
-    d, tp = plan.model.d_model, cfg.parallel.tp
-    zero = deepspeed_config(cfg, 64 // tp, torch.device("cuda"), plan)["zero_optimization"]
+    sections, plan_cfg, model_cfg = load(["+recipe=gpt3-13b-h100x64", "plan.gpus=64"])
+    plan = plan_from_config(sections, plan_cfg, model_cfg)
+    d, tp = plan.model.d_model, sections.parallel.tp
+    run = (sections.train, sections.parallel, sections.optim, sections.deepspeed, 64 // tp, torch.device("cuda"))
+    zero = deepspeed_config(*run, plan)["zero_optimization"]
     block = (12 * d * d + 7 * d) // tp + 6 * d
     assert zero["stage"] == 2 and zero["overlap_comm"] is True and zero["contiguous_gradients"] is True
     assert zero["reduce_bucket_size"] == zero["allgather_bucket_size"] == block
-    assert deepspeed_config(cfg, 64 // tp, torch.device("cuda"))["zero_optimization"] == {"stage": 2}
+    assert deepspeed_config(*run)["zero_optimization"] == {"stage": 2}

@@ -67,13 +67,13 @@ def predicted_tflops(model: dict, layout: tuple, implementation, hardware) -> fl
     tp, pp, dp, batch, micro, zero, ckpt = layout
     cfg = GPTConfig(name="published", seq_len=2048, **model)
     plan = build_plan(cfg, Layout(tp, pp, dp, batch, micro, zero, checkpoint_every=ckpt), hardware,
-                      implementation=implementation)  # fmt: skip
+                      implementation=implementation)
     flops = megatron_flops(batch, 2048, model["n_layer"], model["d_model"], model["vocab_size"])
     return flops / plan.step_time_s / (tp * pp * dp) / 1e12
 
 
 @pytest.mark.parametrize("source, model, layout, implementation, hardware, reported, tolerance", PUBLISHED,
-                         ids=[row[0] for row in PUBLISHED])  # fmt: skip
+                         ids=[row[0] for row in PUBLISHED])
 def test_predicted_throughput_of_published_runs(source, model, layout, implementation, hardware, reported, tolerance):
     predicted = predicted_tflops(model, layout, implementation, hardware)
     assert predicted == pytest.approx(reported, rel=tolerance), f"{source}: predicted {predicted:.0f} TFLOP/s"
@@ -109,7 +109,7 @@ def test_predictions_match_measured_steps_on_an_h100(shape, micro, micro_batches
     plan = build_plan(cfg, layout, hw, implementation=measured_code)
     n, padded = micro * 2048, unembedding_rows(cfg, 1)
     unpadded = 3 * (_gemm_time(hw, measured_code, n, d_model, cfg.vocab_size, 2)
-                    - _gemm_time(hw, measured_code, n, d_model, padded, 2))  # fmt: skip
+                    - _gemm_time(hw, measured_code, n, d_model, padded, 2))
     assert plan.peak_memory_gib == pytest.approx(peak_gib, rel=0.10)
     step_time = plan.step_time_s + micro_batches * unpadded
     assert step_time == pytest.approx(seconds, rel=0.25 if micro > 1 else 0.40)

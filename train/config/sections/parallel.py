@@ -1,0 +1,55 @@
+"""`parallel.*`: the layout (world size = tp · pp · dp, dp what remains), ZeRO and the recomputation and
+communication options (docs/parallelism.md). What spans sections (tp dividing the heads, the world size,
+the sequence length) is checked when the run is resolved (train/config/spec.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from train.config.settings import BOOLEAN, Check, ConfigError, Section, one_of, setting
+
+MANUAL, AUTO = "manual", "auto"
+# parallel.layout=auto chooses these keys at each start (train/plan/elastic.py); they may then not be set
+AUTO_KEYS = (
+    "parallel.tp", "parallel.pp", "parallel.zero_stage", "parallel.sequence_parallel",
+    "parallel.activation_checkpointing", "parallel.offload_optimizer", "train.micro_batch_size",
+)
+RECOMPUTATION = Check(lambda v: v == "selective" or (isinstance(v, int) and not isinstance(v, bool) and v >= 0),
+                      "must be 0 (off), a positive block count or 'selective'")
+
+
+@dataclass
+class ParallelConfig(Section):
+    """`parallel.*` (see the module docstring)."""
+
+    PREFIX: ClassVar[str] = "parallel"
+    layout: str = setting(
+        MANUAL, "`manual`: the values below as given; `auto`: chosen for the world size and device of each start "
+                "(fastest predicted that fits on GPUs; on a CPU the most data parallelism), keeping "
+                "train.global_batch_size and the data order; it sets tp, pp, zero_stage, sequence_parallel, "
+                "activation_checkpointing, offload_optimizer and train.micro_batch_size",
+        one_of(MANUAL, AUTO, note=" (manual: the parallel.* settings as given; auto: chosen for the world size and device)"))
+    tp: int = setting(1, "tensor parallel: heads, MLP columns and the vocabulary split over tp ranks")
+    pp: int = setting(1, "pipeline parallel: blocks split into pp stages (DeepSpeed's pipeline engine)")
+    zero_stage: int = setting(0, "DeepSpeed ZeRO over data-parallel ranks: 0–3 (at most 1 with pp > 1)",
+                              one_of(0, 1, 2, 3))
+    offload_optimizer: bool = setting(False, "ZeRO-Offload: optimizer state in CPU memory (needs zero_stage ≥ 1)",
+                                      BOOLEAN)
+    sequence_parallel: bool = setting(False, "with tp > 1: LayerNorm regions split along the sequence (combines with "
+                                             "pp)", BOOLEAN)
+    activation_checkpointing: Any = setting(
+        0, "k > 0: recompute each run of k blocks in backward instead of storing activations; `selective`: recompute "
+           "only LayerNorm and GELU outputs (no GEMM or collective repeated)", RECOMPUTATION)
+    overlap_communication: bool = setting(True, "with tp > 1: each input-gradient all-reduce runs while the "
+                                                "weight-gradient GEMM computes", BOOLEAN)
+
+    def check(self) -> None:
+        zero, pp = self.zero_stage, self.pp
+        if isinstance(pp, int) and pp > 1 and zero > 1:
+            raise ConfigError(
+                f"parallel.zero_stage={zero} with parallel.pp={pp}: DeepSpeed's pipeline engine shards at most the "
+                f"optimizer state; use zero_stage 0 or 1 with pp > 1, or pp=1 for ZeRO-{zero}")
+        if self.offload_optimizer and zero == 0:
+            raise ConfigError("parallel.offload_optimizer=true needs parallel.zero_stage ≥ 1 (ZeRO-Offload moves "
+                              "ZeRO's optimizer shards)")
