@@ -27,7 +27,7 @@ from train.config.launch import is_rank_zero
 
 @hydra.main(version_base=None, config_path=str(CONFIG_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
-    from train.config.checks import check_keys
+    from train.config.checks import RunFinished, check_keys
     from train.config.settings import ConfigError
     from train.config.spec import resolve
     from train.engine import order_cuda_queues
@@ -43,6 +43,11 @@ def main(cfg: DictConfig) -> None:
     except ConfigError as err:
         _discard_if_empty(run_dir)
         _refuse(err)
+    except RunFinished as finished:  # nothing to train: no W&B segment, no sample
+        _discard_if_empty(run_dir)
+        if is_rank_zero():
+            print(f"gpt3d: {finished}", flush=True)
+        return
 
     if is_rank_zero():
         from train.config.run_folder import set_aside
@@ -59,6 +64,8 @@ def main(cfg: DictConfig) -> None:
         shutdown_distributed()
     # a bad record met mid-run with data.on_bad_record=error, a dead data worker; no usable checkpoint to resume
     except (DataError, CheckpointError) as err:
+        if is_rank_zero():
+            _discard_if_empty(run_dir)
         print(f"gpt3d: error: {err}", file=sys.stderr)
         raise SystemExit(EXIT_FAILED) from None
     except NonFiniteError as err:  # too many skipped steps in a row, or non-finite weights: every rank alike

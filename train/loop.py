@@ -206,10 +206,10 @@ def build(spec: RunSpec) -> Trainer:
     # Ranks of one data-parallel replica (its tp and pp ranks) read the same windows.
     train, dp = settings.train, (topology.dp_rank, topology.dp_size)
     speaks = topology.tp_rank == 0 and topology.pp_rank == 0  # one warning per data-parallel replica
-    batches = data.TrainBatches(settings.data, model_cfg.seq_len, train.global_batch_size, *dp, train.seed, warn=speaks)
+    batches = data.TrainBatches(spec.data, model_cfg.seq_len, train.global_batch_size, *dp, train.seed, warn=speaks)
     val_batches = []
     if train.eval_interval > 0 and train.eval_batches > 0:
-        val_batches = data.validation_batches(settings.data, model_cfg.seq_len, train.global_batch_size, train.eval_batches, *dp)
+        val_batches = data.validation_batches(spec.data, model_cfg.seq_len, train.global_batch_size, train.eval_batches, *dp)
     step = TrainStep(engine, train.micro_batch_size, device,
                      autocast=resolve_precision(train.precision, device) == "autocast")
     progress = Progress()

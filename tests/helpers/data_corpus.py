@@ -83,3 +83,27 @@ def parquet_dataset(root, n_files: int, per_file: int, text=doc) -> list[list[st
 def hub_cfg(root, **keys) -> dict:
     """A data config reading the dataset folder `root` through data.source=hub, plus `keys`."""
     return {"source": "hub", "name": str(root), **keys}
+
+
+def prose(chars: int) -> str:
+    """`chars` characters of English prose: the Python documentation's topics (pydoc_data, part of every
+    Python), in name order, repeated when more is asked for than they hold."""
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[name] for name in sorted(topics))
+    return (text * (chars // len(text) + 1))[:chars]
+
+
+def write_small_corpora(root) -> dict:
+    """The small corpora a first run tries, by size class: one .txt file of 100 KB, 300 KB and 1 MB of prose,
+    and a .jsonl of 14 records of 7,000 characters each (about 100 KB). Returns {class: path}."""
+    import json
+
+    paths = {}
+    for name, chars in (("100k", 100_000), ("300k", 300_000), ("1m", 1_000_000)):
+        paths[name] = root / f"prose_{name}.txt"
+        paths[name].write_text(prose(chars), encoding="utf-8")
+    text = prose(14 * 7000)
+    paths["jsonl14"] = root / "records_14.jsonl"
+    paths["jsonl14"].write_text("".join(json.dumps({"text": text[k * 7000 : (k + 1) * 7000]}) + "\n" for k in range(14)))
+    return paths

@@ -105,18 +105,21 @@ def check_batches(train: TrainConfig, dp: int) -> None:
         )
 
 
-def check_data(data_cfg: DataConfig, train: TrainConfig, dp: int, streams_set: bool = True) -> int:
+def check_data(data_cfg: DataConfig, train: TrainConfig, seq_len: int, dp: int, streams_set: bool = True):
     """The data config, the batch geometry over streams and ranks, and a cheap probe of the corpus (it must
-    hold training documents for every stream, and validation ones when validation is on); returns the
-    data.streams the run uses: the configured one, or, when the user did not set it (`streams_set` False)
-    and the corpus has too few documents for it, a smaller one (train/data/probe.py: check_data)."""
+    hold training documents for every stream and, when validation is on, a validation split that holds
+    train.eval_batches global batches of seq_len + 1 tokens, or at least one where at most 10% of a small
+    corpus cannot hold them all); returns the probe's DataSpec (train/data/probe.py: check_data), whose
+    data.streams is the configured one or, when the user did not set it (`streams_set` False) and the
+    corpus has too few documents for it, a smaller one, and whose `val_batches` the splits hold."""
     from train import data
+    from train.data.probe import Evaluation
 
     validation = train.eval_interval > 0 and train.eval_batches > 0
+    evaluation = Evaluation(seq_len + 1, train.global_batch_size, train.eval_batches) if validation else None
     try:
-        spec = data.check_data(data_cfg, dp_size=dp, global_batch=train.global_batch_size, validation=validation,
+        return data.check_data(data_cfg, dp_size=dp, global_batch=train.global_batch_size, evaluation=evaluation,
                                streams_set=streams_set)
-        return spec.streams
     except ValueError as err:
         raise ConfigError(str(err)) from None
 
@@ -162,6 +165,33 @@ def check_resume(train: TrainConfig, run_dir: Path, model_cfg: GPTConfig):
         return resume_point(resume, run_dir, model_cfg)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+
+
+class RunFinished(Exception):
+    """The checkpoint a run resumes already reached train.max_steps: nothing is left to train (exit 0)."""
+
+
+def check_unfinished(train: TrainConfig, resume) -> None:
+    """Raise RunFinished, worded for the user, when the resume point is at or past train.max_steps."""
+    if resume is not None and resume.state["step"] >= train.max_steps:
+        raise RunFinished(f"already finished at step {resume.state['step']}; raise train.max_steps to go on, or choose "
+                          "a new run folder (hydra.run.dir=PATH)")
+
+
+def check_resume_data(resume, data_spec, seq_len: int, seed: int) -> None:
+    """A resume continues its checkpoint's data position only on the same data in the same order
+    (train/data/order.py): one line naming what changed, then → now, and the ways out."""
+    if resume is None or "data" not in resume.state:
+        return
+    from train.data.order import changes, stream_id
+
+    changed = changes(resume.state["data"]["stream"], stream_id(data_spec, seq_len, seed))
+    if changed:
+        raise ConfigError(
+            f"the checkpoint {resume.folder} (step {resume.state['step']}) was trained on other data: "
+            f"{'; '.join(changed)}. To resume it, set these back; to train on this data instead, start a new run: "
+            f"another run folder (hydra.run.dir=PATH), or train.resume=overwrite (moves the old run aside)"
+        )
 
 
 def check_init_from(train: TrainConfig, model_cfg: GPTConfig) -> None:

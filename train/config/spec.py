@@ -7,14 +7,18 @@
   2. model      model.* as a GPTConfig
   3. resume     the checkpoint train.resume names (with its state.json, read once), or None; the run
                 folder, checked to be usable and not another run's (train/config/run_folder.py); a
-                Hugging Face start (train.init_from) of this model's shape
+                checkpoint already at train.max_steps ends here (checks.RunFinished); a Hugging Face
+                start (train.init_from) of this model's shape
   4. schedule   a resume that keeps its checkpoint's schedule takes back its batch settings (global
                 batch, ramp), with one note saying so
   5. layout     parallel.layout=auto: the layout train/plan/elastic.py chooses for WORLD_SIZE on this
                 device, in place of the keys it sets; then the layout against the model and the
                 world size, giving dp, and the batch against dp
   6. data       the corpus probed (train/data/probe.py); data.streams, when the user left it at its
-                default and the corpus has too few documents for it, the smaller value the probe gives
+                default and the corpus has too few documents for it, the smaller value the probe gives;
+                the validation split sized to train.eval_batches (a small corpus: its tail, at most 10%
+                of it, and train.eval_batches lowered to the batches that fit, with one note); a resume's
+                checkpoint must have trained on the same data in the same order
   7. ramp, LR   the batch ramp against the model, dp and streams; the LR schedule of the run
   8. plan       on CUDA the planner's prediction, which must fit the device (pre-flight)
 
@@ -40,6 +44,7 @@ from train.config.run_folder import RunFolder, check_run_folder
 from train.config.sections import Sections
 from train.config.sections.parallel import AUTO
 from train.config.settings import ConfigError
+from train.data.sources import DataSpec
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,7 @@ class RunSpec:
     ramp: BatchRamp
     schedule: RunSchedule
     plan: object | None  # train/plan/estimate.py's Plan, on CUDA
+    data: DataSpec  # the data as the probe resolved it: its streams, its validation split cut (train/data/probe.py)
     layout: object | None = None  # train/plan/elastic.py's LayoutChoice, with parallel.layout=auto
 
     @property
@@ -72,6 +78,7 @@ def resolve(cfg, run_dir: Path, overrides: tuple[str, ...] | list[str] = ()) -> 
     model_cfg = checks.check_model(OmegaConf.to_container(cfg.model, resolve=True))
     resume = checks.check_resume(sections.train, run_dir, model_cfg)
     folder = check_run_folder(run_dir, sections.train.resume, resume.path if resume is not None else None)
+    checks.check_unfinished(sections.train, resume)
     checks.check_init_from(sections.train, model_cfg)
     saved_schedule = recorded_schedule(resume.state if resume is not None else None)
     kept = kept_schedule(saved_schedule, sections)
@@ -83,15 +90,20 @@ def resolve(cfg, run_dir: Path, overrides: tuple[str, ...] | list[str] = ()) -> 
         sections = sections.replaced(layout.values())
     dp = checks.check_parallel(sections.parallel, model_cfg, sections.deepspeed)
     checks.check_batches(sections.train, dp)
-    streams = checks.check_data(sections.data, sections.train, dp, streams_set="data.streams" in set_keys)
-    sections = sections.replaced({"data.streams": streams})
-    ramp = checks.check_batch_ramp(sections.train, model_cfg, dp, streams)
+    data = checks.check_data(sections.data, sections.train, model_cfg.seq_len, dp,
+                             streams_set="data.streams" in set_keys)
+    sections = sections.replaced({"data.streams": data.streams})
+    checks.check_resume_data(resume, data, model_cfg.seq_len, sections.train.seed)
+    if sections.train.eval_batches > data.val_batches > 0:  # what at most 10% of a small corpus holds
+        sections = sections.replaced({"train.eval_batches": data.val_batches})
+    ramp = checks.check_batch_ramp(sections.train, model_cfg, dp, data.streams)
     try:
         run_tokens = ramp.tokens_after(sections.train.max_steps)
         schedule = schedule_for_run(sections, model_cfg.name, run_tokens, kept, saved_schedule)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    return RunSpec(sections, run_dir, model_cfg, dp, resume, folder, ramp, schedule, _plan(sections, model_cfg), layout)
+    return RunSpec(sections, run_dir, model_cfg, dp, resume, folder, ramp, schedule, _plan(sections, model_cfg), data,
+                   layout)
 
 
 def _auto_layout(sections: Sections, model_cfg: GPTConfig, set_keys: list[str]):

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from train.data.probe import check_data, check_layout
+from train.data.order import changes, stream_id
 from train.data.records import BadRecords, documents, merge_counts
 from train.data.sources import DataError, check_data_config, resolve
 from train.data.streams import LaneState, Schedule, pack
@@ -186,7 +187,7 @@ class TrainBatches:
     # -- resume ---------------------------------------------------------------------------------------
 
     def _stream_id(self) -> dict:
-        return {**self.spec.fingerprint(), "seq_len": self.seq_len, "seed": self.seed}
+        return stream_id(self.spec, self.seq_len, self.seed)
 
     def local_state_dict(self) -> dict:
         """This rank's part of the state: the position and its own lanes."""
@@ -226,10 +227,9 @@ class TrainBatches:
                 f"data: the resume state has version {state.get('version')!r}; this gpt3d reads version {STATE_VERSION} "
                 "(resume with the gpt3d that saved it, or start a new run)"
             )
-        mine, theirs = self._stream_id(), state["stream"]
-        changed = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
+        changed = changes(state["stream"], self._stream_id())
         if changed:
-            raise DataError(f"data: the resume state is for another stream; changed (then, now): {changed}")
+            raise DataError(f"data: the resume state is for other data: {'; '.join(changed)}")
         pos = state["windows_served"]
         # windows each source gave each of this rank's streams so far: (J,) per stream, counted once
         served = {s: self.schedule.counts(s, 0, pos // self.spec.streams) for s in {s for _, s in self._lanes}}
@@ -260,6 +260,7 @@ def validation_batches(
 ) -> list[torch.Tensor]:
     """The first n_batches·batch windows of the validation split, unshuffled; each global batch of
     `batch` windows sliced by dp rank as in training. Each tensor: LongTensor (batch // dp, seq_len + 1).
+    `data_cfg` may be the probe's DataSpec (train/data/probe.py), whose tails are cut to hold them.
 
     A mixture takes from each source its weight's share of the windows (largest remainders), the first
     ones of its split, interleaved evenly."""
@@ -269,7 +270,7 @@ def validation_batches(
     need = n_batches * batch
     if not need:
         return []
-    counts = _largest_remainders(spec.weights, need)
+    counts = spec.val_shares(need)
     keyed = []
     for src, count in zip(spec.sources, counts):
         bad = BadRecords(spec.on_bad_record, warn=False)  # training reports the bad records; this is a prefix
@@ -278,7 +279,8 @@ def validation_batches(
         if len(got) < count:
             raise DataError(
                 f"data: {src.label}: the validation split holds {len(got)} windows of {seq_len + 1} tokens, fewer than "
-                f"the {count} asked for ({n_batches} batches of {batch}); raise data.val_permille or ask for fewer"
+                f"the {count} asked for ({n_batches} batches of {batch}); raise data.val_permille, or lower "
+                f"train.eval_batches (or set train.eval_interval=0)"
             )
         keyed += [((k + 0.5) / count, w) for k, w in enumerate(got)]
     keyed.sort(key=lambda item: item[0])  # stable: sources in order at equal keys
@@ -288,12 +290,3 @@ def validation_batches(
         torch.from_numpy(windows[k * batch + dp_rank * per : k * batch + (dp_rank + 1) * per].astype(np.int64))
         for k in range(n_batches)
     ]
-
-
-def _largest_remainders(weights: tuple[float, ...], total: int) -> list[int]:
-    """Whole counts summing to `total`, proportional to `weights` (Hamilton's method)."""
-    exact = [w * total for w in weights]
-    counts = [int(x) for x in exact]
-    for k in sorted(range(len(weights)), key=lambda k: counts[k] - exact[k])[: total - sum(counts)]:
-        counts[k] += 1
-    return counts

@@ -41,6 +41,7 @@ from train.data.sources import DataError, SourceSpec, hub_offline
 from train.data.tokenizer import EOT, gpt2
 
 TOKEN_BLOCK = 256  # prepared rows fetched from Arrow at a time
+ENCODING_HINT = "; if the corpus uses another encoding, set data.encoding (e.g. latin-1, cp1252)"
 
 
 @dataclass(frozen=True)
@@ -110,8 +111,7 @@ def decode(raw: bytes, encoding: str) -> str | Bad:
     except UnicodeDecodeError as e:
         if b"\x00" in raw:
             return Bad("binary", "binary data (NUL bytes)")
-        hint = "; if the corpus uses another encoding, set data.encoding (e.g. latin-1, cp1252)"
-        return Bad("undecodable", f"not valid {encoding} at byte {e.start}{hint}")
+        return Bad("undecodable", f"not valid {encoding} at byte {e.start}{ENCODING_HINT}")
     return text
 
 
@@ -345,15 +345,42 @@ def documents(
         epoch, at = epoch + 1, None
 
 
+def place(record: Record) -> tuple[int, int]:
+    """Where a record of a local source is: (file, its piece, line or row in the file), in reading order."""
+    pos = record.pos
+    return pos["file"], pos.get("piece", pos.get("line", pos.get("row", 0)))
+
+
+def tokens_of(text: str) -> list[int]:
+    """A document's GPT-2 tokens, then <|endoftext|>: what it adds to its split's token stream."""
+    ids = gpt2().encode_ordinary(text)
+    ids.append(EOT)
+    return ids
+
+
 def _text_documents(src, stream, streams, at, validation, bad):
-    enc = gpt2()
     for record in records(src, stream, streams, at):
         if isinstance(record.text, Bad):
             bad.skip(record)
+        elif record.text and src.val_tail is not None:
+            ids = _tail_split(record, src.val_tail, validation)
+            if ids is not None:
+                yield record.pos, np.array(ids, dtype=np.int32)
         elif record.text and in_validation(record, src.val_permille) == validation:
-            ids = enc.encode_ordinary(record.text)
-            ids.append(EOT)
-            yield record.pos, np.array(ids, dtype=np.int32)
+            yield record.pos, np.array(tokens_of(record.text), dtype=np.int32)
+
+
+def _tail_split(record: Record, tail: tuple[int, int, int], validation: bool) -> list[int] | None:
+    """A record's tokens in one split when the source's validation is its tail (SourceSpec.val_tail: from
+    token `offset` of the record at (file, within) on): the records before it train, those after it validate,
+    and the record itself is cut there, its training part closed by <|endoftext|>. None: none in this split."""
+    here, (file, within, offset) = place(record), tail
+    if here != (file, within):
+        return None if (here > (file, within)) != validation else tokens_of(record.text)
+    ids = tokens_of(record.text)
+    if validation:
+        return ids[offset:]
+    return [*ids[:offset], EOT] if offset else None
 
 
 def _prepared_documents(src, stream, streams, at, validation, bad):

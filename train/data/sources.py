@@ -66,15 +66,21 @@ class SourceSpec:
     encoding: str = "utf-8"
     val_permille: int = 5
     piece_chars: int = 0  # text files longer than this are cut into pieces (train/data/pieces.py); 0: never
+    # validation is the source's text from this place on, (file, record in the file, token offset), and nothing
+    # is held out by hash: the probe cuts it where the held-out documents cannot hold what evaluation asks
+    # (train/data/probe.py); None: the split by hash (and a cut file's last pieces)
+    val_tail: tuple[int, int, int] | None = None
 
     def fingerprint(self) -> dict:
         """What fixes this source's documents; a resume state must come from a source with the same one."""
         names = "\n".join(os.path.basename(f) for f in self.files)
         hub = {"hub_streams": "by file when files >= streams"} if self.kind == "hub" else {}  # earlier: by record
         pieces = {"piece_chars": self.piece_chars} if self.piece_chars and self.reader == "text" else {}
+        tail = {"val_tail": list(self.val_tail)} if self.val_tail is not None else {}
         return {
             **hub,
             **pieces,
+            **tail,
             "kind": self.kind,
             "reader": self.reader,
             "name": os.path.basename(self.name) if self.name and os.path.isabs(self.name) else self.name,
@@ -100,6 +106,7 @@ class DataSpec:
     workers: int = 0
     prefetch: int = 2
     on_bad_record: str = "skip"
+    val_batches: int = 0  # global batches of validation windows the splits hold, as the probe found (train/data/probe.py)
 
     @property
     def mixture(self) -> bool:
@@ -109,6 +116,14 @@ class DataSpec:
     def chunk_windows(self) -> int:
         """Windows each stream shuffles together (its share of the shuffle buffer)."""
         return self.shuffle_buffer // self.streams
+
+    def val_shares(self, windows: int) -> list[int]:
+        """Each source's whole share of `windows` validation windows, by the weights (largest remainders)."""
+        exact = [w * windows for w in self.weights]
+        counts = [int(x) for x in exact]
+        for k in sorted(range(len(exact)), key=lambda k: counts[k] - exact[k])[: windows - sum(counts)]:
+            counts[k] += 1
+        return counts
 
     def fingerprint(self) -> dict:
         """What fixes the global order of windows (not dp, workers, prefetch or the bad-record policy)."""
@@ -128,7 +143,10 @@ def check_data_config(data_cfg) -> DataSpec:
 
 
 def resolve(data_cfg) -> DataSpec:
-    """Check `data_cfg` (a dict or omegaconf DictConfig) and resolve its sources."""
+    """Check `data_cfg` (a dict or omegaconf DictConfig) and resolve its sources; a DataSpec (the probe's, with
+    its validation split cut) is already both."""
+    if isinstance(data_cfg, DataSpec):
+        return data_cfg
     cfg = plain_config(data_cfg)
     _refuse_unknown(cfg, KEYS, "data")
     source = cfg.get("source", "stdlib")

@@ -13,11 +13,13 @@ import torch
 from data_corpus import files_cfg, take
 from train.data import DataError, TrainBatches, check_data, validation_batches
 from train.data.pieces import cut, held_out
+from train.data.probe import Evaluation
 from train.data.records import in_validation, records
 from train.data.sources import resolve
 from train.data.tokenizer import EOT, gpt2
 
 PARAGRAPH = 100  # characters of each hand-made paragraph, its blank line included
+SMALL_ASK = Evaluation(window=2, batch=8, batches=1)  # 8 windows of 2 tokens: a held-out piece holds them
 
 
 def paragraph(i: int) -> str:
@@ -68,16 +70,16 @@ def test_resume_position_inside_a_cut_file(book):
 def test_one_file_without_pieces_is_one_clear_error_and_with_pieces_trains(book):
     cfg = files_cfg(book, paths=None) | {"paths": [str(book / "a.txt")], "streams": 4, "shuffle_buffer": 8}
     with pytest.raises(DataError, match=r"stream\(s\) \[1, 2, 3\] get no training document"):
-        check_data(cfg | {"piece_chars": 0}, 1, 8, validation=True)
-    assert check_data(cfg | {"piece_chars": 250}, 2, 8, validation=True).streams == 4
+        check_data(cfg | {"piece_chars": 0}, 1, 8, evaluation=SMALL_ASK)
+    assert check_data(cfg | {"piece_chars": 250}, 2, 8, evaluation=SMALL_ASK).streams == 4
 
 
 def test_too_few_pieces_lower_default_streams_with_a_warning_but_not_set_ones(book, capsys):
     cfg = {"source": "files", "paths": [str(book / "a.txt")], "streams": 4, "shuffle_buffer": 8,
            "piece_chars": 1000, "val_permille": 5}  # 4 pieces, the last held out: 3 training pieces
     with pytest.raises(DataError, match=r"stream\(s\) \[3\] get no training document"):
-        check_data(cfg, 1, 8, validation=True)
-    assert check_data(cfg, 1, 8, validation=True, streams_set=False).streams == 2  # 3 does not divide 8
+        check_data(cfg, 1, 8, evaluation=SMALL_ASK)
+    assert check_data(cfg, 1, 8, evaluation=SMALL_ASK, streams_set=False).streams == 2  # 3 does not divide 8
     assert capsys.readouterr().err.count("using data.streams=2") == 1
 
 

@@ -13,6 +13,7 @@ import torch
 from cli import train as run_train
 from data_corpus import take, token_stream, write_texts
 from train.data import DataError, TrainBatches, check_data
+from train.data.probe import Evaluation
 from train.data.tokenizer import gpt2
 
 SEQ = 16
@@ -156,7 +157,9 @@ def test_resume_inside_record_files_reads_from_the_saved_record(tmp_path):
         ("binary", {}, "holds no text to train on: 2 record\\(s\\) read, 0 empty, 2 skipped as bad \\(.*z0.txt: binary ×1"),
         ("good", {"val_permille": 999}, "the training split is empty: all 6 document\\(s\\) are held out"),
         ("good", {"streams": 8, "shuffle_buffer": 8}, "with data.streams=8, stream\\(s\\) \\[6, 7\\] get no training document"),
-        ("good", {"validation": True}, "the validation split is empty \\(val_permille=0"),
+        ("good", {"evaluation": Evaluation(SEQ + 1, 4, 1)},
+         "at most 10% of the corpus's .* tokens, too few for one validation batch of 4 windows of 17 tokens; set "
+         "train.eval_interval=0 \\(no validation\\), or lower train.global_batch_size or model.seq_len"),
         ("binary", {"on_bad_record": "error"}, "z0.txt: the file: binary data \\(NUL bytes\\); stopped"),
     ],
 )
@@ -168,9 +171,9 @@ def test_corpora_that_cannot_train_are_refused_by_the_probe(tmp_path, setup, kw,
             (tmp_path / name).write_bytes(_binary())
     else:
         write_texts(tmp_path, [f"document {i} " * 9 for i in range(6)])
-    validation = kw.pop("validation", False)
+    evaluation = kw.pop("evaluation", None)
     with pytest.raises(DataError, match=message):
-        check_data(_cfg(tmp_path, **kw), validation=validation)
+        check_data(_cfg(tmp_path, **kw), evaluation=evaluation)
 
 
 def test_the_probe_reads_only_what_it_needs(tmp_path, monkeypatch):
@@ -178,7 +181,7 @@ def test_the_probe_reads_only_what_it_needs(tmp_path, monkeypatch):
     opened = []
     real_open = open
     monkeypatch.setattr("builtins.open", lambda path, *a, **k: opened.append(path) or real_open(path, *a, **k))
-    check_data(_cfg(tmp_path, streams=4, shuffle_buffer=4), validation=False)
+    check_data(_cfg(tmp_path, streams=4, shuffle_buffer=4))
     assert len([p for p in opened if str(p).endswith(".txt")]) == 4  # one training document per stream
 
 
