@@ -4,8 +4,10 @@
     python -m train.generate generate.checkpoint=... generate.temperature=0 generate.max_new_tokens=32
     torchrun --nproc_per_node 4 -m train.generate parallel.tp=2 parallel.pp=2 generate.checkpoint=...
 
-The config is the training one (model.* must be the run's; parallel.* is the layout to generate
-at, whatever the run trained at; train.device, train.seed) plus the `generate` group
+The config is the training one (model.* is the checkpoint's, so it need not be given: a model key
+on the command line may change how the model computes, e.g. model.attention_impl, never its shape;
+parallel.* is the layout to generate at, whatever the run trained at; train.device, train.seed) plus
+the `generate` group
 (train/config/sections/generate.py; configs/generate/default.yaml). The checkpoint's weights are put
 back together whole (train/checkpoint/loading.py: read_model_weights) and each rank takes its slice
 (parallel.naming).
@@ -31,13 +33,11 @@ from train.sample import sample_text
 
 
 def checkpoint_weights(folder: Path, model_cfg: GPTConfig) -> dict[str, torch.Tensor]:
-    """The whole model's weights from a checkpoint folder, refused (ConfigError) when the checkpoint
-    is of another model than model.* describes."""
+    """The whole model's weights from a checkpoint folder of this model (ConfigError if they cannot be read)."""
     from train import checkpoint
     from train.config.settings import ConfigError
 
     try:
-        checkpoint.check_model(checkpoint.saved_model_config(folder) or {}, model_cfg, folder)
         return checkpoint.read_model_weights(folder, model_cfg)
     except ValueError as err:
         raise ConfigError(str(err)) from None
@@ -79,10 +79,14 @@ def main(cfg: DictConfig) -> None:
     from train.config.settings import ConfigError
 
     try:
-        check_keys(cfg, "generate", list(HydraConfig.get().overrides.task))
+        overrides = list(HydraConfig.get().overrides.task)
+        check_keys(cfg, "generate", overrides)
         sections, gen = Sections.of(cfg), OmegaConf.to_object(cfg.generate)
         check_device(sections.train)
-        model_cfg, folder = check_generation(gen, sections.parallel, OmegaConf.to_container(cfg.model, resolve=True))
+        keys = [o.lstrip("+~").split("=", 1)[0] for o in overrides]
+        model_given = [key for key in keys if key == "model" or key.startswith("model.")]
+        model_cfg, folder = check_generation(gen, sections.parallel, OmegaConf.to_container(cfg.model, resolve=True),
+                                             model_given)
         weights = checkpoint_weights(folder, model_cfg)
     except ConfigError as err:
         print(f"gpt3d: error: {err}", file=sys.stderr)

@@ -24,6 +24,7 @@ from train.checkpoint import (
     read_init_weights,
 )
 from train.config.spec import RunSpec
+from train.data.records import ENCODING_HINT
 from train.guard.safeguards import Safeguards
 from train.metrics import Meter, full_shapes_model, mean_over_ranks
 from train.optimizer import GIVEN_NORM, TokenLR, make_optimizer
@@ -294,7 +295,8 @@ def finish(trainer: Trainer, logger: metrics.MetricsLogger, sample: bool = True)
         total = sum(n for reasons in bad.values() for n in reasons.values())
         lines = [f"  {file}: " + ", ".join(f"{n} {reason}" for reason, n in sorted(reasons.items()))
                  for file, reasons in sorted(bad.items())]
-        _say(trainer, f"data: {total} bad record(s) skipped (data.on_bad_record=skip):\n" + "\n".join(lines))
+        hint = ENCODING_HINT if any("undecodable" in reasons for reasons in bad.values()) else ""
+        _say(trainer, f"data: {total} bad record(s) skipped (data.on_bad_record=skip){hint}:\n" + "\n".join(lines))
         logger.summary({"data/bad_records": total})
     if sample and train.sample_tokens > 0:
         from train.sample import sample_text

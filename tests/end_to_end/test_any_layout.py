@@ -47,7 +47,7 @@ def pipelined_run(tmp_path_factory, corpus):
 
 
 def greedy_tokens(run_dir, out, *layout, nproc=1) -> list[int]:
-    proc = generate(run_dir, *ALTERNATING, *GREEDY, f"generate.output={out}", *layout,
+    proc = generate(run_dir, *GREEDY, f"generate.output={out}", *layout,  # no model.*: the checkpoint's
                     kind="torchrun" if nproc > 1 else "python", nproc=nproc)
     assert "Setting accelerator" not in proc.stderr  # DeepSpeed's warning that tells a CPU user nothing
     return json.loads(out.read_text())["tokens"]
@@ -78,7 +78,8 @@ def test_end_of_training_sample_at_a_pipelined_sequence_parallel_layout(pipeline
     [
         (["generate.checkpoint=null"], "generate.checkpoint is not set"),
         (["generate.checkpoint=/nonexistent/run"], "'/nonexistent/run' holds no checkpoint"),
-        (["model.d_model=64"], "holds another model: it was saved with model.d_model=32"),
+        (["model.d_model=64"], "holds a model with model.d_model=32, not 64; generation reads the model from its "
+                               "checkpoint, so model.* need not be given: drop model.d_model from the command line"),
         (["generate.temperature=-1"], "generate.temperature=-1: must be ≥ 0"),
         (["generate.top_k=0"], "generate.top_k=0: must be a positive integer"),
     ],
@@ -86,7 +87,7 @@ def test_end_of_training_sample_at_a_pipelined_sequence_parallel_layout(pipeline
 def test_generate_refuses_bad_input_before_any_work(tmp_path, pipelined_run, overrides, message):
     run_dir, _ = pipelined_run
     out = tmp_path / "out.json"
-    proc = generate(run_dir, *ALTERNATING, *GREEDY, f"generate.output={out}", *overrides, check=False)
+    proc = generate(run_dir, *GREEDY, f"generate.output={out}", *overrides, check=False)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert not out.exists()

@@ -90,9 +90,8 @@ def kill_after_first_checkpoint(proc: subprocess.Popen, run_dir: Path, log: Path
 def generate(
     checkpoint: Path, *overrides: str, kind: str = "python", nproc: int = 1, check: bool = True
 ) -> subprocess.CompletedProcess:
-    """`python -m train.generate` on a run's checkpoint, with the TINY model."""
-    model = [o for o in TINY if o.startswith("model.")]
-    cmd = [*launcher(kind, nproc, "train.generate"), *model, f"generate.checkpoint={checkpoint}", *overrides]
+    """`python -m train.generate` on a run's checkpoint (which gives the model)."""
+    cmd = [*launcher(kind, nproc, "train.generate"), f"generate.checkpoint={checkpoint}", *overrides]
     proc = subprocess.run(cmd, cwd=REPO, env=clean_env({}), capture_output=True, text=True, timeout=600)
     if check:
         assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"

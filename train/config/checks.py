@@ -231,14 +231,31 @@ def check_deepspeed_extras(extras: dict) -> None:
             raise ConfigError(f"deepspeed.{key} is not a DeepSpeed setting" + (f"; did you mean {near}?" if near else ""))
 
 
-def check_generation(generate: GenerateConfig, parallel: ParallelConfig, model_values: dict) -> tuple[GPTConfig, Path]:
+def check_generation(generate: GenerateConfig, parallel: ParallelConfig, model_values: dict,
+                     model_given: list[str]) -> tuple[GPTConfig, Path]:
     """A `python -m train.generate` config beyond its sections' own checks; returns the model config and
-    the checkpoint folder to read. Raises ConfigError."""
-    model_cfg = check_model(model_values)
-    check_parallel(parallel, model_cfg, {})
-    from train.checkpoint import tag_folder
+    the checkpoint folder to read. The model is the checkpoint's: `model_given`, the model keys set on the
+    command line (`model.KEY`, or `model` for a size), replace its values where they may differ (how it
+    computes), and a shape other than the checkpoint's is refused in generation's words. Raises ConfigError."""
+    from train.checkpoint import model_differences, saved_model_config, tag_folder
 
     try:
-        return model_cfg, tag_folder(Path(generate.checkpoint))
+        folder = tag_folder(Path(generate.checkpoint))
+        saved = saved_model_config(folder)
     except ValueError as err:
         raise ConfigError(f"generate.checkpoint: {err}") from None
+    given = {key.removeprefix("model.") for key in model_given if key.startswith("model.")}
+    values = dict(model_values) if "model" in model_given else {**saved, **{k: model_values.get(k) for k in given}}
+    model_cfg = check_model(values)
+    differing = model_differences(saved, model_cfg)
+    if differing:
+        raise ConfigError(
+            f"generate.checkpoint={generate.checkpoint} holds a model with "
+            + ", ".join(f"model.{k}={saved.get(k)!r}" for k in differing)
+            + f", not {', '.join(repr(getattr(model_cfg, k, None)) for k in differing)}; generation reads the model from "
+            "its checkpoint, so model.* need not be given: drop "
+            + ("model=..." if "model" in model_given else ", ".join(f"model.{k}" for k in differing))
+            + " from the command line"
+        )
+    check_parallel(parallel, model_cfg, {})
+    return model_cfg, folder
