@@ -100,6 +100,11 @@ def _discard_if_empty(run_dir: Path) -> None:
 
 if __name__ == "__main__":
     sys.argv = drop_launcher_arguments(sys.argv)
+    if {"--help", "-h"} & set(sys.argv[1:]):  # (--hydra-help still gives Hydra's own)
+        from train.config.usage import train_usage
+
+        print(train_usage())
+        raise SystemExit(0)
     register_config()
     _check_command_line(sys.argv[1:])
     quiet_library_warnings()

@@ -102,6 +102,8 @@ def run(spec: RunSpec) -> Progress:
     guard = Safeguards(spec.sections.train, spec.run_dir, trainer.engine, trainer.topology.rank, lambda text: _say(trainer, text),
                        resumed_from)
     checkpoints.connect(guard, logger)
+    _say(trainer, f"training steps {progress.step + 1}–{spec.sections.train.max_steps}: a progress line every "
+                  f"{spec.sections.logging.log_interval} steps")
     try:
         stopped = loop(trainer, progress, logger, meter, guard)
     except BaseException as err:

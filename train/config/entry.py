@@ -59,8 +59,14 @@ def drop_launcher_arguments(argv: list[str]) -> list[str]:
 def quiet_library_warnings() -> None:
     """On a machine without a GPU DeepSpeed warns "Setting accelerator to CPU. If you have GPU ..." each time it
     is imported; naming its accelerator (DS_ACCELERATOR=cpu, DeepSpeed's own setting, unless the user set one)
-    says the same thing to DeepSpeed without the warning."""
+    says the same thing to DeepSpeed without the warning. DeepSpeed's ZeRO optimizers call collectives that
+    torch has renamed, and torch says so once per process, so once per rank: a note for DeepSpeed's
+    authors, not for whoever runs gpt3d."""
+    import warnings
+
     import torch
 
     if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
         os.environ["DS_ACCELERATOR"] = "cpu"
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` "
+                                              r"is deprecated", category=FutureWarning)

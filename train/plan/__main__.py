@@ -21,7 +21,7 @@ import sys
 
 from omegaconf import OmegaConf
 
-from train.config.entry import CONFIG_DIR, EXIT_BAD_INPUT, EXIT_FAILED, register_config
+from train.config.entry import CONFIG_DIR, EXIT_BAD_INPUT, EXIT_FAILED, quiet_library_warnings, register_config
 from train.config.checks import check_model
 from train.config.command_line import explain
 from train.config.settings import ConfigError
@@ -110,4 +110,5 @@ def _dry_run(model_cfg, par, plan_cfg, out, err) -> int:
 
 
 if __name__ == "__main__":
+    quiet_library_warnings()
     sys.exit(run(sys.argv[1:]))
