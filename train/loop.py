@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from model import GPTConfig, count_parameters
-from train import batch_ramp, data, engine as engines, metrics, report
+from train import batch_ramp, charts, data, engine as engines, metrics, report
 from train.checkpoint import (
     Checkpointer, CheckpointParts, CheckpointSettings, EngineCounters, Keyed, KernelChoices, ProcessRNG, Record,
     read_init_weights,
@@ -290,7 +290,7 @@ def evaluate(trainer: Trainer) -> float:
 def finish(trainer: Trainer, logger: metrics.MetricsLogger, sample: bool = True) -> None:
     """The data summary (bad records skipped, per file), the end-of-run sample (every rank takes
     part: stages pass activations, tp ranks share logits; none after a stop on a signal), then the
-    data workers and the logger stop."""
+    data workers and the logger stop, and rank 0 draws the run's curves (logging.curves)."""
     train = trainer.sections.train
     bad = trainer.batches.bad_records(gather=True)  # a collective when ranks read different streams
     if bad:
@@ -310,6 +310,8 @@ def finish(trainer: Trainer, logger: metrics.MetricsLogger, sample: bool = True)
         logger.sample(trainer.progress.step, train.sample_prompt, text)
     trainer.batches.close()
     logger.close()
+    if trainer.sections.logging.curves and trainer.topology.rank == 0:
+        _say(trainer, charts.after_run(trainer.run_dir))
 
 
 def _due(step: int, interval: int, last: int) -> bool:

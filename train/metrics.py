@@ -58,7 +58,8 @@ def peak_tflops(device, configured: float | None) -> float | None:
 
 
 class MetricsLogger:
-    """Writes one JSON object per logged step to metrics.jsonl and the same dict to W&B.
+    """Writes one JSON object per logged step to metrics.jsonl and the same dict to W&B, and, with
+    logging.tensorboard, each of its numbers as a TensorBoard scalar at the step.
 
     Only the process that should log (rank 0) constructs an active logger; others pass active=False.
     """
@@ -76,6 +77,7 @@ class MetricsLogger:
         over the records this process logged (a resume starts them again from the run's W&B summary)."""
         self.active = active
         self.run = None
+        self.tensorboard = None
         self.first_record = dict(first_record or {})
         self.val_losses: list[float] = []
         default_name = default_name or Path(run_dir).name
@@ -84,6 +86,11 @@ class MetricsLogger:
         self.path = Path(run_dir) / "metrics.jsonl"
         if resumed_step is not None and self.path.exists():
             _truncate_after(self.path, resumed_step)
+        if logging_cfg.tensorboard:  # events after the step resumed from, left by a killed run, are purged
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(str(Path(run_dir) / "tensorboard"),
+                                             purge_step=resumed_step + 1 if resumed_step else None)
         mode = logging_cfg.wandb.mode  # one of WANDB_MODES (train/config/sections/logging.py)
         if mode != "disabled":
             import wandb
@@ -116,6 +123,11 @@ class MetricsLogger:
         record, self.first_record = {**record, **self.first_record}, {}
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+        if self.tensorboard is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.tensorboard.add_scalar(key, value, global_step=record["step"])
+            self.tensorboard.flush()
         if self.run is not None:
             self.run.log({k: v for k, v in record.items() if v is not None and k != "step"}, step=record["step"])
             if record.get("val/loss") is not None:
@@ -148,6 +160,9 @@ class MetricsLogger:
         if self.run is not None:
             self.run.finish()
             self.run = None
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+            self.tensorboard = None
 
 
 def run_record(config: dict, schedule, layout: dict, global_batch: int, seq_len: int, plan) -> dict:

@@ -22,6 +22,7 @@ TINY = [
     "train.global_batch_size=4", "train.micro_batch_size=1", "train.eval_batches=1",
     "logging.log_interval=1", "train.sample_tokens=0", "data=files", "data.val_permille=250",
     "optim.warmup_tokens=32", "optim.decay_tokens=2000", "optim.lr=3e-3",
+    "logging.curves=false",  # (drawn by the tests of curves only)
 ]
 
 

@@ -14,8 +14,9 @@ from train.data.sources import DataSpec
 # the order's own keys, by the setting that sets them
 TOP_KEYS = {"seq_len": "model.seq_len", "seed": "train.seed", "streams": "data.streams",
             "shuffle_buffer": "data.shuffle_buffer", "weights": "the mixture's weights"}
-# a source's keys (SourceSpec.fingerprint) other than data.<same name>
-SOURCE_KEYS = {"kind": "source", "reader": "paths' kind of file"}
+# what a source reads (SourceSpec.fingerprint): when these change, what follows from them (how a text file is
+# cut, its validation tail) changes with them and is not named
+IDENTITY = ("reader", "files", "files_crc32", "name", "config_name", "split", "path")
 
 
 def stream_id(spec: DataSpec, seq_len: int, seed: int) -> dict:
@@ -24,8 +25,8 @@ def stream_id(spec: DataSpec, seq_len: int, seed: int) -> dict:
 
 
 def changes(then: dict, now: dict) -> list[str]:
-    """What differs from stream id `then` to `now`, each as "<setting> <then> → <now>"; a changed kind of
-    source is named alone (all its other keys differ with it)."""
+    """What differs from stream id `then` to `now`, each as "<setting> <then> → <now>". Of a source that
+    reads something else (another kind of source, other files or dataset), only that is named."""
     said = [f"{name} {_shown(then.get(key))} → {_shown(now.get(key))}"
             for key, name in TOP_KEYS.items() if then.get(key) != now.get(key)]
     before, after = then.get("sources") or [], now.get("sources") or []
@@ -33,23 +34,30 @@ def changes(then: dict, now: dict) -> list[str]:
         return [f"data.sources: {len(before)} → {len(after)} source(s)", *said]
     for j, (a, b) in enumerate(zip(before, after)):
         where = "data." if len(after) == 1 else f"data.sources[{j}]."
-        if a.get("kind") != b.get("kind"):
-            said.append(f"{where}source {a.get('kind')} → {b.get('kind')}")
-            continue
-        said += [_source_change(where, key, a.get(key), b.get(key)) for key in sorted(set(a) | set(b))
-                 if a.get(key) != b.get(key)]
+        changed = [key for key in sorted(set(a) | set(b)) if a.get(key) != b.get(key)]
+        if "kind" in changed:
+            changed = ["kind"]
+        elif "reader" in changed:
+            changed = ["reader"]
+        elif any(key in changed for key in IDENTITY):
+            changed = [key for key in IDENTITY if key in changed and not (key == "files_crc32" and "files" in changed)]
+        said += [_source_change(where, key, a.get(key), b.get(key)) for key in changed]
     return said
 
 
 def _source_change(where: str, key: str, then, now) -> str:
+    if key == "kind":
+        return f"{where}source {then} → {now}"
+    if key == "reader":
+        return f"{where}paths: {then} → {now} files"
     if key == "files":
         return f"{where}paths: {then} → {now} file(s)"
     if key == "files_crc32":
         return f"{where}paths: other file names"
     if key == "val_tail":
-        return (f"the validation tail {_shown(then)} → {_shown(now)} (sized by train.eval_batches, "
-                "train.global_batch_size and model.seq_len for a small corpus)")
-    return f"{where}{SOURCE_KEYS.get(key, key)} {_shown(then)} → {_shown(now)}"
+        return (f"the validation tail {_shown(then)} → {_shown(now)} (for a small corpus: sized by train.eval_batches, "
+                "train.global_batch_size and model.seq_len)")
+    return f"{where}{key} {_shown(then)} → {_shown(now)}"
 
 
 def _shown(value) -> str:

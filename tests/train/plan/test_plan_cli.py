@@ -116,6 +116,7 @@ def test_table_lists_first_middle_and_last_stage_and_fits_the_175b_paper_setting
     for row in ("Adam moments", "micro batches in flight", "tensor-parallel bytes / step", "data-parallel bytes"):
         assert row in proc.stdout
     assert "days" in proc.stdout.splitlines()[-1]
+    assert "Setting accelerator" not in proc.stderr  # DeepSpeed's warning that tells a CPU user nothing
 
 
 def test_json_carries_the_summary_and_the_per_rank_breakdown():

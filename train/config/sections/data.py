@@ -34,7 +34,9 @@ def _on_bad_record():
 
 
 def _val_permille(default: int):
-    return setting(default, "documents (by a hash of their text) held out for validation, per thousand")
+    return setting(default, "documents (by a hash of their text) held out for validation, per thousand; a corpus "
+                            "whose held-out documents cannot hold what evaluation asks (one file, a few records) "
+                            "holds out the last windows of its text instead, at most 10% of it (docs/data.md)")
 
 
 def _encoding():

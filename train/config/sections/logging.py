@@ -1,13 +1,17 @@
-"""`logging.*`: the metrics records (metrics.jsonl, W&B) and the progress lines (train/metrics.py)."""
+"""`logging.*`: the metrics records (metrics.jsonl, W&B, TensorBoard) and the progress lines (train/metrics.py),
+and the curves a run draws at its end (train/charts.py)."""
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from train.config.settings import BOOLEAN, OPTIONAL_TEXT, POSITIVE_INT, Check, Section, is_number, one_of, setting
 
 WANDB_MODES = ("offline", "online", "disabled")
+TENSORBOARD = Check(lambda v: v is False or (v is True and importlib.util.find_spec("tensorboard") is not None),
+                    "must be false unless the tensorboard package is installed (pip install -e '.[tensorboard]')")
 WORDS = Check(lambda v: isinstance(v, (list, tuple)) and all(isinstance(t, str) and t for t in v),
               "must be a list of words, e.g. 'logging.wandb.tags=[baseline,125m]'")
 
@@ -42,3 +46,9 @@ class LoggingConfig(Section):
     wandb: WandbConfig = setting(doc="the Weights & Biases run", factory=WandbConfig)
     peak_tflops: Any = setting(None, "per-device dense bf16 peak for MFU; null: looked up from the GPU name (none on "
                                      "CPU)", Check(lambda v: v is None or (is_number(v) and v > 0), "must be null or > 0"))
+    curves: bool = setting(True, "at the end of the run, draw its curves (loss, validation loss, learning rate, "
+                                 "tokens/s, gradient norm against tokens) into <run dir>/curves.png and print the path; "
+                                 "python -m train.curves draws them any time (needs matplotlib: the `curves` extra)",
+                           BOOLEAN)
+    tensorboard: bool = setting(False, "also write every metrics record as TensorBoard events into <run "
+                                       "dir>/tensorboard/ (torch.utils.tensorboard)", TENSORBOARD)

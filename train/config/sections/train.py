@@ -51,7 +51,8 @@ class TrainConfig(Section):
                                           factory=BatchRampConfig)
     max_steps: int = setting(200, "optimizer steps to run", POSITIVE_INT)
     eval_interval: int = setting(100, "steps between validation passes (and at the end); 0 disables", NON_NEGATIVE_INT)
-    eval_batches: int = setting(4, "global batches of held-out windows per validation pass", NON_NEGATIVE_INT)
+    eval_batches: int = setting(4, "global batches of held-out windows per validation pass (a small corpus: as many "
+                                   "as 10% of it holds, with a note)", NON_NEGATIVE_INT)
     checkpoint_interval: int = setting(100, "steps between checkpoints (and at the end); 0 keeps only the final one",
                                        NON_NEGATIVE_INT)
     resume: Optional[str] = setting(

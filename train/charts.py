@@ -1,0 +1,93 @@
+"""A run's curves without a dashboard: from each run folder's metrics.jsonl, the training and validation
+loss, the learning rate, tokens/s and the gradient norm against tokens seen, one panel each (the two
+losses share one), one colour per run, drawn into a PNG with matplotlib (the `curves` extra).
+
+The PNG also carries the numbers it shows, as JSON in a text chunk (`DATA_KEY`: {"runs": [{"run": folder,
+"series": {metric: [tokens, values]}}]}), so what a picture shows can be read back exactly
+(`read_back`). `python -m train.curves` draws any runs; a run draws its own at its end
+(logging.curves, `after_run`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+METRICS = ("train/loss", "val/loss", "train/lr", "perf/tokens_per_s", "train/grad_norm")
+PANELS = ((("train/loss", "val/loss"), "loss"), (("train/lr",), "learning rate"),
+          (("perf/tokens_per_s",), "tokens/s"), (("train/grad_norm",), "gradient norm"))
+DATA_KEY = "gpt3d curves"  # the PNG text chunk holding the series drawn
+FILE_NAME = "curves.png"
+MISSING = "needs matplotlib: pip install -e '.[curves]'"
+
+
+class CurvesError(ValueError):
+    """Curves that cannot be drawn: a folder without metrics, or no matplotlib; the message says which."""
+
+
+def series(run_dir: Path) -> dict[str, list[list]]:
+    """{metric: [tokens, values]} of a run folder's metrics.jsonl, each metric over the records that hold it."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise CurvesError(f"{run_dir} holds no metrics.jsonl (is it a run folder?)")
+    out = {key: [[], []] for key in METRICS}
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        for key in METRICS:
+            if record.get(key) is not None:
+                out[key][0].append(record["tokens"])
+                out[key][1].append(record[key])
+    return out
+
+
+def draw(run_dirs: list[Path], out: Path) -> Path:
+    """The curves of `run_dirs` into the PNG `out`; returns it. CurvesError without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise CurvesError(f"drawing curves {MISSING}") from None
+    matplotlib.use("Agg")  # files only, no window
+    import matplotlib.pyplot as plt
+
+    runs = [{"run": str(run_dir), "series": series(run_dir)} for run_dir in run_dirs]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
+    for colour, run in enumerate(runs):
+        name = Path(run["run"]).name if len(runs) > 1 else ""
+        for ax, (keys, title) in zip(axes.flat, PANELS):
+            for key in keys:
+                tokens, values = run["series"][key]
+                kind = {"train/loss": "training", "val/loss": "validation"}.get(key, "")
+                validation = key == "val/loss"
+                ax.plot(tokens, values, color=f"C{colour}", linestyle="--" if validation else "-",
+                        marker="o" if validation else None, markersize=3,
+                        label=": ".join(part for part in (name, kind) if part) or None)
+            ax.set_title(title)
+    for ax, (keys, _) in zip(axes.flat, PANELS):
+        ax.set_xlabel("tokens")
+        ax.grid(alpha=0.3)
+        if len(keys) > 1 or len(runs) > 1:
+            ax.legend(fontsize="small")
+    axes[0][0].set_yscale("log")
+    axes[1][0].ticklabel_format(axis="y", style="plain")
+    fig.suptitle(runs[0]["run"] if len(runs) == 1 else f"{len(runs)} runs")
+    fig.tight_layout()
+    out = Path(out)
+    fig.savefig(out, dpi=100, metadata={DATA_KEY: json.dumps({"runs": runs})})
+    plt.close(fig)
+    return out
+
+
+def read_back(png: Path) -> dict:
+    """The series a PNG of `draw` shows: {"runs": [{"run": folder, "series": {metric: [tokens, values]}}]}."""
+    from PIL import Image
+
+    with Image.open(png) as image:
+        return json.loads(image.text[DATA_KEY])
+
+
+def after_run(run_dir: Path) -> str:
+    """The line a run ends with: where its curves are, drawn now, or how to draw them without matplotlib."""
+    try:
+        return f"curves: {draw([run_dir], Path(run_dir) / FILE_NAME)}"
+    except CurvesError:
+        return f"curves: python -m train.curves {run_dir} draws them ({MISSING})"
