@@ -128,7 +128,8 @@ def test_an_undecodable_file_and_a_corpus_too_small_to_validate_name_the_setting
     latin1 = tmp_path / "latin1.txt"
     latin1.write_bytes(prose(30_000).replace("the", "thé").encode("latin-1", "replace"))
     proc = train(tmp_path / "latin1", latin1)
-    refused(proc, "not valid utf-8", "if the corpus uses another encoding, set data.encoding (e.g. latin-1, cp1252)")
+    refused(proc, "latin1.txt: undecodable ×1); if the corpus uses another encoding, set data.encoding (e.g. latin-1, "
+                  "cp1252)")
     assert not (tmp_path / "latin1").exists()
     tiny = tmp_path / "tiny.txt"
     tiny.write_text(prose(20_000))
