@@ -125,7 +125,8 @@ def _probe(spec: DataSpec, evaluation: Evaluation | None) -> DataSpec:
         tail.feeds(spec.streams)
     batches = _batches_held(spec, tails, evaluation)
     shares = spec.val_shares(batches * evaluation.batch)
-    sources = [tails[j].cut(shares[j], spec.streams) if j in tails else src for j, src in enumerate(spec.sources)]
+    sources = [tails[j].cut(shares[j], spec.streams) if j in tails and shares[j] else src
+               for j, src in enumerate(spec.sources)]
     return dataclasses.replace(spec, sources=tuple(sources), val_batches=batches)
 
 
