@@ -72,8 +72,8 @@ job_sections() {  # job_sections N: the job's sections, comma-separated
   echo "$out"
 }
 
-section_command() {  # section_command NAME: sets CMD to the section's command
-  local json="${RESULT%.md}-$1.json"
+section_command() {  # section_command NAME: sets CMD to the section's command, SHOW to it as a shell line
+  local json="${RESULT%.md}-$1.json" shard175 shard13
   case "$1" in
     cuda-tests) CMD=(env GPT3D_TRITON_AUTOTUNE=0 "$PY" -m pytest -q -p no:cacheprovider -rfEs --durations=5
                      tests/model/test_attention_cuda.py) ;;
@@ -82,10 +82,15 @@ section_command() {  # section_command NAME: sets CMD to the section's command
     profile) CMD=("$PY" -m bench.profile model=gpt3-125m train.micro_batch_size=8 train.global_batch_size=8
                   --run-dir "$SCRATCH/$STAMP-profile/run" --json "$json") ;;
     train-large) CMD=("$PY" -m bench.train_speed model=gpt3-760m model=gpt3-1.3b --json "$json") ;;
-    shard) CMD=(bash -c "'$PY' -m bench.shard model=gpt3-175b parallel.tp=8 train.micro_batch_size=1 && '$PY' -m bench.shard model=gpt3-13b parallel.tp=2 train.micro_batch_size=1") ;;
+    shard) shard175="$(printf '%q' "$PY") -m bench.shard model=gpt3-175b parallel.tp=8 train.micro_batch_size=1"
+           shard13="$(printf '%q' "$PY") -m bench.shard model=gpt3-13b parallel.tp=2 train.micro_batch_size=1"
+           CMD=(bash -c "$shard175 && $shard13")
+           SHOW="$shard175 && $shard13"
+           return ;;
     recovery-exact) CMD=("$PY" -m bench.recovery --device cuda --checks kill,sigterm --json "$json") ;;
     recovery-paths) CMD=("$PY" -m bench.recovery --device cuda --checks nonfinite,ramp,checkpoint --json "$json") ;;
   esac
+  SHOW="${CMD[*]}"
 }
 
 run_section() {  # run_section NAME: run it for at most its limit (or what the deadline leaves), appending to RESULT
@@ -93,13 +98,13 @@ run_section() {  # run_section NAME: run it for at most its limit (or what the d
   local scratch="$SCRATCH/$STAMP-$name"
   section_command "$name"
   [ "$limit" -le "$left" ] || limit=$left
-  printf '\n### %s: %s\n\n`%s` (time limit %s s)\n\n' "$name" "${TITLE[$name]}" "${CMD[*]}" "$limit" >> "$RESULT"
+  printf '\n### %s: %s\n\n`%s` (time limit %s s)\n\n' "$name" "${TITLE[$name]}" "$SHOW" "$limit" >> "$RESULT"
   if [ "$limit" -lt 20 ]; then
     echo "SKIPPED: the deadline (SUITE_SECONDS=$SUITE_SECONDS) leaves ${limit} s" | tee -a "$RESULT" >&2
     FAILED=1
     return 0
   fi
-  echo "== $name ($limit s): ${CMD[*]}" >&2
+  echo "== $name ($limit s): $SHOW" >&2
   mkdir -p "$scratch"
   echo '```' >> "$RESULT"
   # SIGINT first: pytest then prints the summary of the tests it finished; KILL 15 s later. Temporary
@@ -161,7 +166,7 @@ if [ "$DRY_RUN" = 1 ]; then
   RESULT="$OUT_DIR/<gpu>-$DAY.md"
   for name in "${SELECTED[@]}"; do
     section_command "$name"
-    printf '%s (%s s): %s\n' "$name" "${LIMIT[$name]}" "${CMD[*]}"
+    printf '%s (%s s): %s\n' "$name" "${LIMIT[$name]}" "$SHOW"
   done
   exit 0
 fi
