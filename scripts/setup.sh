@@ -68,7 +68,7 @@ for name in ('torch', 'triton'):
   [ "$seen" = "$torch_file" ] || fail "$venv has a torch of its own ($seen), which would hide the node's ($torch_file): remove $venv or set VENV to a new folder"
   printf '%s\n' "$node_pins" > "$venv/node-constraints.txt"
 
-  echo "gpt3d: installing from $wheels into $venv, keeping the node's $(echo "$node_pins" | tr '\n' ' ')"
+  echo "gpt3d: installing from $wheels into $venv, keeping the node's $(echo "$node_pins" | paste -sd ' ')"
   "$venv/bin/python" -m pip install --quiet --no-index --find-links "$wheels" \
     --constraint "$venv/node-constraints.txt" -e ".[test]"
 

@@ -402,7 +402,7 @@ def build(args) -> int:
     manifest_path = args.out / "wheelhouse.json"
     manifest = None if args.refresh else up_to_date(manifest_path, digest)
     if manifest is not None:
-        print(f"wheelhouse: {args.out} is up to date with its inputs (--refresh resolves again)")
+        print(f"wheelhouse: {shown(args.out)} is up to date with its inputs (--refresh resolves again)")
         print_summary(manifest, args.out)
         return 0
     interpreter = marker_interpreter(args)
@@ -452,8 +452,12 @@ def build(args) -> int:
         f.unlink()
     if stale:
         print(f"wheelhouse: removed {len(stale)} wheels of an earlier build: {', '.join(sorted(f.name for f in stale))}")
-    skipped = sorted(canonicalize_name(i["metadata"]["name"]) for i in report["install"]
-                     if canonicalize_name(i["metadata"]["name"]) in present - needed_for_build)
+    # what the wheelhouse takes the target to have, at the versions the resolution saw (a placeholder's
+    # version for the pinned lines)
+    skipped = sorted(({"name": canonicalize_name(i["metadata"]["name"]), "version": i["metadata"]["version"]}
+                      for i in report["install"]
+                      if canonicalize_name(i["metadata"]["name"]) in present - needed_for_build),
+                     key=lambda p: p["name"])
     manifest = {"target": {"python": args.python, "platform": args.platform or "native", "native": args.native},
                 "have": str(args.have), "skipped": skipped, "packages": packages,
                 "total_bytes": sum(p["bytes"] for p in packages), "inputs_sha256": digest,
@@ -467,6 +471,14 @@ def build(args) -> int:
     return 0
 
 
+def shown(path: Path) -> str:
+    """`path` relative to the current folder when it lies inside it (as the user would type it)."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
 def print_summary(manifest: dict, out: Path) -> None:
     packages = manifest["packages"]
     width = max(len(p["name"]) for p in packages)
@@ -475,8 +487,9 @@ def print_summary(manifest: dict, out: Path) -> None:
         note = "  (built here from source)" if p["source"] == "built here from source" else ""
         lines.write(f"  {p['name']:<{width}}  {p['version']:<14} {p['bytes'] / MIB:7.2f} MiB{note}\n")
     print(lines.getvalue(), end="")
-    print(f"wheelhouse: skipped, the target has them: {', '.join(manifest['skipped']) or 'nothing'}")
-    print(f"wheelhouse: {len(packages)} wheels, {manifest['total_bytes'] / MIB:.1f} MiB in {out}")
+    skipped = ", ".join(p["name"] for p in manifest["skipped"]) or "nothing"
+    print(f"wheelhouse: skipped, the target has them: {skipped}")
+    print(f"wheelhouse: {len(packages)} wheels, {manifest['total_bytes'] / MIB:.1f} MiB in {shown(out)}")
 
 
 if __name__ == "__main__":
