@@ -65,7 +65,8 @@ for name in ('torch', 'triton'):
   echo "import site; list(map(site.addsitedir, $node_sites))" > "$site/gpt3d-node-site.pth"
   local seen
   seen="$("$venv/bin/python" -c "import torch; print(torch.__file__)" 2>/dev/null)" || seen=""
-  [ "$seen" = "$torch_file" ] || fail "$venv has a torch of its own ($seen), which would hide the node's ($torch_file): remove $venv or set VENV to a new folder"
+  [ "$seen" = "$torch_file" ] \
+    || fail "$venv has a torch of its own ($seen), which would hide the node's ($torch_file): remove $venv or set VENV to a new folder"
   printf '%s\n' "$node_pins" > "$venv/node-constraints.txt"
 
   echo "gpt3d: installing from $wheels into $venv, keeping the node's $(echo "$node_pins" | paste -sd ' ')"

@@ -58,6 +58,7 @@ DEFAULT_PYTHON = "3.12"
 DEFAULT_PLATFORM = "manylinux_2_28_x86_64"
 PROJECT = "gpt3d"
 EXTRAS = "test"
+BUILT_LIST = ".built-from-source"  # in the folder: the wheels built there, one file name a line
 PLACEHOLDER_LABEL = "have"  # local version label of the placeholders: higher than the index's release
 MAX_SOURCE_BUILDS = 10
 HEAVY = re.compile(r"^(torch|triton|pytorch-triton|nvidia-.*|cuda-.*)$")
@@ -173,7 +174,8 @@ def placeholder_wheel(folder: Path, have: Have) -> Path:
     with zipfile.ZipFile(path, "w") as wheel:
         for name, text in files.items():
             wheel.writestr(name, text)
-        wheel.writestr(f"{dist}.dist-info/RECORD", "".join(f"{name},,\n" for name in [*files, f"{dist}.dist-info/RECORD"]))
+        record = f"{dist}.dist-info/RECORD"
+        wheel.writestr(record, "".join(f"{name},,\n" for name in [*files, record]))
     return path
 
 
@@ -235,10 +237,9 @@ def tail(proc: subprocess.CompletedProcess, lines: int = 25) -> str:
     return "\n".join(useful[-lines:])
 
 
-def resolve(args, requirements, constraints: Path, find_links: list[Path], interpreter, scratch: Path,
-            built: set[str]) -> dict:
-    """pip's dry-run resolution for the target, building from source whatever has no wheel (their names
-    are added to `built`); the report."""
+def resolve(args, requirements, constraints: Path, find_links: list[Path], interpreter, scratch: Path) -> dict:
+    """pip's dry-run resolution for the target, building from source whatever has no wheel; the report."""
+    built: set[str] = set()
     for _ in range(MAX_SOURCE_BUILDS):
         report = scratch / "report.json"
         links = [f for folder in find_links for f in ("--find-links", str(folder))]
@@ -251,7 +252,9 @@ def resolve(args, requirements, constraints: Path, find_links: list[Path], inter
         name = canonicalize_name(Requirement(requirement).name) if requirement else None
         if name is None or name in built:
             raise PipFailed(f"pip could not resolve {PROJECT} for the target:\n{tail(proc)}")
-        build_from_source(args, requirement, args.out, interpreter)
+        wheel = build_from_source(args, requirement, args.out, interpreter)
+        with open(args.out / BUILT_LIST, "a") as listed:
+            listed.write(wheel.name + "\n")
         built.add(name)
     raise PipFailed(f"more than {MAX_SOURCE_BUILDS} packages without wheels; stopped")
 
@@ -362,14 +365,21 @@ def up_to_date(manifest_path: Path, digest: str) -> dict | None:
     return manifest
 
 
-def built_before(manifest_path: Path) -> set[str]:
-    """The packages an earlier run built from source into this folder (their wheels are not on the index)."""
+def built_here(folder: Path) -> set[str]:
+    """The wheels built from source into `folder`, by this run or an earlier one (none are on the index)."""
     try:
-        manifest = json.loads(manifest_path.read_text())
-    except (OSError, ValueError):
+        return set((folder / BUILT_LIST).read_text().split())
+    except OSError:
         return set()
-    return {p["name"] for p in manifest.get("packages", []) if p.get("source") == "built here from source"
-            and (manifest_path.parent / p["file"]).is_file()}
+
+
+def owned_by_earlier_runs(folder: Path) -> set[str]:
+    """The wheel files an earlier run put in `folder`: the ones its manifest lists and the ones built there."""
+    try:
+        listed = {p["file"] for p in json.loads((folder / "wheelhouse.json").read_text())["packages"]}
+    except (OSError, ValueError, KeyError):
+        listed = set()
+    return listed | built_here(folder)
 
 
 def fetch(args, items: list[dict], out: Path, interpreter) -> None:
@@ -426,8 +436,8 @@ def build(args) -> int:
         constraints.write_text("".join(f"{h.name}=={h.placeholder_version}\n" for h in pinned))
         unpinned = [h.requirement for h in have if h.version is None and h.name not in build_names]
         requirements = [f"{REPO}[{EXTRAS}]", *builds, *unpinned]
-        built = built_before(manifest_path)
-        report = resolve(args, requirements, constraints, [placeholders, args.out], interpreter, scratch, built)
+        owned = owned_by_earlier_runs(args.out)
+        report = resolve(args, requirements, constraints, [placeholders, args.out], interpreter, scratch)
 
         graph = requirement_graph(report)
         environment = report["environment"]
@@ -443,15 +453,21 @@ def build(args) -> int:
         name = canonicalize_name(item["metadata"]["name"])
         url = item["download_info"]["url"]
         file = args.out / url.rsplit("/", 1)[-1]
-        source = "built here from source" if name in built else url
+        source = "built here from source" if file.name in built_here(args.out) else url
         packages.append({"name": name, "version": item["metadata"]["version"],
                          "file": file.name, "bytes": file.stat().st_size, "sha256": sha256(file), "source": source})
     wanted = {p["file"] for p in packages}
-    stale = [f for f in args.out.glob("*.whl") if f.name not in wanted]
+    owned |= built_here(args.out)
+    stale = sorted(f for f in args.out.glob("*.whl") if f.name not in wanted and f.name in owned)
     for f in stale:
         f.unlink()
     if stale:
-        print(f"wheelhouse: removed {len(stale)} wheels of an earlier build: {', '.join(sorted(f.name for f in stale))}")
+        print(f"wheelhouse: removed {len(stale)} wheels of an earlier build: {', '.join(f.name for f in stale)}")
+    (args.out / BUILT_LIST).write_text("".join(f"{name}\n" for name in sorted(built_here(args.out) & wanted)))
+    foreign = sorted(f.name for f in args.out.glob("*.whl") if f.name not in wanted)
+    if foreign:
+        print(f"wheelhouse: note: {len(foreign)} other wheels in {shown(args.out)}, not put there by this script, "
+              f"were left; pip on the target will see them too: {', '.join(foreign)}")
     # what the wheelhouse takes the target to have, at the versions the resolution saw (a placeholder's
     # version for the pinned lines)
     skipped = sorted(({"name": canonicalize_name(i["metadata"]["name"]), "version": i["metadata"]["version"]}

@@ -83,8 +83,8 @@ def node(tmp_path_factory) -> dict:
     freeze.write_text("".join(f"{d.metadata['Name']}=={d.version}\n" for d in dists.values()))
 
     wheelhouse = REPO / "wheelhouse" / f"test-native-{TAG}"
-    proc = subprocess.run(["bash", "scripts/wheelhouse.sh", "--native", "--have", str(freeze), "--out", str(wheelhouse)],
-                          cwd=REPO, env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True,
+    build = ["bash", "scripts/wheelhouse.sh", "--native", "--have", str(freeze), "--out", str(wheelhouse)]
+    proc = subprocess.run(build, cwd=REPO, env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return {"python": python, "site": site, "names": set(dists), "wheelhouse": wheelhouse, "build_output": proc.stdout}
@@ -126,7 +126,8 @@ print(json.dumps({m.__name__: m.__file__ for m in (deepspeed, hydra, datasets, w
         assert where[module].startswith(own_site), (module, where[module])  # installed from the wheelhouse
     for module in ("torch", "triton"):
         assert where[module].startswith(str(node["site"])), (module, where[module])  # the node's own, kept
-    manifest = {p["name"]: p["version"] for p in json.loads((node["wheelhouse"] / "wheelhouse.json").read_text())["packages"]}
+    packages = json.loads((node["wheelhouse"] / "wheelhouse.json").read_text())["packages"]
+    manifest = {p["name"]: p["version"] for p in packages}
     assert where["versions"] == {n: manifest[n] for n in ("deepspeed", "hydra-core", "datasets", "wandb")}
 
     run = tmp_path / "run"

@@ -127,3 +127,13 @@ def test_setup_offline_bad_input_is_one_line_and_exit_2(tmp_path):
         assert proc.returncode == 2 and proc.stdout == "", (args, proc.stdout, proc.stderr)
         assert len(proc.stderr.splitlines()) == 1 and message in proc.stderr, (args, proc.stderr)
     assert not (tmp_path / "venv").exists()  # nothing created before the checks
+
+
+def test_only_wheels_an_earlier_run_put_in_the_folder_count_as_its_own(tmp_path):
+    """What a rebuild may remove: the wheels the last manifest lists and those built there, nothing else."""
+    (tmp_path / "wheelhouse.json").write_text(json.dumps({"packages": [{"file": "a-1-py3-none-any.whl"}]}))
+    (tmp_path / wheelhouse.BUILT_LIST).write_text("deepspeed-0.19.8-py3-none-any.whl\n")
+    for name in ("a-1-py3-none-any.whl", "deepspeed-0.19.8-py3-none-any.whl", "mine-2-py3-none-any.whl"):
+        (tmp_path / name).write_bytes(b"")
+    assert wheelhouse.owned_by_earlier_runs(tmp_path) == {"a-1-py3-none-any.whl", "deepspeed-0.19.8-py3-none-any.whl"}
+    assert wheelhouse.owned_by_earlier_runs(tmp_path / "new") == set()
