@@ -112,7 +112,8 @@ run_section() {  # run_section NAME: run it for at most its limit (or what the d
   TMPDIR="$scratch" timeout --signal=INT --kill-after=15 "$limit" "${CMD[@]}" 2>&1 | tee -a "$RESULT" \
     || rc=${PIPESTATUS[0]}
   echo '```' >> "$RESULT"
-  find "$scratch" -type d -name checkpoints -prune -exec rm -rf {} +  # traces and logs stay, GBs do not
+  # traces and logs stay, the GBs of checkpoints do not
+  find "$scratch" -type d -name checkpoints -prune -exec rm -rf {} + || echo "gpu_suite: could not clear $scratch" >&2
   verdict="exit code $rc"
   if [ "$rc" -eq 124 ]; then verdict="TIMED OUT after $limit s (exit code 124)"; fi
   if [ "$rc" -ne 0 ]; then verdict="FAILED: $verdict"; FAILED=1; fi

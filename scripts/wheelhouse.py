@@ -88,9 +88,17 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, with a usage error as one line naming the valid options, exit code 2."""
+
+    def error(self, message):
+        options = ", ".join(a.option_strings[-1] for a in self._actions if a.option_strings)
+        self.exit(2, f"wheelhouse: {message}; valid: {options}\n")
+
+
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="scripts/wheelhouse.sh", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog="scripts/wheelhouse.sh", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--python", default=DEFAULT_PYTHON, metavar="X.Y",
                         help=f"the target's CPython version (default {DEFAULT_PYTHON})")
     parser.add_argument("--platform", default=DEFAULT_PLATFORM, metavar="TAG",

@@ -93,6 +93,7 @@ def run(script, *args, **env):
 @pytest.mark.parametrize("args, message", [
     (["--python", "3.x"], "wheelhouse: --python 3.x: expected a CPython version such as 3.12"),
     (["--have", "/no/such/node.txt"], "wheelhouse: --have /no/such/node.txt: no such file"),
+    (["--platfrom", "x"], "wheelhouse: unrecognized arguments: --platfrom x; valid: --help, --python, --platform"),
 ])
 def test_wheelhouse_bad_input_is_one_line_and_exit_2(args, message):
     proc = run("scripts/wheelhouse.sh", *args, PYTHON=sys.executable)
