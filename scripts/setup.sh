@@ -46,10 +46,12 @@ offline() {
   torch_file="$("$node" -c "import torch; print(torch.__file__)" 2>/dev/null)" \
     || fail "$node cannot import torch: install the node's CUDA build of torch first (a wheelhouse never carries it), or set PYTHON"
   triton_file="$("$node" -c "import triton; print(triton.__file__)" 2>/dev/null)" || triton_file=""
+  # every site folder on the node Python's path (system, user, conda, a venv's and the system's under
+  # it), and torch's own folder in any case
   node_sites="$("$node" -c "
-import os, site
-dirs = [*site.getsitepackages(), *([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])]
-print(repr([d for d in dict.fromkeys(dirs) if os.path.isdir(d)]))")"
+import os, sys, torch
+dirs = [d for d in sys.path if d.endswith(('site-packages', 'dist-packages')) and os.path.isdir(d)]
+print(repr(list(dict.fromkeys([*dirs, os.path.dirname(os.path.dirname(torch.__file__))]))))")"
   node_pins="$("$node" -c "
 from importlib import metadata
 for name in ('torch', 'triton'):
@@ -65,6 +67,7 @@ for name in ('torch', 'triton'):
   echo "import site; list(map(site.addsitedir, $node_sites))" > "$site/gpt3d-node-site.pth"
   local seen
   seen="$("$venv/bin/python" -c "import torch; print(torch.__file__)" 2>/dev/null)" || seen=""
+  [ -n "$seen" ] || fail "$venv does not see the node's torch ($torch_file) through $site/gpt3d-node-site.pth"
   [ "$seen" = "$torch_file" ] \
     || fail "$venv has a torch of its own ($seen), which would hide the node's ($torch_file): remove $venv or set VENV to a new folder"
   printf '%s\n' "$node_pins" > "$venv/node-constraints.txt"

@@ -138,3 +138,19 @@ def test_only_wheels_an_earlier_run_put_in_the_folder_count_as_its_own(tmp_path)
         (tmp_path / name).write_bytes(b"")
     assert wheelhouse.owned_by_earlier_runs(tmp_path) == {"a-1-py3-none-any.whl", "deepspeed-0.19.8-py3-none-any.whl"}
     assert wheelhouse.owned_by_earlier_runs(tmp_path / "new") == set()
+
+
+def test_setup_offline_refuses_an_environment_with_a_torch_of_its_own(tmp_path):
+    """A .venv made earlier with its own torch (say, by the online setup) would hide the node's."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "x-1-py3-none-any.whl").write_bytes(b"")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site = subprocess.run([venv / "bin" / "python", "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    (Path(site) / "torch").mkdir()
+    (Path(site) / "torch" / "__init__.py").write_text("")
+    proc = run("scripts/setup.sh", "--offline", str(wheels), PYTHON=sys.executable, VENV=str(venv))
+    assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert f"{venv} has a torch of its own ({site}/torch/__init__.py), which would hide the node's" in proc.stderr
