@@ -55,10 +55,11 @@ def test_train_speed_json_has_every_row_with_the_engine_rows_and_fp8_skipped_on_
                 "gpt3d deepspeed precision=fp32", "gpt3d deepspeed precision=bf16", "gpt3d deepspeed precision=fp8"]
     assert [r["row"] for r in records] == expected
     fields = {"model", "row", "step_ms", "tokens_per_s", "mfu", "peak_gib", "gpu", "commit", "micro_batch", "seq_len",
-              "error"}
+              "alternated", "error"}
     for record in records:
         assert set(record) == fields and record["model"] == "toy" and record["gpu"] == "CPU"
         assert record["peak_gib"] is None and record["mfu"] is None  # no GPU: no memory peak, no MFU
+        assert record["alternated"] == (not record["row"].startswith("gpt3d deepspeed"))  # toy rows fit together
     for record in records[:-1]:
         assert record["error"] is None, record
         assert record["tokens_per_s"] == pytest.approx(16 / (record["step_ms"] / 1e3))  # micro batch 1 × T=16
