@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3.11}"
-if [ -x .venv/bin/python ] && .venv/bin/python -c "import model, train, deepspeed, triton" 2>/dev/null; then
+if [ -x .venv/bin/python ] && .venv/bin/python -c "import model, train, deepspeed, triton, lm_eval" 2>/dev/null; then
   exit 0
 fi
 "$PYTHON" -m venv .venv
