@@ -44,7 +44,7 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 from model import GPTConfig
 from model.generate import generate
 from train.data.tokenizer import EOT, gpt2
-from train.evaluation.requests import TokenRequest, fit
+from train.evaluation.requests import fit
 from train.evaluation.scorer import score_requests
 
 log = logging.getLogger(__name__)

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-LAST_WORD, CHOICE, PARTIAL = "last_word", "choice", "partial"
-KINDS = (LAST_WORD, CHOICE, PARTIAL)
+LAST_WORD, CHOICE, PARTIAL = "last_word", "choice", "partial"  # the families; metrics.py scores each
 TARGET_DELIMITER = " "  # between a context and its continuation, as lm-eval's tasks and GPT-3 put it
 FEWSHOT_DELIMITER = "\n\n"  # between solved examples, and before the item
 

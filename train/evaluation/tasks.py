@@ -34,10 +34,6 @@ class TaskSpec:
     fewshot_split: str | None  # where k-shot examples come from; None: the scored split, minus the item
     hub: tuple[str, str | None]  # (dataset path, config name) on the Hugging Face Hub
 
-    @property
-    def metrics(self) -> tuple[str, ...]:
-        return {LAST_WORD: ("acc", "ppl"), CHOICE: ("acc", "acc_norm"), PARTIAL: ("acc",)}[self.kind]
-
 
 TASKS = {
     "lambada": TaskSpec(formats.lambada, LAST_WORD, "test", None, ("EleutherAI/lambada_openai", "default")),
