@@ -9,12 +9,18 @@ argmax of z_i (LAMBADA's accuracy: the whole word is the greedy continuation).
 
 Batched so the device stays busy, and each context encoded once:
   1. requests are grouped by context; the endings of a multiple-choice item share one group;
-  2. groups of equal context length form batches of at most `batch_tokens` input tokens, longest
-     contexts first (no padding in the contexts, so every position is the one it would be alone);
-  3. a batch runs c[:−1] of its G contexts once, (G, m − 1), into a KVCache (model/kv_cache.py); the
-     cache rows are then repeated per continuation (KVCache.select) and the R continuations run as
-     (R, n_max) rows [c_{m−1}, x_0 … x_{n−2}], right-padded (causal attention: padding after a token
-     never reaches it); only the real positions go through the unembedding.
+  2. groups, longest context first, form batches; a batch of G contexts of lengths m_g shares a prefix
+     length P = min_g m_g − 1;
+  3. a batch runs the first P tokens of each of its contexts once, (G, P), into a KVCache
+     (model/kv_cache.py); the cache rows are then repeated per continuation (KVCache.select) and the
+     R continuations run as (R, width) rows [c_P … c_{m−1}, x_0 … x_{n−2}], right-padded (causal
+     attention: padding after a token never reaches it), every row's tokens at their own positions
+     P, P + 1, …; only the positions that predict a continuation token go through the unembedding.
+  The cost of a batch is G·P + R·width input tokens, padding included; a group joins the batch while
+  the cost stays within `batch_tokens` and within 1.25 × the batch's tokens without padding or
+  repeated context tails (Σ_g (m_g − 1) + Σ_r n_r), so contexts of nearby lengths share a batch and
+  far ones do not. Each token is at the position it would have alone, so the result is the same
+  function of the request whatever its batch (up to float rounding).
 
 At any layout every rank runs this with the same requests: parallel.generate.LayoutDecoder carries
 the activations stage to stage, gathers the vocabulary shards and shares the last stage's scores with
@@ -43,23 +49,39 @@ class Score:
     greedy: bool  # every continuation token is the argmax
 
 
-def batches(requests: list[TokenRequest], batch_tokens: int) -> list[list[tuple[tuple[int, ...], list[int]]]]:
-    """The batches of step 2: each a list of (context, indices of its requests), contexts of one length."""
+Batch = list[tuple[tuple[int, ...], list[int]]]  # (context, indices of its requests) per group
+
+
+def batches(requests: list[TokenRequest], batch_tokens: int) -> list[Batch]:
+    """The batches of steps 1 and 2 (see the module docstring)."""
     groups: dict[tuple[int, ...], list[int]] = {}
     for index, request in enumerate(requests):
         groups.setdefault(request.context, []).append(index)
-    out, cost = [], 0
+    out: list[Batch] = []
     for context in sorted(groups, key=lambda c: (-len(c), c)):
-        rows = groups[context]
-        longest = max(len(requests[i].continuation) for i in rows)
-        size = len(context) - 1 + len(rows) * longest
-        if out and len(out[-1][0][0]) == len(context) and cost + size <= batch_tokens:
-            out[-1].append((context, rows))
-            cost += size
+        group = (context, groups[context])
+        if out and batch_cost(out[-1] + [group], requests) <= min(batch_tokens, 1.25 * batch_work(out[-1] + [group], requests)):
+            out[-1].append(group)
         else:
-            out.append([(context, rows)])
-            cost = size
+            out.append([group])
     return out
+
+
+def _prefix(batch: Batch) -> int:
+    """P: the context tokens every context of the batch has before the ones its rows run themselves."""
+    return min(len(context) for context, _ in batch) - 1
+
+
+def batch_cost(batch: Batch, requests: list[TokenRequest]) -> int:
+    """Input tokens the batch runs, padding included: G·P + R·width."""
+    prefix = _prefix(batch)
+    width = max(len(context) - prefix + len(requests[i].continuation) - 1 for context, rows in batch for i in rows)
+    return len(batch) * prefix + sum(len(rows) for _, rows in batch) * width
+
+
+def batch_work(batch: Batch, requests: list[TokenRequest]) -> int:
+    """Input tokens without padding or repeated context tails: Σ_g (m_g − 1) + Σ_r n_r."""
+    return sum(len(context) - 1 + sum(len(requests[i].continuation) for i in rows) for context, rows in batch)
 
 
 @torch.no_grad()
@@ -88,35 +110,34 @@ def score_requests(part, config: GPTConfig, topology, requests: list[TokenReques
     return [Score(*found[i]) for i in range(len(requests))]
 
 
-def _score_batch(decoder, batch, requests: list[TokenRequest]) -> dict[int, tuple[float, bool]]:
+def _score_batch(decoder, batch: Batch, requests: list[TokenRequest]) -> dict[int, tuple[float, bool]]:
     device = decoder.device
-    contexts = [context for context, _ in batch]
-    rows = [index for _, indices in batch for index in indices]
+    prefix = _prefix(batch)
+    rows = [(context, index) for context, indices in batch for index in indices]
     cache = KVCache()
-    if len(contexts[0]) > 1:  # step 3: the contexts but their last token, once each
-        decoder.hidden_states(torch.tensor([c[:-1] for c in contexts], device=device), cache)  # (G, m − 1)
-    group = torch.tensor([g for g, (_, indices) in enumerate(batch) for _ in indices], device=device)  # (R,)
-    cache.select(group)
-    width = max(len(requests[i].continuation) for i in rows)
-    inputs = torch.zeros(len(rows), width, dtype=torch.long, device=device)  # (R, n_max)
-    targets = torch.zeros_like(inputs)  # (R, n_max)
-    for r, index in enumerate(rows):
-        request = requests[index]
-        n = len(request.continuation)
-        inputs[r, :n] = torch.tensor(request.context[-1:] + request.continuation[:-1])
-        targets[r, :n] = torch.tensor(request.continuation)
-    real = torch.arange(width, device=device)[None, :] < torch.tensor(
-        [len(requests[i].continuation) for i in rows], device=device)[:, None]  # (R, n_max)
-    hidden = decoder.hidden_states(inputs, cache)  # (R, n_max, d) on the last stage
+    if prefix:  # step 3: the shared part of the contexts, once each
+        decoder.hidden_states(torch.tensor([c[:prefix] for c, _ in batch], device=device), cache)  # (G, P)
+    cache.select(torch.tensor([g for g, (_, indices) in enumerate(batch) for _ in indices], device=device))  # (R,)
+    tails = [context[prefix:] + requests[index].continuation[:-1] for context, index in rows]
+    width = max(len(tail) for tail in tails)
+    inputs = torch.zeros(len(rows), width, dtype=torch.long, device=device)  # (R, width)
+    targets = torch.zeros_like(inputs)  # (R, width): the token each position predicts
+    scored = torch.zeros(len(rows), width, dtype=torch.bool, device=device)  # (R, width): it predicts a continuation token
+    for r, ((context, index), tail) in enumerate(zip(rows, tails)):
+        continuation = requests[index].continuation
+        inputs[r, : len(tail)] = torch.tensor(tail)
+        targets[r, len(tail) - len(continuation) : len(tail)] = torch.tensor(continuation)
+        scored[r, len(tail) - len(continuation) : len(tail)] = True
+    hidden = decoder.hidden_states(inputs, cache)  # (R, width, d) on the last stage
     sums = torch.zeros(len(rows), dtype=torch.float64, device=device)  # (R,)
     misses = torch.zeros(len(rows), dtype=torch.int64, device=device)  # (R,): tokens that are not the argmax
     if decoder.last:
-        row_of = torch.arange(len(rows), device=device)[:, None].expand_as(real)[real]  # (N,)
-        logprobs, hits = _token_scores(decoder, hidden[real], targets[real])  # (N,), (N,)
+        row_of = torch.arange(len(rows), device=device)[:, None].expand_as(scored)[scored]  # (N,)
+        logprobs, hits = _token_scores(decoder, hidden[scored], targets[scored])  # (N,), (N,)
         sums.index_add_(0, row_of, logprobs.double())
         misses.index_add_(0, row_of, (~hits).long())
     sums, misses = decoder.from_last_stage(sums), decoder.from_last_stage(misses)
-    return {index: (sums[r].item(), misses[r].item() == 0) for r, index in enumerate(rows)}
+    return {index: (sums[r].item(), misses[r].item() == 0) for r, (_, index) in enumerate(rows)}
 
 
 def _token_scores(decoder, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
