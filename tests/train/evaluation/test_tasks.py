@@ -127,3 +127,18 @@ def test_metrics_arithmetic():
     words = (Item((("c", " w"),)), Item((("d", " v"),)))
     metrics = task_metrics(LAST_WORD, words, [[Score(-1.0, True)], [Score(-3.0, False)]])
     assert metrics == {"acc": 0.5, "ppl": pytest.approx(math.exp(2.0))}
+
+
+def test_prepared_tasks_carry_their_examples_limit_and_truncation_counts(tmp_path):
+    """prepare_tasks end to end on local files: the first `limit` items, each after one solved example
+    of the train split, encoded, with the requests cut to seq_len counted."""
+    write_jsonl(tmp_path / "piqa" / "validation.jsonl",
+                [{"goal": f"goal {i}", "sol1": "yes", "sol2": "no", "label": i % 2} for i in range(5)])
+    write_jsonl(tmp_path / "piqa" / "train.jsonl", [{"goal": "g " * 40, "sol1": "a", "sol2": "b", "label": 0}])
+    (task,) = prepare_tasks(EvalSettings(tasks=("piqa",), data_dir=str(tmp_path), num_fewshot=1, limit=3), seq_len=32)
+    assert len(task.items) == len(task.requests) == 3 and task.skipped == 0
+    solved = "Question: " + "g " * 40 + "\nAnswer: a\n\n"
+    assert all(context == solved + f"Question: goal {i}\nAnswer:" for i, item in enumerate(task.items)
+               for context, _ in item.requests)
+    assert task.truncated == 6  # the 40-word example pushes every request past 32 tokens
+    assert all(len(r.context) + len(r.continuation) == 33 for requests in task.requests for r in requests)
