@@ -18,7 +18,7 @@ cd "$(dirname "$0")/.."
 
 online() {
   local python="${PYTHON:-python3.11}"
-  if [ -x .venv/bin/python ] && .venv/bin/python -c "import model, train, deepspeed, triton" 2>/dev/null; then
+  if [ -x .venv/bin/python ] && .venv/bin/python -c "import model, train, deepspeed, triton, lm_eval" 2>/dev/null; then
     exit 0
   fi
   "$python" -m venv .venv
