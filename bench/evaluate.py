@@ -107,7 +107,8 @@ def main() -> None:
 
     from parallel.topology import Topology
     from train.checkpoint.hugging_face import export
-    from train.evaluation import EvalSettings, prepare_tasks, score_tasks
+    from train.config.sections.evaluate import EvaluateConfig
+    from train.evaluation import prepare_tasks, score_tasks
     from train.evaluation.harness import GPT3DLM
 
     work = Path(tempfile.mkdtemp(prefix="bench-evaluate-"))
@@ -116,7 +117,7 @@ def main() -> None:
     manager = TaskManager(include_path=str(work / "tasks"), include_defaults=False)
     hf = HFLM(pretrained=str(work / "hf"), dtype="float32", device=args.device, batch_size=args.hf_batch)
     ours = GPT3DLM(checkpoint=args.checkpoint, device=args.device, precision="fp32", batch_tokens=args.batch_tokens)
-    settings = EvalSettings(tasks=("arc_easy",), data_dir=str(work), batch_tokens=args.batch_tokens)
+    settings = EvaluateConfig(tasks=["arc_easy"], data_dir=str(work), batch_tokens=args.batch_tokens)
 
     def harness(lm):
         result = lm_eval.simple_evaluate(model=lm, tasks=[TASK], task_manager=manager, verbosity="WARNING")

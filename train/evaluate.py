@@ -6,7 +6,7 @@
 
 The config is the training one (model.* must be the run's; parallel.* is the layout to score at,
 whatever the run trained at; train.device, train.seed, train.precision) plus the `evaluate` group
-(configs/evaluate/default.yaml, train/evaluation/settings.py). Every check runs before any model is
+(train/config/sections/evaluate.py). Every check runs before any model is
 built: the values, the tasks and their files (train/evaluation/tasks.py), the checkpoint's model
 shape; each refusal is one line and exit code 2. Malformed records skipped and requests cut to
 model.seq_len are counted in one line per task. Rank 0 prints each metric beside the paper's figure
@@ -26,35 +26,35 @@ from omegaconf import DictConfig
 
 from model import GPTConfig
 from train.config.entry import (
-    CONFIG_DIR, EXIT_BAD_INPUT, drop_launcher_arguments, quiet_library_warnings, register_resolvers,
+    CONFIG_DIR, EXIT_BAD_INPUT, drop_launcher_arguments, quiet_library_warnings, register_config,
 )
-from train.evaluation import EvalSettings, TaskError, prepare_tasks, score_tasks
+from train.config.sections import Sections
+from train.config.sections.evaluate import EvaluateConfig
+from train.evaluation import TaskError, prepare_tasks, score_tasks
 from train.evaluation.references import TABLE, paper_size, reference
 from train.metrics import write_atomically
 from train.weights import checkpoint_weights
 
 
-def check(cfg) -> tuple[GPTConfig, EvalSettings, Path]:
-    """Every value of the config; returns the model config, the settings and the checkpoint folder."""
+def check(cfg) -> tuple[Sections, GPTConfig, EvaluateConfig, Path]:
+    """Every value of the config; returns the sections, the model config, the evaluate section and the
+    checkpoint folder."""
     from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
 
     from train.checkpoint import tag_folder
-    from train.config.checks import ConfigError, check_keys, check_model, check_parallel
-    from train.engine import resolve_device
-    from train.precision import resolve_precision
+    from train.config.checks import check_device, check_keys, check_model, check_parallel
+    from train.config.settings import ConfigError
 
     check_keys(cfg, "evaluate", list(HydraConfig.get().overrides.task))
-    model_cfg = check_model(cfg)
-    check_parallel(cfg, model_cfg)
-    try:
-        resolve_precision(cfg.train.precision, resolve_device(cfg.train.device))
-        settings = EvalSettings.from_config(cfg.evaluate)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
+    sections, settings = Sections.of(cfg), OmegaConf.to_object(cfg.evaluate)
+    check_device(sections.train)
+    model_cfg = check_model(OmegaConf.to_container(cfg.model, resolve=True))
+    check_parallel(sections.parallel, model_cfg, {})
     if settings.checkpoint is None:
         raise ConfigError("evaluate.checkpoint is not set: give a run directory, its checkpoints/ folder or one step folder")
     try:
-        return model_cfg, settings, tag_folder(Path(settings.checkpoint))
+        return sections, model_cfg, settings, tag_folder(Path(settings.checkpoint))
     except ValueError as err:
         raise ConfigError(f"evaluate.checkpoint: {err}") from None
 
@@ -71,20 +71,21 @@ def counts(tasks, seq_len: int) -> list[str]:
     return lines
 
 
-def run(cfg, model_cfg: GPTConfig, settings: EvalSettings, tasks, weights: dict[str, torch.Tensor]):
-    """Build this rank's part at cfg.parallel's layout, give it its slices of `weights`, score the tasks."""
+def run(sections: Sections, model_cfg: GPTConfig, settings: EvaluateConfig, tasks, weights: dict[str, torch.Tensor]):
+    """Build this rank's part at the parallel section's layout, give it its slices of `weights`, score the tasks."""
     from parallel.build import BuildOptions, build_model
     from parallel.naming import load_full_
     from parallel.topology import Topology
     from train.engine import init_distributed, resolve_device, shutdown_distributed
     from train.precision import resolve_precision
 
-    device = resolve_device(cfg.train.device)
+    train, parallel = sections.train, sections.parallel
+    device = resolve_device(train.device)
     init_distributed(device)
-    topology = Topology.create(cfg.parallel.tp, cfg.parallel.pp)
-    part = build_model(model_cfg, topology, cfg.train.seed, device, BuildOptions(cfg.parallel.sequence_parallel))
+    topology = Topology.create(parallel.tp, parallel.pp)
+    part = build_model(model_cfg, topology, train.seed, device, BuildOptions(parallel.sequence_parallel))
     load_full_(part, weights, model_cfg, topology)
-    bf16 = resolve_precision(cfg.train.precision, device) != "fp32"
+    bf16 = resolve_precision(train.precision, device) != "fp32"
     results = score_tasks(part, model_cfg, topology, tasks, settings.batch_tokens, bf16)
     layout = {"tp": topology.tp_size, "pp": topology.pp_size, "dp": topology.dp_size, "rank": topology.rank}
     shutdown_distributed()
@@ -104,7 +105,7 @@ def table(results, model_cfg: GPTConfig, fewshot: int) -> str:
     return "\n".join(lines)
 
 
-def record(results, settings: EvalSettings, folder: Path, layout: dict) -> dict:
+def record(results, settings: EvaluateConfig, folder: Path, layout: dict) -> dict:
     return {
         "checkpoint": str(folder), "num_fewshot": settings.num_fewshot, "fewshot_seed": settings.fewshot_seed,
         "layout": {key: layout[key] for key in ("tp", "pp", "dp")},
@@ -119,11 +120,11 @@ def record(results, settings: EvalSettings, folder: Path, layout: dict) -> dict:
 
 @hydra.main(version_base=None, config_path=str(CONFIG_DIR), config_name="evaluate")
 def main(cfg: DictConfig) -> None:
-    from train.config.checks import ConfigError
     from train.config.launch import is_rank_zero
+    from train.config.settings import ConfigError
 
     try:
-        model_cfg, settings, folder = check(cfg)
+        sections, model_cfg, settings, folder = check(cfg)
         tasks = prepare_tasks(settings, model_cfg.seq_len)
         weights = checkpoint_weights(folder, model_cfg)
     except (ConfigError, TaskError) as err:
@@ -132,7 +133,7 @@ def main(cfg: DictConfig) -> None:
     if is_rank_zero():
         for line in counts(tasks, model_cfg.seq_len):
             print(line, file=sys.stderr, flush=True)
-    results, layout = run(cfg, model_cfg, settings, tasks, weights)
+    results, layout = run(sections, model_cfg, settings, tasks, weights)
     if layout["rank"] == 0:
         print(table(results, model_cfg, settings.num_fewshot), flush=True)
         if settings.output is not None:
@@ -141,6 +142,6 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     sys.argv = drop_launcher_arguments(sys.argv)
-    register_resolvers()
+    register_config()
     quiet_library_warnings()
     main()

@@ -143,6 +143,10 @@ def loop(trainer: Trainer, progress: Progress, logger: metrics.MetricsLogger, me
             if trainer.val_batches and _due(progress.step, settings.train.eval_interval, last):
                 guard.phase(f"evaluation after step {progress.step}")
                 record["val/loss"] = evaluate(trainer)
+            tasks_interval = settings.train.eval_tasks_interval or settings.train.eval_interval
+            if trainer.spec.eval_tasks and _due(progress.step, tasks_interval, last):
+                guard.phase(f"task evaluation after step {progress.step}")
+                record.update(score_tasks(trainer))
             _say(trainer, _progress_line(record, last, meter.eta_s))
             meter.restart()
         if record is not None and progress.step < last:
@@ -282,6 +286,17 @@ def open_logger(trainer: Trainer, resumed_step: int | None) -> metrics.MetricsLo
 def evaluate(trainer: Trainer) -> float:
     """Mean next-token loss over the held-out windows, averaged over all ranks."""
     return mean_over_ranks(_mean(trainer.step.evaluate(trainer.val_batches)))
+
+
+def score_tasks(trainer: Trainer) -> dict:
+    """{eval/<task>/<metric>: value} of train.eval_tasks on the model as it stands (every rank takes part;
+    the same numbers at every layout: train/evaluation/suite.py)."""
+    from train.evaluation import evaluate_tasks
+
+    settings = trainer.sections
+    bf16 = resolve_precision(settings.train.precision, trainer.device) != "fp32"
+    return evaluate_tasks(trainer.engine.module, trainer.model_cfg, trainer.topology, list(trainer.spec.eval_tasks),
+                          settings.evaluate.batch_tokens, bf16)
 
 
 def finish(trainer: Trainer, logger: metrics.MetricsLogger, sample: bool = True) -> None:

@@ -57,6 +57,19 @@ def peak_tflops(device, configured: float | None) -> float | None:
     return next((tflops for fragment, tflops in GPU_PEAK_TFLOPS.items() if fragment in name), None)
 
 
+def _final_and_best(record: dict, summary) -> dict:
+    """The summary entries a record updates: <key>_final and <key>_best of val/loss (lowest best) and of
+    every eval/<task>/<metric> (highest best; perplexity, ppl, the lowest)."""
+    updates = {}
+    for key, value in record.items():
+        if value is None or not (key == "val/loss" or key.startswith("eval/")):
+            continue
+        better = min if key == "val/loss" or key.endswith("/ppl") else max
+        best = summary.get(f"{key}_best")
+        updates[f"{key}_final"], updates[f"{key}_best"] = value, value if best is None else better(best, value)
+    return updates
+
+
 class MetricsLogger:
     """Writes one JSON object per logged step to metrics.jsonl and the same dict to W&B.
 
@@ -73,7 +86,9 @@ class MetricsLogger:
         start logs also holds (the layout it trains at, which an elastic restart may change).
 
         The W&B summary holds val/loss_final (the last validation loss) and val/loss_best (the lowest),
-        over the records this process logged (a resume starts them again from the run's W&B summary)."""
+        and for every task metric eval/<task>/<metric> (train.eval_tasks) its _final and _best (the
+        highest; perplexity the lowest), over the records this process logged (a resume starts them
+        again from the run's W&B summary)."""
         self.active = active
         self.run = None
         self.first_record = dict(first_record or {})
@@ -106,7 +121,7 @@ class MetricsLogger:
                 settings=wandb.Settings(resumed=resumed),  # offline there is no server to say so
             )
             self.run.define_metric("tokens")  # every chart can plot against tokens seen
-            for prefix in ("train/*", "val/*", "perf/*", "data/*"):
+            for prefix in ("train/*", "val/*", "eval/*", "perf/*", "data/*"):
                 self.run.define_metric(prefix, step_metric="tokens")
             self.log_checkpoints = bool(w.log_checkpoints)
 
@@ -118,10 +133,7 @@ class MetricsLogger:
             f.write(json.dumps(record) + "\n")
         if self.run is not None:
             self.run.log({k: v for k, v in record.items() if v is not None and k != "step"}, step=record["step"])
-            if record.get("val/loss") is not None:
-                best = self.run.summary.get("val/loss_best")
-                loss = record["val/loss"]
-                self.run.summary.update({"val/loss_final": loss, "val/loss_best": loss if best is None else min(best, loss)})
+            self.run.summary.update(_final_and_best(record, self.run.summary))
 
     def summary(self, values: dict) -> None:
         if self.run is not None:

@@ -215,3 +215,34 @@ def test_bench_prints_items_per_second_against_lm_eval_hf(fixture, tmp_path):
     assert [r["row"] for r in rows] == ["hf (lm-eval) *", "gpt3d (lm-eval)", "gpt3d scorer"]
     assert rows[0]["ratio"] == 1.0 and all(r["items_per_s"] > 0 for r in rows)
     assert "items/s" in proc.stdout
+
+
+def test_a_training_run_scores_its_tasks_as_it_goes_and_every_layout_gets_the_same_numbers(tmp_path, corpus, fixture):
+    """train.eval_tasks: at every second step (train.eval_tasks_interval) each task's metrics go into
+    metrics.jsonl and the offline W&B run, charted against tokens, with their final and best values in the
+    summary; the same run at tp=2 under torchrun scores the same accuracies, and perplexities within fp32
+    rounding of the one-process run's."""
+    import wandb_log
+    from cli import metrics
+
+    _, _, data, _ = fixture
+    run = ["train.max_steps=4", "train.eval_interval=0", "train.checkpoint_interval=0", "train.eval_tasks=[lambada,piqa]",
+           "train.eval_tasks_interval=2", f"evaluate.data_dir={data}"]
+    one, tp2 = tmp_path / "one", tmp_path / "tp2"
+    train(one, corpus, *run)
+    rows = [r for r in metrics(one) if "eval/piqa/acc" in r]
+    assert [r["step"] for r in rows] == [2, 4]
+    keys = {"eval/lambada/acc", "eval/lambada/ppl", "eval/piqa/acc", "eval/piqa/acc_norm"}
+    assert all(keys <= set(r) and 0 <= r["eval/piqa/acc"] <= 1 and r["eval/lambada/ppl"] > 1 for r in rows)
+    (run_file,) = one.glob("wandb/offline-run-*/run-*.wandb")
+    logged = wandb_log.run_file(run_file)
+    assert ("eval/*", "tokens") in logged["metrics"]
+    assert [h["eval/piqa/acc"] for h in wandb_log.history(run_file) if "eval/piqa/acc" in h] == [r["eval/piqa/acc"] for r in rows]
+    summary = logged["summary"]
+    assert summary["eval/piqa/acc_final"] == rows[-1]["eval/piqa/acc"]
+    assert summary["eval/piqa/acc_best"] == max(r["eval/piqa/acc"] for r in rows)
+    assert summary["eval/lambada/ppl_best"] == min(r["eval/lambada/ppl"] for r in rows)
+    train(tp2, corpus, *run, "parallel.tp=2", "logging.wandb.mode=disabled", kind="torchrun", nproc=2)
+    for got, expected in zip([r for r in metrics(tp2) if "eval/piqa/acc" in r], rows):
+        for key in keys:
+            assert got[key] == (pytest.approx(expected[key], rel=1e-4) if key.endswith("ppl") else expected[key]), key

@@ -16,7 +16,8 @@
   6. data       the corpus probed (train/data/probe.py); data.streams, when the user left it at its
                 default and the corpus has too few documents for it, the smaller value the probe gives
   7. ramp, LR   the batch ramp against the model, dp and streams; the LR schedule of the run
-  8. plan       on CUDA the planner's prediction, which must fit the device (pre-flight)
+  8. tasks      train.eval_tasks read and made into requests, as evaluate.* says (train/evaluation/)
+  9. plan       on CUDA the planner's prediction, which must fit the device (pre-flight)
 
 Each step that changes a value makes new sections (`Sections.replaced`, checked again): the composed
 config is never written. The build and the loop read only a RunSpec, and each component receives its
@@ -56,6 +57,7 @@ class RunSpec:
     schedule: RunSchedule
     plan: object | None  # train/plan/estimate.py's Plan, on CUDA
     layout: object | None = None  # train/plan/elastic.py's LayoutChoice, with parallel.layout=auto
+    eval_tasks: tuple = ()  # train.eval_tasks, prepared (train/evaluation/suite.py: PreparedTask)
 
     @property
     def run_tokens(self) -> int:
@@ -91,7 +93,23 @@ def resolve(cfg, run_dir: Path, overrides: tuple[str, ...] | list[str] = ()) -> 
         schedule = schedule_for_run(sections, model_cfg.name, run_tokens, kept, saved_schedule)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    return RunSpec(sections, run_dir, model_cfg, dp, resume, folder, ramp, schedule, _plan(sections, model_cfg), layout)
+    tasks = _eval_tasks(sections, model_cfg)
+    return RunSpec(sections, run_dir, model_cfg, dp, resume, folder, ramp, schedule, _plan(sections, model_cfg), layout,
+                   tasks)
+
+
+def _eval_tasks(sections: Sections, model_cfg: GPTConfig) -> tuple:
+    """train.eval_tasks prepared with evaluate.*'s files, shots, seed and limit (no task: nothing read)."""
+    if not sections.train.eval_tasks:
+        return ()
+    from dataclasses import replace
+
+    from train.evaluation import TaskError, prepare_tasks
+
+    try:
+        return tuple(prepare_tasks(replace(sections.evaluate, tasks=list(sections.train.eval_tasks)), model_cfg.seq_len))
+    except TaskError as err:
+        raise ConfigError(f"train.eval_tasks: {err}") from None
 
 
 def _auto_layout(sections: Sections, model_cfg: GPTConfig, set_keys: list[str]):

@@ -13,10 +13,9 @@
   harness.py     gpt3d as an lm-evaluation-harness model (`lm_eval --model gpt3d`)
 """
 
-from train.evaluation.settings import EvalSettings
 from train.evaluation.suite import PreparedTask, TaskResult, evaluate_tasks, prepare_tasks, score_tasks
 from train.evaluation.tasks import TASKS, TaskError
 
 __all__ = [
-    "EvalSettings", "PreparedTask", "TASKS", "TaskError", "TaskResult", "evaluate_tasks", "prepare_tasks", "score_tasks",
+    "PreparedTask", "TASKS", "TaskError", "TaskResult", "evaluate_tasks", "prepare_tasks", "score_tasks",
 ]

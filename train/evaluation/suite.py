@@ -22,7 +22,7 @@ from train.evaluation.items import Item
 from train.evaluation.metrics import task_metrics
 from train.evaluation.requests import TokenRequest, tokenize
 from train.evaluation.scorer import Score, score_requests
-from train.evaluation.settings import EvalSettings
+from train.config.sections.evaluate import EvaluateConfig
 from train.evaluation.tasks import TASKS, TaskError, check_task_names, load_split
 
 
@@ -43,14 +43,14 @@ class TaskResult:
     scores: list[list[Score]]  # per item, per choice
 
 
-def prepare_tasks(settings: EvalSettings, seq_len: int) -> list[PreparedTask]:
+def prepare_tasks(settings: EvaluateConfig, seq_len: int) -> list[PreparedTask]:
     """Every task of `settings`, ready to score (TaskError: unknown task, missing file, no usable record)."""
     check_task_names(settings.tasks)
     data_dir = None if settings.data_dir is None else Path(settings.data_dir)
     return [_prepare(name, settings, data_dir, seq_len) for name in settings.tasks]
 
 
-def _prepare(name: str, settings: EvalSettings, data_dir: Path | None, seq_len: int) -> PreparedTask:
+def _prepare(name: str, settings: EvaluateConfig, data_dir: Path | None, seq_len: int) -> PreparedTask:
     spec = TASKS[name]
     scored = load_split(name, spec.split, data_dir)
     items = scored.items[: settings.limit]

@@ -9,7 +9,9 @@ import math
 import pytest
 
 from train.data.tokenizer import EOT, gpt2
-from train.evaluation import EvalSettings, TaskError, prepare_tasks
+from train.config.sections.evaluate import EvaluateConfig
+from train.config.settings import ConfigError
+from train.evaluation import TaskError, prepare_tasks
 from train.evaluation import formats
 from train.evaluation.fewshot import with_examples
 from train.evaluation.items import CHOICE, LAST_WORD, PARTIAL, Item
@@ -65,16 +67,16 @@ def test_malformed_records_are_skipped_and_counted(tmp_path):
 
 
 def test_unknown_tasks_missing_files_and_empty_tasks_are_one_line_errors(tmp_path):
-    with pytest.raises(TaskError, match=r"unknown task 'hellaswg'; the tasks are \['arc_challenge'"):
-        prepare_tasks(EvalSettings(tasks=("hellaswg",), data_dir=str(tmp_path)), 32)
+    with pytest.raises(ConfigError, match=r"unknown task 'hellaswg'; the tasks are \['arc_challenge'"):
+        EvaluateConfig(tasks=["hellaswg"], data_dir=str(tmp_path))
     with pytest.raises(TaskError, match=r"piqa: no file .*piqa/validation.jsonl \(the validation split"):
-        prepare_tasks(EvalSettings(tasks=("piqa",), data_dir=str(tmp_path)), 32)
+        prepare_tasks(EvaluateConfig(tasks=["piqa"], data_dir=str(tmp_path)), 32)
     write_jsonl(tmp_path / "lambada" / "test.jsonl", ["{}", "oops"])
     with pytest.raises(TaskError, match=r"lambada: .*test.jsonl holds no usable record \(2 malformed\)"):
-        prepare_tasks(EvalSettings(tasks=("lambada",), data_dir=str(tmp_path)), 32)
+        prepare_tasks(EvaluateConfig(tasks=["lambada"], data_dir=str(tmp_path)), 32)
     write_jsonl(tmp_path / "piqa" / "validation.jsonl", [{"goal": "g", "sol1": "a", "sol2": "b", "label": 1}])
     with pytest.raises(TaskError, match=r"piqa: no file .*piqa/train.jsonl"):  # the few-shot split
-        prepare_tasks(EvalSettings(tasks=("piqa",), data_dir=str(tmp_path), num_fewshot=1), 32)
+        prepare_tasks(EvaluateConfig(tasks=["piqa"], data_dir=str(tmp_path), num_fewshot=1), 32)
 
 
 def items(n):
@@ -113,9 +115,9 @@ def test_requests_split_into_tokens_as_lm_eval_splits_them():
     ({"data_dir": 5}, "evaluate.data_dir=5: must be a path"),
 ])
 def test_settings_refuse_bad_values_in_one_line(section, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        EvalSettings.from_config(section)
-    assert EvalSettings.from_config({"tasks": ["piqa"], "limit": None}) == EvalSettings(tasks=("piqa",))
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        EvaluateConfig(**section)
+    assert EvaluateConfig(tasks=["piqa"], limit=None).tasks == ["piqa"]
 
 
 def test_metrics_arithmetic():
@@ -135,7 +137,7 @@ def test_prepared_tasks_carry_their_examples_limit_and_truncation_counts(tmp_pat
     write_jsonl(tmp_path / "piqa" / "validation.jsonl",
                 [{"goal": f"goal {i}", "sol1": "yes", "sol2": "no", "label": i % 2} for i in range(5)])
     write_jsonl(tmp_path / "piqa" / "train.jsonl", [{"goal": "g " * 40, "sol1": "a", "sol2": "b", "label": 0}])
-    (task,) = prepare_tasks(EvalSettings(tasks=("piqa",), data_dir=str(tmp_path), num_fewshot=1, limit=3), seq_len=32)
+    (task,) = prepare_tasks(EvaluateConfig(tasks=["piqa"], data_dir=str(tmp_path), num_fewshot=1, limit=3), seq_len=32)
     assert len(task.items) == len(task.requests) == 3 and task.skipped == 0
     solved = "Question: " + "g " * 40 + "\nAnswer: a\n\n"
     assert all(context == solved + f"Question: goal {i}\nAnswer:" for i, item in enumerate(task.items)

@@ -52,6 +52,10 @@ class TrainConfig(Section):
     max_steps: int = setting(200, "optimizer steps to run", POSITIVE_INT)
     eval_interval: int = setting(100, "steps between validation passes (and at the end); 0 disables", NON_NEGATIVE_INT)
     eval_batches: int = setting(4, "global batches of held-out windows per validation pass", NON_NEGATIVE_INT)
+    eval_tasks: Any = setting(doc="GPT-3's tasks scored during training, e.g. [lambada,piqa] (their files, shots and "
+                                  "batch: evaluate.*; docs/evaluation.md); []: none", factory=list)
+    eval_tasks_interval: int = setting(0, "steps between scores of train.eval_tasks (and at the end), at logged steps; "
+                                          "0: with each validation pass (train.eval_interval)", NON_NEGATIVE_INT)
     checkpoint_interval: int = setting(100, "steps between checkpoints (and at the end); 0 keeps only the final one",
                                        NON_NEGATIVE_INT)
     resume: Optional[str] = setting(
@@ -86,3 +90,8 @@ class TrainConfig(Section):
     fused_loss: bool = setting(True, "the loss unembeds the final hidden states chunk by chunk (model/fused_loss.py), "
                                      "never holding the (B, T, vocabulary) logits; false: full logits, then "
                                      "cross-entropy", BOOLEAN)
+
+    def check(self) -> None:
+        from train.config.sections.evaluate import check_tasks
+
+        check_tasks("train.eval_tasks", self.eval_tasks, empty_ok=True)
