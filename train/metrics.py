@@ -63,8 +63,9 @@ class MetricsLogger:
 
     Only the process that should log (rank 0) constructs an active logger; others pass active=False.
     A write that fails (the run folder full or read-only, W&B's files or service failing) never stops
-    training: the first failure of each target is one warning, and the records it could not take are
-    counted (`unwritten`) and said in one more warning when the logger closes.
+    training: the first failure of each target is one warning, and the writes it could not take (records;
+    for W&B also the summary, sample, artifact and finish) are counted (`unwritten`) and said in one more
+    warning when the logger closes.
     """
 
     def __init__(self, run_dir: Path, logging_cfg, run_config: dict, active: bool, resumed_step: int | None,
@@ -181,7 +182,7 @@ class MetricsLogger:
             self.run = None
         if self.unwritten:
             counts = ", ".join(f"{n} to {target}" for target, n in self.unwritten.items())
-            report.warn(f"of the {self.logged} metrics records of this start, these could not be written: {counts}")
+            report.warn(f"writes that failed and were skipped: {counts} (of {self.logged} metrics records this start)")
             self.unwritten = {}
 
 

@@ -145,10 +145,11 @@ class Checkpointer:
             report.warn(str(err))
 
     def _refused(self, failed: SaveFailed) -> CheckpointError:
-        """What a failed save stops the run with (storage.cannot_save), naming the checkpoint `latest` names."""
+        """What a failed save stops the run with (storage.cannot_save), naming the newest step folder: the one
+        `train.resume=auto` takes (also when the save failed after publishing its folder, before `latest`)."""
         root = files.checkpoint_dir(self.settings.run_dir)
-        tag, _ = files.read_latest(root)
-        return storage.cannot_save(failed, root, self._bytes(), self.settings.keep, root / tag if tag else None)
+        newest = files.step_folders(root)[:1]
+        return storage.cannot_save(failed, root, self._bytes(), self.settings.keep, newest[0] if newest else None)
 
 
 def _layout_text(layout: dict) -> str:

@@ -26,7 +26,6 @@ from train.checkpoint.files import CheckpointError
 
 NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
 STORAGE_ERRNOS = NO_SPACE | {errno.EROFS, errno.EACCES, errno.EPERM}
-WAY_OUT_MOVE = "move the run folder to a larger disk and resume there (hydra.run.dir=<new folder>)"
 
 
 class SaveFailed(CheckpointError):
@@ -92,23 +91,27 @@ def preflight(root: Path, each: int, keep: int, warn: Callable[[str], None]) -> 
         there = f", {present} already there" if present else ""
         warn(f"{root} has {size_text(free)} free, less than the {size_text(needed)} its checkpoints need "
              f"(train.keep_checkpoints={keep} of {size_text(each)} each and the one a save writes before the oldest "
-             f"goes{there}); free space there, lower train.keep_checkpoints, or {WAY_OUT_MOVE}")
+             f"goes{there}); free space there, lower train.keep_checkpoints, or {_move('larger')}")
 
 
 def cannot_save(failed: SaveFailed, root: Path, each: int, keep: int, kept: Path | None) -> CheckpointError:
     """The error a failed save stops the run with: a StorageError, one line, when the file system refused it
     (`failed.cause`), else `failed` itself. `root`: the checkpoints/ folder; `each`: a checkpoint's bytes;
-    `kept`: the newest checkpoint on disk (None: none yet)."""
+    `kept`: the newest checkpoint on disk, which a resume takes (None: none yet)."""
     cause = failed.cause
     if not is_storage_error(cause):
         return failed
     full = cause.errno in NO_SPACE
     verb = "does not fit in" if full else "cannot be written in"
-    way = (f"free space there, lower train.keep_checkpoints (now {keep}), or {WAY_OUT_MOVE}" if full else
-           f"make {root} writable again, or {WAY_OUT_MOVE}")
-    kept_text = f"the last checkpoint, {kept}, is intact" if kept is not None else "no checkpoint was written before"
+    way = (f"free space there, lower train.keep_checkpoints (now {keep}), or {_move('larger')}" if full else
+           f"make {root} writable again, or {_move('writable')}")
+    kept_text = f"the newest checkpoint, {kept}, is kept" if kept is not None else "no checkpoint was written before"
     return StorageError(f"the checkpoint of step {failed.step} {verb} {root} ({cause.strerror or cause}): it needs "
                         f"{size_text(each)}, {size_text(free_bytes(root))} free; {kept_text}; {way}")
+
+
+def _move(disk: str) -> str:
+    return f"move the run folder to a {disk} disk and resume there (hydra.run.dir=<new folder>)"
 
 
 def _text(err: BaseException) -> str:

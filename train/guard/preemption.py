@@ -4,8 +4,9 @@ A signal may reach only some ranks (a scheduler signalling one node, a `kill` by
 that stopped alone would leave the others blocked in their next collective. So a signal only sets a
 flag. At the end of every step (after its logging, evaluation and checkpoint) the ranks all-reduce
 (max) one small vector of integers, `agree`, holding each rank's flag together with the step's
-non-finite checks, and all stop when any rank was signalled. The step that was running when the
-signal arrived is finished and the checkpoint is at that step. (Python runs a signal handler only
+non-finite checks and the machine's faults a rank saw (a failed checkpoint write in the background, a
+data file the next step cannot read), and all stop when any rank was signalled. The step that was
+running when the signal arrived is finished and the checkpoint is at that step. (Python runs a signal handler only
 once the C++ call under way returns: a signal that comes during the closing collective itself is
 seen after it, and counts for the next step.)
 

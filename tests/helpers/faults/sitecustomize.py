@@ -13,8 +13,9 @@ The faults (any of them; paths absolute):
                 path under R says C total and what is left free
   "read_only":  {"root": R, "when": W}      once the path W exists, every write, folder made, rename or
                 removal under R fails with EROFS (the folder was remounted read-only)
-  "unreadable": {"match": M, "when": W, "times": N}  once W exists, opening a file whose path contains M
-                for reading fails with ENOENT, N times (null: every time; the file stays gone)
+  "unreadable": {"match": M, "when": W, "lines": K, "times": N}  once W exists and holds K lines (a
+                metrics.jsonl with K records), opening a file whose path contains M for reading fails with
+                ENOENT, N times (null: every time; the file stays gone)
   "log":        L                            each fault injected is one line appended to L: "<errno name> <path>"
 """
 
@@ -52,13 +53,13 @@ class _Faults:
     def writable(self, path: str) -> None:
         """EROFS once the run folder has turned read-only."""
         ro = self.read_only
-        if ro and _under(path, ro["root"]) and os.path.exists(ro["when"]):
+        if ro and _under(path, ro["root"]) and _happened(ro):
             raise self.fail(errno.EROFS, path)
 
     def readable(self, path: str) -> None:
         """ENOENT for a data file that is gone, as many times as asked."""
         gone = self.unreadable
-        if not gone or gone["match"] not in path or not os.path.exists(gone["when"]):
+        if not gone or gone["match"] not in path or not _happened(gone):
             return
         with self.lock:
             if gone["times"] is not None and self.reads_failed >= gone["times"]:
@@ -109,6 +110,16 @@ class _Metered:
 
     def __getattr__(self, name):
         return getattr(self._file, name)
+
+
+def _happened(fault: dict) -> bool:
+    """Whether a fault's moment has come: its path "when" exists, holding at least "lines" lines (default 0)."""
+    if not os.path.exists(fault["when"]):
+        return False
+    if not fault.get("lines"):
+        return True
+    with _ORIGINAL["open"](fault["when"], "rb") as file:
+        return file.read().count(b"\n") >= fault["lines"]
 
 
 def _under(path: str, root: str) -> bool:
