@@ -109,8 +109,8 @@ class Checkpointer:
         signal ends it after), unless `step` was saved already; then announce every checkpoint published
         since the last call. At the last step the write is waited for, and announced. A write that failed
         is raised here (a StorageError when the file system refused it, else CheckpointError), at the next
-        save or the last step (the loop's last step after the agreement that a write in the background
-        failed)."""
+        save or the last step: once the ranks agreed that a write in the background failed, the loop makes
+        that step the last."""
         interval = self.settings.interval
         due = step != self._saved_step and (last or (interval > 0 and step % interval == 0))
         try:
