@@ -74,11 +74,12 @@ def free_bytes(folder: Path) -> int:
 
 def size_text(n: int) -> str:
     """A byte count for people, in decimal units as `df -H` gives them: 950 B, 20.6 MB, 2.1 TB."""
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    raise AssertionError("unreachable")
+    if n < 1000:
+        return f"{n} B"
+    value, units = n / 1000, ["kB", "MB", "GB", "TB"]
+    while value >= 1000 and len(units) > 1:
+        value, units = value / 1000, units[1:]
+    return f"{value:.1f} {units[0]}"
 
 
 def preflight(root: Path, each: int, keep: int, warn: Callable[[str], None]) -> None:

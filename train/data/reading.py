@@ -49,7 +49,8 @@ class Reader:
     def call(self, path: str, read: Callable[[str], T]) -> T:
         """`read(path)`, tried again after an OSError (see the module docstring); DataUnavailable once the
         retries are spent."""
-        for attempt in range(self.retries + 1):
+        attempt = 0
+        while True:
             try:
                 return read(path)
             except OSError as err:
@@ -57,12 +58,12 @@ class Reader:
                 if attempt == self.retries:
                     raise DataUnavailable(path, reason, self.retries) from None
                 wait = self.wait_s * 2**attempt
+                attempt += 1
                 self.made += 1
                 if self.warn:
-                    report.warn(f"data: {path} could not be read ({reason}); retry {attempt + 1} of {self.retries} "
+                    report.warn(f"data: {path} could not be read ({reason}); retry {attempt} of {self.retries} "
                                 f"in {wait:g} s")
                 time.sleep(wait)
-        raise AssertionError("unreachable")
 
     def read_bytes(self, path: str) -> bytes:
         """The whole file."""

@@ -105,9 +105,6 @@ class _Metered:
     def __exit__(self, *exc) -> None:
         self._file.close()
 
-    def __iter__(self):
-        return iter(self._file)
-
     def __getattr__(self, name):
         return getattr(self._file, name)
 
