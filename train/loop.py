@@ -24,6 +24,7 @@ from train.checkpoint import (
     read_init_weights,
 )
 from train.config.spec import RunSpec
+from train.data import DataUnavailable
 from train.guard.safeguards import Safeguards
 from train.metrics import Meter, full_shapes_model, mean_over_ranks
 from train.optimizer import GIVEN_NORM, TokenLR, make_optimizer
@@ -128,11 +129,19 @@ def loop(trainer: Trainer, progress: Progress, logger: metrics.MetricsLogger, me
 
     Faults (train/guard/safeguards.py): a step skipped for a non-finite loss or gradient is counted, and too
     many in a row raise NonFiniteError; SIGTERM / SIGINT / SIGUSR1 on any rank end the loop on every
-    rank after the step with a checkpoint; a step that hangs ends the process from the watchdog's thread."""
+    rank after the step with a checkpoint; a step that hangs ends the process from the watchdog's thread.
+    The machine's faults: a save the disk refuses raises StorageError (train/checkpoint/storage.py), a write
+    in the background at the end of the step it failed in; the next step's data is read before the step's
+    agreement, and a data file that stays unreadable on any rank ends the loop on every rank after the step
+    with a checkpoint, raising DataUnavailable (train/data/reading.py); at the first step of a start there
+    is nothing new to save."""
     settings, last, checkpoints = trainer.sections, trainer.sections.train.max_steps, trainer.checkpointer
     while progress.step < last:
         guard.step_begins(progress.step + 1)
-        windows, size = next_batch(trainer, progress)
+        try:
+            windows, size = next_batch(trainer, progress)  # read ahead (`read_ahead`), but at a start's first step
+        except DataUnavailable as err:
+            raise _data_gone(err, progress, guard.last_checkpoint, trained=False) from None
         result = trainer.step(windows)
         progress.advance(size * trainer.model_cfg.seq_len)
         meter.add(result.loss, size, result.skipped)
@@ -160,7 +169,14 @@ def loop(trainer: Trainer, progress: Progress, logger: metrics.MetricsLogger, me
         finally:  # also when the run stops with an error here: the step's record is logged
             if record is not None:
                 logger.log({**record, **checkpoints.times()})
-        verdict = guard.agree(progress.step, result)  # the step's one collective: a stop signal on any rank?
+        unreadable = read_ahead(trainer, progress)
+        verdict = guard.agree(progress.step, result, data_failed=unreadable is not None)  # the step's one collective
+        if verdict.write_failed:  # a write in the background failed: the run ends here, raising it on every rank
+            checkpoints.save(progress.step, last=True)
+        if verdict.data_failed:  # the model and the data position are this step's: saved, then the run stops
+            checkpoints.save(progress.step, last=True)
+            raise _data_gone(unreadable or DataUnavailable(None, "its own line names the file", 0), progress,
+                             guard.last_checkpoint, trained=True)
         if verdict.signal:
             checkpoints.save(progress.step, last=True)  # the run ends here: saved (unless it just was), written
             guard.stopped(progress.step, verdict, guard.last_checkpoint, finished=progress.step == last)
@@ -260,8 +276,32 @@ def next_batch(trainer: Trainer, progress: Progress) -> tuple[torch.Tensor, int]
     size at the tokens consumed so far (train.batch_ramp; else train.global_batch_size). The learning
     rate is set for the tokens trained on once this batch is (TokenLR.next_step)."""
     size = trainer.ramp.size_at(progress.tokens)
+    windows = trainer.batches.next_batch(size)
     trainer.lr.next_step(size * trainer.model_cfg.seq_len)
-    return trainer.batches.next_batch(size), size
+    return windows, size
+
+
+def read_ahead(trainer: Trainer, progress: Progress) -> DataUnavailable | None:
+    """Read the next step's batch now, without taking it (TrainBatches.ready), so that a data file that stays
+    unreadable is known before the step's agreement, where every rank hears of it while all of them can still
+    save; that error, or None (also after the last step)."""
+    if progress.step >= trainer.sections.train.max_steps:
+        return None
+    try:
+        trainer.batches.ready(trainer.ramp.size_at(progress.tokens))
+    except DataUnavailable as err:
+        return err
+    return None
+
+
+def _data_gone(err: DataUnavailable, progress: Progress, checkpoint: Path | None, trained: bool) -> DataUnavailable:
+    """What a data file that stayed unreadable stops the run with: where it stopped and the checkpoint it
+    resumes from (`trained`: after a step of this start, saved by now; else before its first step)."""
+    if trained:
+        where = f"stopped after step {progress.step}, checkpoint {checkpoint}"
+    else:
+        where = f"stopped before step {progress.step + 1}, nothing trained since {checkpoint or 'the start'}"
+    return err.stopped(f"{where}; put the file back and re-run the same command: it resumes there")
 
 
 def open_logger(trainer: Trainer, resumed_step: int | None) -> metrics.MetricsLogger:

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from model import GPT, count_parameters, flops_per_token
+from train import report
 
 
 # Peak dense bf16 tensor-core FLOP/s by GPU name fragment (vendor data sheets, without sparsity); the
@@ -74,6 +75,10 @@ class MetricsLogger:
     """Writes one JSON object per logged step to metrics.jsonl and the same dict to W&B.
 
     Only the process that should log (rank 0) constructs an active logger; others pass active=False.
+    A write that fails (the run folder full or read-only, W&B's files or service failing) never stops
+    training: the first failure of each target is one warning, and the writes it could not take (records;
+    for W&B also the summary, sample, artifact and finish) are counted (`unwritten`) and said in one more
+    warning when the logger closes.
     """
 
     def __init__(self, run_dir: Path, logging_cfg, run_config: dict, active: bool, resumed_step: int | None,
@@ -93,6 +98,8 @@ class MetricsLogger:
         self.run = None
         self.first_record = dict(first_record or {})
         self.val_losses: list[float] = []
+        self.unwritten: dict[str, int] = {}  # records a target could not take: {"metrics.jsonl" | "W&B": n}
+        self.logged = 0
         default_name = default_name or Path(run_dir).name
         if not active:
             return
@@ -129,23 +136,44 @@ class MetricsLogger:
         if not self.active:
             return
         record, self.first_record = {**record, **self.first_record}, {}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        self.logged += 1
+        try:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as err:
+            self._failed("metrics.jsonl", err)
         if self.run is not None:
-            self.run.log({k: v for k, v in record.items() if v is not None and k != "step"}, step=record["step"])
-            self.run.summary.update(_final_and_best(record, self.run.summary))
+            self._wandb(self._wandb_log, record)
+
+    def _wandb_log(self, record: dict) -> None:
+        self.run.log({k: v for k, v in record.items() if v is not None and k != "step"}, step=record["step"])
+        self.run.summary.update(_final_and_best(record, self.run.summary))
+
+    def _wandb(self, call, *args) -> None:
+        """`call(*args)` on the W&B run; its failure is counted and warned of once, never raised."""
+        try:
+            call(*args)
+        except Exception as err:  # W&B's own errors have no common base; none may stop training
+            self._failed("W&B", err)
+
+    def _failed(self, target: str, err: Exception) -> None:
+        """A record `target` could not take: counted; the first one of each target is one warning."""
+        if target not in self.unwritten:
+            report.warn(f"{target} cannot be written ({getattr(err, 'strerror', None) or err}); training goes on, "
+                        f"and what it cannot take is counted")
+        self.unwritten[target] = self.unwritten.get(target, 0) + 1
 
     def summary(self, values: dict) -> None:
         if self.run is not None:
-            self.run.summary.update(values)
+            self._wandb(self.run.summary.update, values)
 
     def sample(self, step: int, prompt: str, text: str) -> None:
         """The end-of-run sample, as a W&B table (step, prompt, sample)."""
         if self.run is not None:
             import wandb
 
-            self.run.log({"samples": wandb.Table(columns=["step", "prompt", "sample"], data=[[step, prompt, text]])},
-                         step=step)
+            table = wandb.Table(columns=["step", "prompt", "sample"], data=[[step, prompt, text]])
+            self._wandb(self.run.log, {"samples": table}, step)
 
     def checkpoint(self, path: Path, step: int) -> None:
         """A checkpoint folder as a W&B artifact (type "checkpoint"), when logging.wandb.log_checkpoints is set."""
@@ -153,13 +181,21 @@ class MetricsLogger:
             import wandb
 
             artifact = wandb.Artifact(f"{self.run.id}-checkpoint", type="checkpoint", metadata={"step": step})
-            artifact.add_dir(str(path))
-            self.run.log_artifact(artifact, aliases=[f"step{step}", "latest"])
+            self._wandb(self._log_artifact, artifact, path, step)
+
+    def _log_artifact(self, artifact, path: Path, step: int) -> None:
+        artifact.add_dir(str(path))
+        self.run.log_artifact(artifact, aliases=[f"step{step}", "latest"])
 
     def close(self) -> None:
+        """Finish the W&B run, and say how many records a target could not take."""
         if self.run is not None:
-            self.run.finish()
+            self._wandb(self.run.finish)
             self.run = None
+        if self.unwritten:
+            counts = ", ".join(f"{n} to {target}" for target, n in self.unwritten.items())
+            report.warn(f"writes that failed and were skipped: {counts} (of {self.logged} metrics records this start)")
+            self.unwritten = {}
 
 
 def run_record(config: dict, schedule, layout: dict, global_batch: int, seq_len: int, plan) -> dict:
@@ -304,6 +340,7 @@ class Meter:
             "perf/mfu": mfu(tokens_per_s, self.flops_per_token, self.peak, self.world),
             "perf/max_mem_gib": max_memory_gib(self.device),
             "perf/data_wait_s": self.batches.pop_wait_seconds(),
+            "data/read_retries": self.batches.read_retries,  # reads of data files retried so far (this start)
             **self._shares(),
             **({"perf/mfu_predicted": self.plan.predicted_mfu} if self.plan is not None else {}),
         }
