@@ -2,10 +2,14 @@
 
 Table H.1 ("Scores for every task, setting and model") lists, for each of the eight sizes, the
 zero-, one- and few-shot results; these are its zero-shot ones, in percent (ppl: LAMBADA's
-perplexity). The 175B column is also in Tables 3.2 (LAMBADA, StoryCloze, HellaSwag), 3.5
-(Winogrande), 3.6 (PIQA, ARC) and 3.8 (COPA). The paper scored ARC and the other tasks on their
-test sets where public, else on the dev set, with its own prompts and normalisations
-(docs/evaluation.md), so a figure here is a yardstick, not an exact target.
+perplexity), checked row by row against Table H.1 of arXiv 2005.14165v4. Its splits: LAMBADA,
+StoryCloze and ARC on the test set; HellaSwag, PIQA, Winogrande and COPA on the dev set.
+The 175B column agrees with Tables 3.2 (LAMBADA acc and ppl, StoryCloze, HellaSwag), 3.5
+(Winogrande) and 3.6 (ARC Easy and Challenge). Two exceptions: Table 3.6 prints 80.5 for PIQA
+zero-shot, where Table H.1 and the text of section 3.5 give 81.0 (kept here); and Table 3.8 holds
+only few-shot SuperGLUE test-set scores, so COPA's zero-shot 91.0 (dev) is in Table H.1 alone.
+The paper used its own prompts and normalisations (docs/evaluation.md), so a figure here is a
+yardstick, not an exact target.
 """
 
 from __future__ import annotations
