@@ -5,7 +5,8 @@
 #                                          # with its test extras (pip install -e ".[test]"); needs the network
 #   bash scripts/setup.sh --offline DIR    # a GPU node without network: .venv on the node's own Python, whose
 #                                          # torch and triton it keeps; everything else from the wheelhouse DIR
-#                                          # (built elsewhere by scripts/wheelhouse.sh), with pip --no-index
+#                                          # (built elsewhere by scripts/wheelhouse.sh), with pip --no-index:
+#                                          # pip install -e ".[gpu-suite]" (no lm-eval: the GPU suite needs none)
 #
 # Online, PYTHON picks the interpreter (default python3.11) and a ready .venv is reused.
 # Offline, PYTHON is the node's Python, the one that has torch (default python3), and VENV the
@@ -74,7 +75,7 @@ for name in ('torch', 'triton'):
 
   echo "gpt3d: installing from $wheels into $venv, keeping the node's $(echo "$node_pins" | paste -sd ' ')"
   "$venv/bin/python" -m pip install --quiet --no-index --find-links "$wheels" \
-    --constraint "$venv/node-constraints.txt" -e ".[test]"
+    --constraint "$venv/node-constraints.txt" -e ".[gpu-suite]"
 
   # torchrun's own script belongs to the node's Python; this one runs it on the environment's.
   if [ ! -e "$venv/bin/torchrun" ]; then

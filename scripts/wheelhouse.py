@@ -10,7 +10,7 @@ the wheels that exist only as source). The steps:
    Any other line (`name`, `name>=1`) is resolved from the index, and its own requirements count as
    present too. torch, triton and the NVIDIA/CUDA wheels must be pinned: resolving them would fetch
    gigabytes.
-2. pip resolves gpt3d with its test extras and its build requirements for the target (--python,
+2. pip resolves gpt3d with its gpu-suite extras and its build requirements for the target (--python,
    --platform: pip's cross-platform flags, binary wheels only) against those placeholders, as a dry
    run with a report. A package with no wheel on the index is built here from its source
    distribution (deepspeed with DS_BUILD_OPS=0: no op compiled ahead of time; future,
@@ -57,7 +57,7 @@ DEFAULT_HAVE = REPO / "scripts" / "gpu-node.txt"
 DEFAULT_PYTHON = "3.12"
 DEFAULT_PLATFORM = "manylinux_2_28_x86_64"
 PROJECT = "gpt3d"
-EXTRAS = "test"
+EXTRAS = "gpu-suite"  # what the GPU suite runs with (pyproject.toml): no lm-eval
 BUILT_LIST = ".built-from-source"  # in the folder: the wheels built there, one file name a line
 PLACEHOLDER_LABEL = "have"  # local version label of the placeholders: higher than the index's release
 MAX_SOURCE_BUILDS = 10
