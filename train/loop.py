@@ -29,7 +29,7 @@ from train.config.spec import RunSpec
 from train.guard.safeguards import Safeguards
 from train.metrics import Meter, full_shapes_model, mean_over_ranks
 from train.optimizer import GIVEN_NORM, TokenLR, make_optimizer
-from train.precision import resolve_precision
+from train.precision import fp8_mode, resolve_precision
 from train.step import TrainStep
 
 
@@ -195,6 +195,7 @@ def build(spec: RunSpec) -> Trainer:
         activation_checkpointing=cfg.parallel.activation_checkpointing,
         overlap_communication=cfg.parallel.overlap_communication,
         fused_loss=cfg.train.fused_loss,
+        fp8=fp8_mode(resolve_precision(cfg.train.precision, device), cfg.train.fp8_recipe, device),
     )
     model = build_model(model_cfg, topology, cfg.train.seed, device, options)
     if cfg.train.init_from is not None:  # a Hugging Face GPT-2 folder (train/checkpoint/hugging_face.py): its weights, sliced

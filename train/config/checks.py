@@ -321,18 +321,17 @@ def _check_seed_and_device(cfg) -> None:
 
 
 def _check_precision(cfg) -> None:
-    """train.precision (train/precision.py): a known value; fp8 refused before anything is built, with
-    the reason for this device."""
+    """train.precision (train/precision.py): a known value; the float8 settings, and under fp8 a device
+    that runs it (train/precision.py: check_fp8), before anything is built."""
     from train.engine import resolve_device
-    from train.precision import fp8_refusal, resolve_precision
+    from train.precision import check_fp8, resolve_precision
 
     device = resolve_device(cfg.train.device)
     try:
-        precision = resolve_precision(cfg.train.precision, device)
+        resolve_precision(cfg.train.precision, device)
+        check_fp8(cfg.train, device)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    if precision == "fp8":
-        raise ConfigError(fp8_refusal(device))
 
 
 def check_optim(cfg) -> None:
