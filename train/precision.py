@@ -13,8 +13,8 @@
             activations and weights e4m3, gradients e5m2) or rowwise (one scale per row of each
             product's contraction, every operand e4m3, power-of-two scales), torchao's recipes of those
             names. Each amax is reduced over the tensor-parallel ranks that hold pieces of its tensor, so
-            every layout quantizes as one process does. The LayerNorms, attention, softmax, embedding and
-            loss stay bf16/fp32, and so does the unembedding (the tied head) unless train.fp8_head=true.
+            every layout quantizes as one process does. The LayerNorms, attention, softmax, embedding,
+            unembedding (the tied head) and loss stay bf16/fp32.
             Masters, moments, checkpoints: as bf16, so an fp8 checkpoint resumes at bf16 and the other
             way round, at any layout. Runs on CUDA GPUs of compute capability ≥ 8.9 (Ada, Hopper and
             newer: float8 tensor cores, through torch._scaled_mm), refused on older ones in one line
@@ -74,12 +74,10 @@ def fp8_mode(precision: str, recipe: str, device: torch.device) -> Float8 | None
 
 
 def check_fp8(train, device: torch.device) -> None:
-    """train.fp8_recipe and train.fp8_head valid whatever the precision; under train.precision=fp8, a device
-    that runs float8 products and torchao installed. Raises ValueError, one line naming the key."""
+    """train.fp8_recipe valid whatever the precision; under train.precision=fp8, a device that runs float8
+    products and torchao installed. Raises ValueError, one line naming the key."""
     if train.fp8_recipe not in FP8_RECIPES:
         raise ValueError(f"train.fp8_recipe={train.fp8_recipe!r}: must be one of {list(FP8_RECIPES)}")
-    if not isinstance(train.fp8_head, bool):
-        raise ValueError(f"train.fp8_head={train.fp8_head!r}: must be true or false")
     if resolve_precision(train.precision, device) != "fp8":
         return
     refusal = fp8_refusal(device)

@@ -90,16 +90,17 @@ def test_a_checkpoint_resumes_in_the_other_precision(tmp_path, corpus, fp8_run, 
 
 
 @pytest.mark.parametrize(
-    "override, message",
+    "overrides, message",
     [
-        ("train.fp8_recipe=blockwise", "train.fp8_recipe='blockwise': must be one of ['tensorwise', 'rowwise']"),
-        ("train.fp8_head=sometimes", "train.fp8_head='sometimes': must be true or false"),
+        (["train.precision=fp8", "train.fp8_recipe=blockwise"],
+         "train.fp8_recipe='blockwise': must be one of ['tensorwise', 'rowwise']"),
+        (["train.precision=fp16"], "train.precision='fp16': must be one of ['auto', 'fp32', 'autocast', 'bf16', 'fp8']"),
     ],
+    ids=["recipe", "precision"],
 )
-def test_a_bad_fp8_setting_is_one_line_before_anything_is_built(tmp_path, corpus, override, message):
+def test_a_bad_precision_setting_is_one_line_before_anything_is_built(tmp_path, corpus, overrides, message):
     run_dir = tmp_path / "refused"
-    proc = train(run_dir, corpus, "train.precision=fp8", override, check=False)
+    proc = train(run_dir, corpus, *overrides, check=False)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines() == [f"gpt3d: error: {message}"]
     assert not run_dir.exists()
-
