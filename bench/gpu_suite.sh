@@ -67,7 +67,7 @@ print("python", platform.python_version(), "| torch", torch.__version__, "| CUDA
       "| cuDNN", torch.backends.cudnn.version())
 props = torch.cuda.get_device_properties(0)
 print(f"{props.name}: {props.multi_processor_count} SMs, {props.total_memory / 2**30:.1f} GiB, sm_{props.major}{props.minor}")
-for name in ("triton", "transformers", "deepspeed", "hydra", "datasets"):
+for name in ("triton", "transformers", "deepspeed", "hydra", "datasets", "torchao"):
     try:
         print(name, importlib.import_module(name).__version__)
     except Exception as err:  # report what is missing, measure the rest
@@ -79,7 +79,7 @@ EOF
 section "CUDA tests (autotuning pinned to each kernel's first config)" 170 \
   env GPT3D_TRITON_AUTOTUNE=0 "$PY" -m pytest -q -p no:cacheprovider -rfEs --durations=5 tests/model/test_attention_cuda.py
 section "Attention kernel vs SDPA backends" 210 "$PY" -m bench.attention --json "${RESULT%.md}-attention.json"
-section "Training step: gpt3d (Triton kernel, SDPA, DeepSpeed engine by precision) vs Hugging Face GPT-2" 240 \
+section "Training step: gpt3d (Triton kernel, SDPA, DeepSpeed engine by precision: autocast, bf16, fp8 tensorwise and rowwise) vs Hugging Face GPT-2" 240 \
   "$PY" -m bench.train_speed model=gpt3-125m model=gpt3-350m --json "${RESULT%.md}-train-speed.json"
 section "Training step, larger models (micro batch 8 for 760m, 2 for 1.3b)" 420 \
   "$PY" -m bench.train_speed model=gpt3-760m model=gpt3-1.3b --json "${RESULT%.md}-train-speed-large.json"
