@@ -19,10 +19,12 @@ Rows, on the same batches:
                                (the baseline, *; gpt3d sdpa when transformers is not installed)
   gpt3d deepspeed precision=P  gpt3d's real training step (train/step.py: the DeepSpeed engine, as
                                `python -m train` builds it through train.loop.build) for train.precision
-                               P: autocast, bf16, fp8 (tensorwise) and fp8 rowwise on a GPU (fp32, bf16
-                               and fp8 on the CPU, whose float8 products are emulated), fp8 reported as
-                               SKIPPED with the reason where it cannot run (a GPU before compute
-                               capability 8.9, no torchao)
+                               P: autocast, bf16, fp8 (tensorwise) and fp8 rowwise, then bf16 and fp8
+                               with model.compile ("compiled": eager fp8's casts launch about 70 kernels
+                               per linear, which the compiled blocks fuse) on a GPU; fp32, bf16 and fp8
+                               on the CPU, whose float8 products are emulated; fp8 reported as SKIPPED
+                               with the reason where it cannot run (a GPU before compute capability
+                               8.9, no torchao)
 The first four rows' step is the math of gpt3d's training loop, written out in plain torch: forward under bf16
 autocast (fp32 weights; no autocast on the CPU), mean next-token cross-entropy in fp32, backward,
 gradient clipping at 1.0, torch.optim.AdamW(fused=True, betas=(0.9, 0.95), eps=1e-8,
@@ -191,11 +193,12 @@ def benchmark(name, config: GPTConfig, micro_batch, warmup, steps, device, peak_
                 row.step(x, y, timed=round_index >= warmup)
     for row in rows:
         row.release()
-    precisions = [("autocast", None), ("bf16", None), ("fp8", "tensorwise"), ("fp8", "rowwise")]
+    precisions = [("autocast", None, False), ("bf16", None, False), ("fp8", "tensorwise", False),
+                  ("fp8", "rowwise", False), ("bf16", None, True), ("fp8", "tensorwise", True)]
     if device.type != "cuda":
-        precisions = [("fp32", None), ("bf16", None), ("fp8", "tensorwise")]
-    for precision, recipe in precisions:
-        row = EngineRow(name, precision, micro_batch, config.seq_len, device, recipe)
+        precisions = [("fp32", None, False), ("bf16", None, False), ("fp8", "tensorwise", False)]
+    for precision, recipe, compiled in precisions:
+        row = EngineRow(name, precision, micro_batch, config.seq_len, device, recipe, compiled)
         for round_index, (x, y) in enumerate(batches(config, micro_batch, warmup + steps, device)):
             if row.error is None:
                 row.step(x, y, timed=round_index >= warmup)
@@ -218,9 +221,9 @@ class EngineRow(Row):
     micro batch per step, at train.precision `precision` (fp8: by train.fp8_recipe `recipe`); SKIPPED with
     the reason where it cannot run."""
 
-    def __init__(self, model_name, precision, micro_batch, seq_len, device, recipe=None):
-        rowwise = " rowwise" if recipe == "rowwise" else ""
-        self.name, self.device = f"gpt3d deepspeed precision={precision}{rowwise}", device
+    def __init__(self, model_name, precision, micro_batch, seq_len, device, recipe=None, compiled=False):
+        rowwise, compile_ = " rowwise" if recipe == "rowwise" else "", " compiled" if compiled else ""
+        self.name, self.device = f"gpt3d deepspeed precision={precision}{rowwise}{compile_}", device
         self.step_s, self.losses, self.peak_gib, self.error, self.skipped = [], [], 0.0, None, None
         self.trainer = None
         if precision == "fp8":
@@ -231,7 +234,7 @@ class EngineRow(Row):
                 self.skipped = self.error = f"SKIPPED: {refusal}"
                 return
         try:
-            self.trainer = engine_trainer(model_name, precision, micro_batch, seq_len, device, recipe)
+            self.trainer = engine_trainer(model_name, precision, micro_batch, seq_len, device, recipe, compiled)
         except Exception as err:  # reported in the table, never dropped
             self.fail(err)
 
@@ -252,9 +255,9 @@ class EngineRow(Row):
         return float(result.loss)  # the step's one host sync, as the loop's logging makes
 
 
-def engine_trainer(model_name, precision, micro_batch, seq_len, device, recipe=None):
-    """train.loop.build for one model at train.precision `precision` (and train.fp8_recipe `recipe`), one
-    micro batch per step."""
+def engine_trainer(model_name, precision, micro_batch, seq_len, device, recipe=None, compiled=False):
+    """train.loop.build for one model at train.precision `precision` (and train.fp8_recipe `recipe`, and
+    model.compile `compiled`), one micro batch per step."""
     from hydra import compose, initialize_config_dir
 
     from train import loop
@@ -265,7 +268,8 @@ def engine_trainer(model_name, precision, micro_batch, seq_len, device, recipe=N
     settings = [f"model={model_name}", f"model.seq_len={seq_len}", f"train.precision={precision}",
                 f"train.micro_batch_size={micro_batch}", f"train.global_batch_size={micro_batch}",
                 f"train.device={device.type}", "data.streams=1", "train.eval_interval=0", "train.sample_tokens=0",
-                "logging.wandb.mode=disabled", *([f"train.fp8_recipe={recipe}"] if recipe else [])]
+                "logging.wandb.mode=disabled", f"model.compile={str(compiled).lower()}",
+                *([f"train.fp8_recipe={recipe}"] if recipe else [])]
     with initialize_config_dir(version_base=None, config_dir=str(CONFIG_DIR), job_name="train_speed"):
         cfg = compose("config", overrides=settings)
     return loop.build(resolve(cfg, Path(tempfile.mkdtemp(prefix="gpt3d-train-speed-"))))

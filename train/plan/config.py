@@ -54,15 +54,16 @@ def layout_from_config(cfg, model_cfg: GPTConfig, gpus: int) -> Layout:
 
 def implementation_from_config(cfg) -> Implementation:
     """gpt3d's implementation under the run's train.precision (auto: what it is on a GPU, bf16; the
-    planner always predicts for a GPU), parallel.overlap_communication and train.fused_loss (both
-    true by default)."""
+    planner always predicts for a GPU) and train.fp8_recipe, parallel.overlap_communication and
+    train.fused_loss (both true by default), and model.compile."""
     precision = cfg.train.get("precision", "auto")
     if precision == "auto":
         precision = "bf16"
     overlap, fused_loss = cfg.parallel.get("overlap_communication", True), cfg.train.get("fused_loss", True)
     if not isinstance(fused_loss, bool):
         raise ValueError(f"train.fused_loss={fused_loss!r}: must be true or false")
-    return for_precision(precision, bool(overlap), fused_loss)
+    return for_precision(precision, bool(overlap), fused_loss, cfg.train.get("fp8_recipe", "tensorwise"),
+                         bool(cfg.model.get("compile", False)))
 
 
 def hardware_from_config(plan_cfg) -> Hardware:
