@@ -283,17 +283,17 @@ def build_meta(config):
 
 def print_table(rows, tokens, flops_tok, peak_tflops):
     base = next((r for r in rows if r.error is None and r.step_s), None)
-    head = (f"{'row':<34} {'step ms':>9} {'(min-max)':>15} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>8} "
+    head = (f"{'row':<46} {'step ms':>9} {'(min-max)':>15} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>8} "
             f"{'loss first→last':>16} {'speed×':>7}")
     print(head)
     print("-" * len(head))
     for row in rows:
         mark = " *" if row is base else ""
         if row.skipped:
-            print(f"{row.name:<34} {row.skipped}")
+            print(f"{row.name:<46} {row.skipped}")
             continue
         if row.error is not None or not row.step_s:
-            print(f"{row.name + mark:<34} FAILED {row.error or 'no timed step'}")
+            print(f"{row.name + mark:<46} FAILED {row.error or 'no timed step'}")
             continue
         step = statistics.median(row.step_s)
         tok_s = tokens / step
@@ -303,7 +303,7 @@ def print_table(rows, tokens, flops_tok, peak_tflops):
         losses = f"{row.losses[0]:.3f}→{row.losses[-1]:.3f}"
         speed = tok_s / (tokens / statistics.median(base.step_s))
         peak = f"{row.peak_gib:>8.1f}" if row.device.type == "cuda" else f"{'n/a':>8}"
-        print(f"{row.name + mark:<34} {1e3 * step:>9.1f} {spread:>15} {tok_s:>10.0f} {mfu_text} {peak} "
+        print(f"{row.name + mark:<46} {1e3 * step:>9.1f} {spread:>15} {tok_s:>10.0f} {mfu_text} {peak} "
               f"{losses:>16} {speed:>7.2f}")
     sys.stdout.flush()
 
