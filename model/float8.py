@@ -181,8 +181,10 @@ def scaled_mm(a8, scale_a, b8, scale_b, dtype: torch.dtype, fast_accumulation: b
 
 def emulated_mm(a8, scale_a, b8, scale_b, dtype: torch.dtype, fast_accumulation: bool) -> torch.Tensor:
     """(Â/s_A)(B̂/s_B) as torchao emulates it: the float8 values (exact in fp32) divided by their scales,
-    multiplied in fp32, rounded to `dtype` (model.modes.Float8.emulate)."""
-    return torch.mm(a8.float() / scale_a, b8.float() / scale_b).to(dtype)
+    multiplied in fp32 (also under autocast, as generation runs), rounded to `dtype`
+    (model.modes.Float8.emulate)."""
+    with torch.autocast(a8.device.type, enabled=False):
+        return torch.mm(a8.float() / scale_a, b8.float() / scale_b).to(dtype)
 
 
 def _padded(t: torch.Tensor) -> torch.Tensor:
