@@ -77,7 +77,7 @@ class Float8Matmuls:
             raise ValueError(f"float8 recipe {mode.recipe!r}: must be one of {list(RECIPES)}")
         if split not in SPLITS or (split is None) != (reduce_max is None):
             raise ValueError(f"split={split!r} with reduce_max={reduce_max!r}: a split needs its reduction and only it")
-        self.mode, self.split, self.reduce_max = mode, split, reduce_max
+        self.reduce_max = reduce_max
         self.multiply = emulated_mm if mode.emulate else scaled_mm
         config = Float8LinearConfig.from_recipe_name(mode.recipe)
         # (A's cast, B's cast, the product's settings) of each of the three products
@@ -132,7 +132,9 @@ class Float8Matmuls:
         a8 = quantize(a, scale_a, cast_a.target_dtype).contiguous()  # (M, K) row-major
         b8 = quantize(b, scale_b, cast_b.target_dtype).t().contiguous().t()  # (K, P) column-major
         out = self.multiply(a8, scale_a, b8, scale_b, a.dtype, gemm.use_fast_accum)  # (M, P)
-        return out[:rows, :cols], tuple(amaxes)
+        if out.shape != (rows, cols):
+            out = out[:rows, :cols].contiguous()  # (M, P): a reduction of it runs in place
+        return out, tuple(amaxes)
 
 
 class Float8Grads:
