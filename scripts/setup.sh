@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Creates .venv (Python 3.11) with a CPU build of PyTorch and gpt3d installed editable with its test
-# extras. Safe to re-run: an existing .venv with gpt3d installed is reused.
+# extras (torchao among them, for train.precision=fp8). Safe to re-run: an existing .venv with all of them is reused.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3.11}"
-if [ -x .venv/bin/python ] && .venv/bin/python -c "import model, train, deepspeed, triton" 2>/dev/null; then
+if [ -x .venv/bin/python ] && .venv/bin/python -c "import model, train, deepspeed, triton, torchao" 2>/dev/null; then
   exit 0
 fi
 "$PYTHON" -m venv .venv
