@@ -5,7 +5,7 @@ with and without sequence parallelism, for each recipe, and the one-process GPT 
 float8 operands of every product are then the one-process run's, element for element but for the
 rare element whose value, summed over ranks in another order, lands on the other side of a float8
 rounding boundary: the loss and every gradient shard equal the one-process ones to 1e-3 of each
-tensor's largest element (in fact 1e-4 or less, most of them to 1e-6). The control, tensorwise: the
+tensor's largest element (observed: at most 2e-4, most of them within 1e-6). The control, tensorwise: the
 same sharded model with each amax left to its rank's own piece is off by far more (≥ 1e-2), so the
 tolerance does tell the two apart. Rowwise scales are powers of two, and a float8 value's relative
 rounding does not depend on a power-of-two scale until values reach e4m3's subnormal range, so there
