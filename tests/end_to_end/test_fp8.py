@@ -3,9 +3,9 @@
 Two one-process runs of the tiny model (cli.TINY) for PARITY_STEPS steps, one in fp8 and one in bf16,
 are shared by every case here:
   parity   the fp8 run's final training and validation losses within 2% of the bf16 run's, its
-           gradient norms finite throughout (the issue asks for 200 steps of the toy model: at about
-           1 s per step on 2 CPU cores for each run that is too long for CI; the measured figures are
-           in docs/gpu-values.md)
+           gradient norms finite throughout (the issue asks for 200 steps of the toy model: each run
+           took over half an hour on the 2 CPU cores under other jobs' load, far too long for CI; those
+           figures are in docs/gpu-values.md)
   layouts  tp=2, pp=2 and tp=2·pp=2 fp8 runs under torchrun reproduce the one-process fp8 run's first
            steps within bf16's tolerance (cli.TOLERANCES["bf16"]): every amax of a split operand is
            reduced over the tensor-parallel ranks, so each layout quantizes as one process does
