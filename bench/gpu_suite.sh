@@ -31,7 +31,7 @@ declare -A JOB=([cuda-tests]=1 [attention]=1 [train-small]=1 [profile]=1
 declare -A TITLE=(
   [cuda-tests]="CUDA tests: the kernel against float64, autotuning pinned to each kernel's first config"
   [attention]="Attention kernel vs SDPA's flash, cuDNN and efficient backends (T=2048 and 8192)"
-  [train-small]="Training step of gpt3-125m and gpt3-350m: plain rows vs Hugging Face GPT-2, and the DeepSpeed engine by precision (MFU)"
+  [train-small]="Training step of gpt3-125m and gpt3-350m: plain rows vs Hugging Face GPT-2, and the DeepSpeed engine by precision: autocast, bf16, fp8 tensorwise and rowwise, compiled bf16 and fp8 (MFU)"
   [profile]="Profile: where a step of gpt3-125m goes (python -m train's loop, bf16, micro batch 8)"
   [train-large]="Training step of gpt3-760m (micro batch 8) and gpt3-1.3b (micro batch 2), one model in memory at a time"
   [shard]="One tensor-parallel rank's block vs the planner (gpt3-175b at tp=8, gpt3-13b at tp=2)"
@@ -199,7 +199,7 @@ print("python", platform.python_version(), "| torch", torch.__version__, "| CUDA
       "| cuDNN", torch.backends.cudnn.version())
 props = torch.cuda.get_device_properties(0)
 print(f"{props.name}: {props.multi_processor_count} SMs, {props.total_memory / 2**30:.1f} GiB, sm_{props.major}{props.minor}")
-for name in ("triton", "transformers", "deepspeed", "hydra", "datasets", "wandb"):
+for name in ("triton", "transformers", "deepspeed", "hydra", "datasets", "wandb", "torchao"):
     try:
         print(name, importlib.import_module(name).__version__)
     except Exception as err:  # report what is missing, measure the rest

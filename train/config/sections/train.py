@@ -20,6 +20,7 @@ from train.config.settings import (
 
 DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("auto", "fp32", "autocast", "bf16", "fp8")
+FP8_RECIPES = ("tensorwise", "rowwise")  # model/float8.py
 OVERWRITE = "overwrite"  # train.resume: move an earlier run in the run folder aside (train/config/run_folder.py)
 SEED = Check(lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**31, "must be an integer in [0, 2^31)")
 
@@ -75,8 +76,10 @@ class TrainConfig(Section):
     device: str = setting("auto", "`auto` (cuda if available, else cpu), `cpu`, `cuda`", one_of(*DEVICES))
     precision: str = setting(
         "auto", "`auto` (bf16 on CUDA, fp32 on CPU), `fp32`, `autocast` (fp32 weights under bf16 autocast), `bf16` "
-                "(bf16 weights, fp32 masters and moments in the optimizer); `fp8` is refused with its reason "
-                "(train/precision.py)", one_of(*PRECISIONS))
+                "(bf16 weights, fp32 masters and moments in the optimizer), `fp8` (bf16, and the blocks' linears in float8; "
+                "GPUs of compute capability ≥ 8.9; train/precision.py)", one_of(*PRECISIONS))
+    fp8_recipe: str = setting("tensorwise", "with fp8: `tensorwise` (one scale per tensor, gradients e5m2) or "
+                                            "`rowwise` (one scale per row, all e4m3)", one_of(*FP8_RECIPES))
     sample_tokens: int = setting(64, "tokens sampled after training (0 to skip)", NON_NEGATIVE_INT)
     sample_prompt: str = setting("def ", "the prompt of the end-of-run sample")
     max_consecutive_skips: int = setting(5, "stop after this many steps in a row skipped for a non-finite loss or "
