@@ -22,6 +22,9 @@ the Chrome/Perfetto trace (open it in https://ui.perfetto.dev or chrome://tracin
   between steps           from the end of one step to the start of the next: data wait, logging, checks
   total                   the profiled steps' wall time, from the first one's start to the next step's
 
+--json PATH also writes the table (rows in seconds per step, steps, total_s, device, trace, and the
+command's overrides) as JSON: the summary to keep when the trace stays behind in a scratch folder.
+
 A step spans from one `train_step` range (train/step.py marks each) to the next, so the rows add up
 to the total by construction; on CUDA the op rows are device (kernel) time, on a CPU the ops' own
 time on the training thread (each op's self time: nested ops are not counted twice).
@@ -55,6 +58,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="profiled steps in the table (default 3)")
     parser.add_argument("--skip", type=int, default=1, help="steps run first, not profiled (default 1, at least 1)")
     parser.add_argument("--run-dir", type=Path, help="the run folder (default runs/profile/<time>)")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="also write the table to PATH as JSON")
     args = parser.parse_args()
     if args.steps < 1 or args.skip < 1:
         parser.error(f"--steps {args.steps} and --skip {args.skip} must be ≥ 1")
@@ -62,6 +66,10 @@ def main() -> None:
     table = profile(args.overrides, run_dir, args.steps, args.skip)
     if table is not None:
         print(format_table(table))
+        if args.json:
+            from train.metrics import write_atomically
+
+            write_atomically(args.json, json.dumps({**table, "overrides": args.overrides}, indent=1) + "\n")
 
 
 def profile(overrides: list[str], run_dir: Path, steps: int, skip: int) -> dict | None:

@@ -5,7 +5,13 @@
   python -m bench.recovery --checks kill,sigterm --json recovery.json --run-dir /tmp/recovery
   python -m bench.recovery model.n_layer=6        # overrides for every run, after the device's own
 
-Every run uses `model.deterministic_attention=true`, no evaluation and no sample. The checks:
+Every run uses `model.deterministic_attention=true`, no evaluation and no sample, and the attention
+kernels' pinned configs (GPT3D_TRITON_AUTOTUNE=0, unless the environment sets it): autotuning in each
+process could pick other block sizes for the resumed run than for the uninterrupted one, and those
+round differently, so the exact checks would compare two kernels; it also spares every process the
+tuning. On CUDA (gpt3-125m: about 1.75 GB per checkpoint, three per long run) bench/gpu_suite.sh runs
+the checks in two groups, each under its own time limit: `--checks kill,sigterm` (5 processes) and
+`--checks nonfinite,ramp,checkpoint` (4). The checks:
 
   kill        a run with checkpoints is killed with SIGKILL after its first checkpoint (mid-run: fewer
               steps logged than train.max_steps) and started again; its losses and gradient norms, step
@@ -57,7 +63,7 @@ SETTINGS = {
             "steps": 24, "interval": 4, "ramp_batch": 12},
     "cuda": {"overrides": ["train.device=cuda", "model=gpt3-125m", "model.seq_len=512", "train.global_batch_size=8",
                            "train.micro_batch_size=8"],
-             "steps": 40, "interval": 5, "ramp_batch": 24},
+             "steps": 24, "interval": 8, "ramp_batch": 24},  # 3 checkpoints a run: 2 pauses before the last
 }
 MAX_SKIPS = 3
 RUN_TIMEOUT_S = 600
@@ -76,6 +82,7 @@ class Runs:
         self.env = {k: v for k, v in os.environ.items()
                     if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
         self.env.update(WANDB_SILENT="true", PYTHONUNBUFFERED="1")
+        self.env.setdefault("GPT3D_TRITON_AUTOTUNE", "0")  # the same kernel configs in every run (module docstring)
         if device == "cpu":
             self.env.setdefault("OMP_NUM_THREADS", "1")  # a tiny model: more threads only cost
 

@@ -3,7 +3,7 @@ Hugging Face `transformers` GPT-2 of the same shape (what a user would otherwise
 
   python -m bench.train_speed model=gpt3-125m                  # one model size
   python -m bench.train_speed model=gpt3-125m model=gpt3-350m  # several, one table each
-  python -m bench.train_speed model=gpt3-1.3b --micro-batch 2  # needs about 75 GiB for three models
+  python -m bench.train_speed model=gpt3-1.3b --micro-batch 2  # one model in memory at a time (automatic)
   python -m bench.train_speed model=toy --device cpu --seq-len 64 --steps 2 --warmup 1   # CPU smoke run
   python -m bench.train_speed model=gpt3-760m model=gpt3-1.3b --json rows.json   # also every row as JSON
 
@@ -19,17 +19,23 @@ Rows, on the same batches:
                                (the baseline, *; gpt3d sdpa when transformers is not installed)
   gpt3d deepspeed precision=P  gpt3d's real training step (train/step.py: the DeepSpeed engine, as
                                `python -m train` builds it through train.loop.build) for train.precision
-                               P: autocast and bf16 on a GPU (fp32 and bf16 on the CPU), and fp8,
-                               reported as SKIPPED with the reason where it cannot run
+                               P: autocast, bf16, fp8 (tensorwise) and fp8 rowwise, then bf16 and fp8
+                               with model.compile ("compiled": eager fp8's casts launch about 70 kernels
+                               per linear, which the compiled blocks fuse) on a GPU; fp32, bf16 and fp8
+                               on the CPU, whose float8 products are emulated; fp8 reported as SKIPPED
+                               with the reason where it cannot run (a GPU before compute capability
+                               8.9, no torchao)
 The first four rows' step is the math of gpt3d's training loop, written out in plain torch: forward under bf16
 autocast (fp32 weights; no autocast on the CPU), mean next-token cross-entropy in fp32, backward,
 gradient clipping at 1.0, torch.optim.AdamW(fused=True, betas=(0.9, 0.95), eps=1e-8,
 weight_decay=0.1). DeepSpeed's engine (not installed where this was first run), its bookkeeping
-and the data pipeline are NOT in that loop: this is the model's own speed. Those models' steps
-alternate, one step of each per round, so clocks and machine load affect them alike; the first
-`--warmup` rounds (Triton autotunes in the first) are not timed. The DeepSpeed rows run after them,
-one engine at a time (the plain models freed first, so the larger sizes fit), on the same batches
-with the same warm-up and timed rounds; the data pipeline stays out of them too.
+and the data pipeline are NOT in that loop: this is the model's own speed. When those models, with
+their gradients and AdamW state (16 bytes per parameter), fit together in half the GPU's memory,
+their steps alternate, one step of each per round, so clocks and machine load affect them alike;
+otherwise (gpt3-760m and larger on 80 GB; --one-at-a-time forces it) each row runs all its rounds
+alone and is freed before the next one is built. The first `--warmup` rounds (Triton autotunes in
+the first) are not timed. The DeepSpeed rows run after them, one engine at a time, on the same
+batches with the same warm-up and timed rounds; the data pipeline stays out of them too.
 
 Columns: step ms = median over the timed rounds (min–max); tokens/s = micro batch × T / step;
 MFU = tokens/s × (6N + 12·L·d·T) / peak, the PaLM FLOPs count of train/metrics.py with N the
@@ -41,7 +47,8 @@ for the plain rows and composed with Hydra (configs/config.yaml) for the DeepSpe
 
 --json PATH writes a JSON list with one object per row, failed and skipped rows included: model,
 row, step_ms, tokens_per_s, mfu, peak_gib (null on the CPU and for rows that did not run), gpu (the
-GPU's name or "CPU"), commit, micro_batch, seq_len, error.
+GPU's name or "CPU"), commit, micro_batch, seq_len, alternated (whether the row's steps alternated
+with other rows' or ran alone), error.
 """
 
 from __future__ import annotations
@@ -104,14 +111,23 @@ def hf_loss(model, x, y):
     return lm_loss(model(input_ids=x).logits, y)  # transformers: the same loss on its logits
 
 
+STATE_BYTES_PER_PARAMETER = 16  # a plain row's fp32 weights, gradients and AdamW's two moments
+
+
 class Row:
-    """One model being timed: its step, its timings, peak memory and losses, or why it failed."""
+    """One model being timed: its step, its timings, peak memory and losses, or why it failed. The
+    model is built by `build()`, so that a row can wait for the one before it to be freed."""
+
+    alternated = True
 
     def __init__(self, name, make_model, loss_fn, device):
-        self.name, self.loss_fn, self.device = name, loss_fn, device
+        self.name, self.make_model, self.loss_fn, self.device = name, make_model, loss_fn, device
         self.step_s, self.losses, self.peak_gib, self.error, self.skipped = [], [], 0.0, None, None
+        self.model = self.opt = None
+
+    def build(self):
         try:
-            self.model = make_model()
+            self.model = self.make_model()
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8,
                                          weight_decay=0.1, fused=True)
         except Exception as err:  # reported in the table, never dropped
@@ -159,9 +175,52 @@ class Row:
         return loss.detach()
 
 
-def benchmark(name, config: GPTConfig, micro_batch, warmup, steps, device, peak_tflops):
+def plain_rows_fit(n_params: int, n_rows: int, device) -> tuple[bool, str]:
+    """Whether the plain rows' models, gradients and AdamW state fit together in half the GPU's memory
+    (the rest for activations); and the reason, when they do not. Always on a CPU."""
+    if device.type != "cuda":
+        return True, ""
+    total = torch.cuda.get_device_properties(device).total_memory
+    need = n_rows * STATE_BYTES_PER_PARAMETER * n_params
+    if need <= total / 2:
+        return True, ""
+    return False, (f"{n_rows} models' weights, gradients and AdamW state would take {need / 2**30:.0f} GiB together, "
+                   f"over half of the GPU's {total / 2**30:.0f} GiB")
+
+
+def run_plain_rows(rows, config, micro_batch, warmup, steps, device, alone: bool):
+    """Every plain row's rounds: alternating, one step of each row per round, or (alone) each row's
+    rounds in turn, each model freed before the next one is built. Every row is released at the end."""
+    def describe(row):
+        if row.name.startswith("hf-gpt2") and row.model is not None:
+            hf_n = sum(p.numel() for n, p in row.model.named_parameters() if "wpe" not in n)
+            print(f"hf-gpt2 parameters without positions: {hf_n / 1e6:.1f}M")
+
+    if alone:
+        for row in rows:
+            row.alternated = False
+            row.build()
+            describe(row)
+            for round_index, (x, y) in enumerate(batches(config, micro_batch, warmup + steps, device)):
+                if row.error is None:
+                    row.step(x, y, timed=round_index >= warmup)
+            row.release()
+        return
+    for row in rows:
+        row.build()
+        describe(row)
+    for round_index, (x, y) in enumerate(batches(config, micro_batch, warmup + steps, device)):
+        for row in rows:
+            if row.error is None:
+                row.step(x, y, timed=round_index >= warmup)
+    for row in rows:
+        row.release()
+
+
+def benchmark(name, config: GPTConfig, micro_batch, warmup, steps, device, peak_tflops, one_at_a_time=None):
     """The table of one model size; returns its rows (plain ones first, then DeepSpeed's), the tokens
-    per step and the FLOPs per token."""
+    per step and the FLOPs per token. one_at_a_time: run the plain rows alone, one after the other
+    (None: when they do not fit together, plain_rows_fit)."""
     gpt3d_impl = "triton" if device.type == "cuda" else "torch"
 
     def gpt3d(impl, fused_loss=True):
@@ -180,18 +239,17 @@ def benchmark(name, config: GPTConfig, micro_batch, warmup, steps, device, peak_
     print(f"\n{name}: {config.n_layer} layers, d_model {config.d_model}, {config.n_head} heads of {config.d_head}, "
           f"T={config.seq_len}, micro batch {micro_batch} ({tokens} tokens/step), N={n_params / 1e6:.1f}M without "
           f"positions, {flops_tok / 1e9:.2f} GFLOP/token; {warmup} warm-up + {steps} timed rounds")
-    if rows[0].model is not None:
-        hf_n = sum(p.numel() for n, p in rows[0].model.named_parameters() if "wpe" not in n)
-        print(f"hf-gpt2 parameters without positions: {hf_n / 1e6:.1f}M")
-    for round_index, (x, y) in enumerate(batches(config, micro_batch, warmup + steps, device)):
-        for row in rows:
-            if row.error is None:
-                row.step(x, y, timed=round_index >= warmup)
-    for row in rows:
-        row.release()
-    precisions = ("autocast", "bf16", "fp8") if device.type == "cuda" else ("fp32", "bf16", "fp8")
-    for precision in precisions:
-        row = EngineRow(name, precision, micro_batch, config.seq_len, device)
+    fit, why = plain_rows_fit(count_parameters(build_meta(config)), len(rows), device)
+    alone = (not fit) if one_at_a_time is None else one_at_a_time
+    if alone:
+        print(f"plain rows one at a time, each freed before the next is built{': ' + why if why else ''}")
+    run_plain_rows(rows, config, micro_batch, warmup, steps, device, alone)
+    precisions = [("autocast", None, False), ("bf16", None, False), ("fp8", "tensorwise", False),
+                  ("fp8", "rowwise", False), ("bf16", None, True), ("fp8", "tensorwise", True)]
+    if device.type != "cuda":
+        precisions = [("fp32", None, False), ("bf16", None, False), ("fp8", "tensorwise", False)]
+    for precision, recipe, compiled in precisions:
+        row = EngineRow(name, precision, micro_batch, config.seq_len, device, recipe, compiled)
         for round_index, (x, y) in enumerate(batches(config, micro_batch, warmup + steps, device)):
             if row.error is None:
                 row.step(x, y, timed=round_index >= warmup)
@@ -211,19 +269,24 @@ def batches(config: GPTConfig, micro_batch: int, rounds: int, device):
 
 class EngineRow(Row):
     """gpt3d's training step through the DeepSpeed engine (train.loop.build, then TrainStep), one
-    micro batch per step, at train.precision `precision`; SKIPPED with the reason where it cannot run."""
+    micro batch per step, at train.precision `precision` (fp8: by train.fp8_recipe `recipe`); SKIPPED with
+    the reason where it cannot run."""
 
-    def __init__(self, model_name, precision, micro_batch, seq_len, device):
-        self.name, self.device = f"gpt3d deepspeed precision={precision}", device
+    def __init__(self, model_name, precision, micro_batch, seq_len, device, recipe=None, compiled=False):
+        rowwise, compile_ = " rowwise" if recipe == "rowwise" else "", " compiled" if compiled else ""
+        self.name, self.device = f"gpt3d deepspeed precision={precision}{rowwise}{compile_}", device
         self.step_s, self.losses, self.peak_gib, self.error, self.skipped = [], [], 0.0, None, None
         self.trainer = None
+        self.alternated = False
         if precision == "fp8":
             from train.precision import fp8_refusal
 
-            self.skipped = self.error = f"SKIPPED: {fp8_refusal(device)}"
-            return
+            refusal = fp8_refusal(device)
+            if refusal is not None:
+                self.skipped = self.error = f"SKIPPED: {refusal}"
+                return
         try:
-            self.trainer = engine_trainer(model_name, precision, micro_batch, seq_len, device)
+            self.trainer = engine_trainer(model_name, precision, micro_batch, seq_len, device, recipe, compiled)
         except Exception as err:  # reported in the table, never dropped
             self.fail(err)
 
@@ -244,8 +307,9 @@ class EngineRow(Row):
         return float(result.loss)  # the step's one host sync, as the loop's logging makes
 
 
-def engine_trainer(model_name, precision, micro_batch, seq_len, device):
-    """train.loop.build for one model at train.precision `precision`, one micro batch per step."""
+def engine_trainer(model_name, precision, micro_batch, seq_len, device, recipe=None, compiled=False):
+    """train.loop.build for one model at train.precision `precision` (and train.fp8_recipe `recipe`, and
+    model.compile `compiled`), one micro batch per step."""
     from hydra import compose, initialize_config_dir
 
     from train import loop
@@ -256,7 +320,8 @@ def engine_trainer(model_name, precision, micro_batch, seq_len, device):
     settings = [f"model={model_name}", f"model.seq_len={seq_len}", f"train.precision={precision}",
                 f"train.micro_batch_size={micro_batch}", f"train.global_batch_size={micro_batch}",
                 f"train.device={device.type}", "data.streams=1", "train.eval_interval=0", "train.sample_tokens=0",
-                "logging.wandb.mode=disabled"]
+                "logging.wandb.mode=disabled", f"model.compile={str(compiled).lower()}",
+                *([f"train.fp8_recipe={recipe}"] if recipe else [])]
     with initialize_config_dir(version_base=None, config_dir=str(CONFIG_DIR), job_name="train_speed"):
         cfg = compose("config", overrides=settings)
     return loop.build(resolve(cfg, Path(tempfile.mkdtemp(prefix="gpt3d-train-speed-"))))
@@ -270,17 +335,17 @@ def build_meta(config):
 
 def print_table(rows, tokens, flops_tok, peak_tflops):
     base = next((r for r in rows if r.error is None and r.step_s), None)
-    head = (f"{'row':<34} {'step ms':>9} {'(min-max)':>15} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>8} "
+    head = (f"{'row':<46} {'step ms':>9} {'(min-max)':>15} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>8} "
             f"{'loss first→last':>16} {'speed×':>7}")
     print(head)
     print("-" * len(head))
     for row in rows:
         mark = " *" if row is base else ""
         if row.skipped:
-            print(f"{row.name:<34} {row.skipped}")
+            print(f"{row.name:<46} {row.skipped}")
             continue
         if row.error is not None or not row.step_s:
-            print(f"{row.name + mark:<34} FAILED {row.error or 'no timed step'}")
+            print(f"{row.name + mark:<46} FAILED {row.error or 'no timed step'}")
             continue
         step = statistics.median(row.step_s)
         tok_s = tokens / step
@@ -290,7 +355,7 @@ def print_table(rows, tokens, flops_tok, peak_tflops):
         losses = f"{row.losses[0]:.3f}→{row.losses[-1]:.3f}"
         speed = tok_s / (tokens / statistics.median(base.step_s))
         peak = f"{row.peak_gib:>8.1f}" if row.device.type == "cuda" else f"{'n/a':>8}"
-        print(f"{row.name + mark:<34} {1e3 * step:>9.1f} {spread:>15} {tok_s:>10.0f} {mfu_text} {peak} "
+        print(f"{row.name + mark:<46} {1e3 * step:>9.1f} {spread:>15} {tok_s:>10.0f} {mfu_text} {peak} "
               f"{losses:>16} {speed:>7.2f}")
     sys.stdout.flush()
 
@@ -309,7 +374,8 @@ def json_records(model_name, rows, tokens, flops_tok, peak_tflops, micro_batch, 
             "model": model_name, "row": row.name, "step_ms": 1e3 * step if ran else None, "tokens_per_s": tok_s,
             "mfu": metrics.mfu(tok_s, flops_tok, peak_tflops, 1) if ran else None,
             "peak_gib": row.peak_gib if ran and device.type == "cuda" else None, "gpu": gpu, "commit": git_commit(),
-            "micro_batch": micro_batch, "seq_len": seq_len, "error": None if ran else (row.error or "no timed step")})
+            "micro_batch": micro_batch, "seq_len": seq_len, "alternated": row.alternated,
+            "error": None if ran else (row.error or "no timed step")})
     return records
 
 
@@ -323,6 +389,9 @@ def main():
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else None,
                         help="cuda (default when available) or cpu, for a smoke run")
     parser.add_argument("--json", metavar="PATH", type=Path, help="also write every row to PATH as a JSON list")
+    parser.add_argument("--one-at-a-time", action="store_true", default=None,
+                        help="run the plain rows one after the other, each model freed before the next is built "
+                             "(default: only when they do not fit together in half the GPU's memory)")
     parser.add_argument("--peak-tflops", type=float,
                         help="per-device peak for MFU (default on a GPU: its dense bf16 peak, as the training loop logs it)")
     args = parser.parse_args()
@@ -351,7 +420,8 @@ def main():
         config = GPTConfig.from_dict(values)
         n = count_parameters(build_meta(config))
         micro_batch = args.micro_batch or (8 if n < 1e9 else 2)
-        rows, tokens, flops_tok = benchmark(name, config, micro_batch, args.warmup, args.steps, device, peak)
+        rows, tokens, flops_tok = benchmark(name, config, micro_batch, args.warmup, args.steps, device, peak,
+                                            args.one_at_a_time)
         records += json_records(name, rows, tokens, flops_tok, peak, micro_batch, config.seq_len, device)
         if device.type == "cuda":
             torch.cuda.empty_cache()

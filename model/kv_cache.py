@@ -53,6 +53,13 @@ class KVCache:
         self.values[layer] = values[..., values.shape[-2] - keep :, :]  # (B, H, keep, D)
         return out
 
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep the cached keys and values of batch rows `rows` (R,), in that order; a row may repeat,
+        so R sequences continue from one encoded prefix each (several endings of one shared context)."""
+        for layer in self.keys:
+            self.keys[layer] = self.keys[layer].index_select(0, rows)  # (R, H, n, D)
+            self.values[layer] = self.values[layer].index_select(0, rows)  # (R, H, n, D)
+
     def held(self, layer: int) -> int:
         """How many tokens' keys block `layer` keeps."""
         return self.keys[layer].shape[-2] if layer in self.keys else 0

@@ -12,6 +12,9 @@ tensor-parallel ones):
   activation_checkpointing   0: keep every activation; k > 0: each run of k consecutive blocks keeps
                              only its input and recomputes inside in backward; "selective": every
                              block recomputes its LayerNorm and GELU outputs (model.layers.Block)
+  fp8                        a Float8: the blocks' four linears compute their three products each in
+                             float8 (model/float8.py), by its recipe; None: in the compute dtype
+                             (train.precision=fp8 sets it from train.fp8_recipe and the device)
 """
 
 from __future__ import annotations
@@ -22,11 +25,23 @@ SELECTIVE = "selective"  # the activation_checkpointing mode that recomputes Lay
 
 
 @dataclass(frozen=True)
+class Float8:
+    """How a linear layer's float8 products run (model/float8.py): `recipe` "tensorwise" or "rowwise";
+    `emulate`: the product of the float8 operands as an fp32 matrix multiply of their exact values
+    (torchao's emulation) instead of torch._scaled_mm, whose CPU kernel is about a thousand times slower
+    than an fp32 one; the same quantized operands, the sums rounded in another order."""
+
+    recipe: str = "tensorwise"
+    emulate: bool = False
+
+
+@dataclass(frozen=True)
 class LayerModes:
     """The modes the model's layers are built with (see the module docstring)."""
 
     fused_loss: bool = False
     activation_checkpointing: int | str = 0
+    fp8: Float8 | None = None
 
     @property
     def selective(self) -> bool:

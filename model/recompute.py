@@ -22,6 +22,12 @@ with two choices plain autograd does not offer:
 
 Under autocast the products run in the autocast dtype, as F.linear's would, and the casts of x and W
 are what is kept (as autograd keeps them for F.linear).
+
+The three products themselves are the layer's `matmuls`, chosen when the layer is built: MATMULS (the
+plain ones above) or model/float8.py's Float8Matmuls (train.precision=fp8), each as
+forward(x, W, b) → (y, kept) and backward(g, kept) → an object whose input_grad(W) = g W and
+weight_grad(x) = gᵀ x are separate calls, so the weight-gradient product can run while the
+input gradient's reduction does, or later.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from model.modes import Fixed, Float8
+
 
 class Recompute:
     """x = fn(*sources), the linear's input, recomputed in backward instead of kept."""
@@ -39,38 +47,67 @@ class Recompute:
         self.fn, self.sources = fn, sources
 
 
+class Matmuls:
+    """The layer's three products in the compute dtype, as F.linear and its autograd compute them."""
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> tuple:
+        return F.linear(x, w, bias), ()  # (…, n), nothing kept beyond x and W
+
+    def backward(self, g: torch.Tensor, kept: tuple) -> "Grads":
+        return Grads(g)
+
+
+class Grads:
+    """The backward products of g (N, n): input_grad(W) = g W (N, k), weight_grad(x) = gᵀ x (n, k)."""
+
+    def __init__(self, g: torch.Tensor):
+        self.g = g
+
+    def input_grad(self, w: torch.Tensor) -> torch.Tensor:
+        return self.g.mm(w)  # (N, k)
+
+    def weight_grad(self, x: torch.Tensor) -> torch.Tensor:
+        return self.g.t().mm(x)  # (n, k)
+
+
+MATMULS = Matmuls()
+
+
 class _Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, recompute, reduce_input_grad, gather_input):
+    def forward(ctx, x, weight, bias, recompute, reduce_input_grad, gather_input, matmuls):
         if gather_input is not None:
             x = gather_input(x)  # (…, k), from this rank's piece of the sequence
         dtype = _autocast_dtype(x)
         x_cast, w_cast = x.to(dtype), weight.to(dtype)  # the very tensors when no cast applies
-        y = F.linear(x_cast, w_cast, None if bias is None else bias.to(dtype))  # (…, n)
+        y, kept_by_matmuls = matmuls.forward(x_cast, w_cast, None if bias is None else bias.to(dtype))  # (…, n)
         kept = recompute.sources if recompute is not None else (x_cast,)
-        ctx.save_for_backward(w_cast, *kept)
-        ctx.recompute, ctx.reduce_input_grad = recompute, reduce_input_grad
+        ctx.save_for_backward(w_cast, *kept_by_matmuls, *kept)
+        ctx.recompute, ctx.reduce_input_grad, ctx.matmuls = recompute, reduce_input_grad, matmuls
+        ctx.kept_by_matmuls = len(kept_by_matmuls)
         ctx.x_shape, ctx.x_dtype, ctx.has_bias = x.shape, dtype, bias is not None
         return y
 
     @staticmethod
     def backward(ctx, grad):
         w, *kept = ctx.saved_tensors
+        kept_by_matmuls, kept = kept[: ctx.kept_by_matmuls], kept[ctx.kept_by_matmuls :]
         if ctx.recompute is not None:
             with torch.no_grad():
                 kept = [ctx.recompute.fn(*kept).to(ctx.x_dtype)]
         x = kept[0].reshape(-1, kept[0].shape[-1])  # (N, k)
         g = grad.reshape(-1, grad.shape[-1]).to(w.dtype)  # (N, n)
-        grad_x = g.mm(w).view(ctx.x_shape)  # (…, k)
+        products = ctx.matmuls.backward(g, tuple(kept_by_matmuls))
+        grad_x = products.input_grad(w).view(ctx.x_shape)  # (…, k)
 
         def parameter_grads():
-            return g.t().mm(x), (g.sum(0) if ctx.has_bias else None)  # (n, k), (n,)
+            return products.weight_grad(x), (g.sum(0) if ctx.has_bias else None)  # (n, k), (n,)
 
         if ctx.reduce_input_grad is None:
             grad_w, grad_b = parameter_grads()
         else:
             grad_x, (grad_w, grad_b) = ctx.reduce_input_grad(grad_x, parameter_grads)
-        return grad_x, grad_w, grad_b, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None
 
 
 def linear(
@@ -80,14 +117,15 @@ def linear(
     recompute: Recompute | None = None,
     reduce_input_grad: Callable | None = None,
     gather_input: Callable | None = None,
+    matmuls=MATMULS,
 ) -> torch.Tensor:
-    """F.linear(x, weight, bias) (…, k) → (…, n), with the backward choices of the module docstring;
-    without either it is F.linear itself."""
-    if recompute is None and reduce_input_grad is None and gather_input is None:
+    """F.linear(x, weight, bias) (…, k) → (…, n) through `matmuls`, with the backward choices of the
+    module docstring; with none of them and the plain products it is F.linear itself."""
+    if recompute is None and reduce_input_grad is None and gather_input is None and matmuls is MATMULS:
         return F.linear(x, weight, bias)
     if recompute is not None and gather_input is not None:
         raise ValueError("a gathered input is kept, not recomputed: recomputing it would repeat the all-gather")
-    return _Linear.apply(x, weight, bias, recompute, reduce_input_grad, gather_input)
+    return _Linear.apply(x, weight, bias, recompute, reduce_input_grad, gather_input, matmuls)
 
 
 def _autocast_dtype(x: torch.Tensor) -> torch.dtype:
@@ -96,7 +134,26 @@ def _autocast_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 class Linear(torch.nn.Linear):
-    """nn.Linear whose forward takes an optional Recompute of its input (see `linear`)."""
+    """nn.Linear whose forward takes an optional Recompute of its input (see `linear`), computing its
+    products in float8 (model/float8.py) when built with a Float8 mode `fp8` (None: the plain ones)."""
+
+    fp8 = Fixed()
+    matmuls = Fixed()
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
+                 fp8: Float8 | None = None):
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self.fp8, self.matmuls = fp8, matmuls_for(fp8)
 
     def forward(self, x: torch.Tensor, recompute: Recompute | None = None) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, recompute)  # (…, out_features)
+        return linear(x, self.weight, self.bias, recompute, matmuls=self.matmuls)  # (…, out_features)
+
+
+def matmuls_for(fp8: Float8 | None, split: str | None = None, reduce_max: Callable | None = None):
+    """The products of a layer built in the float8 mode `fp8` (model/float8.py: the tensor-parallel ranks
+    split its weight along `split`, reduce_max reduces its amaxes over them); None: the plain MATMULS."""
+    if fp8 is None:
+        return MATMULS
+    from model.float8 import Float8Matmuls
+
+    return Float8Matmuls(fp8, split, reduce_max)

@@ -1,7 +1,8 @@
 """One build path for every layout: this rank's part of the model.
 
     model.gpt.layer_list(config)   [Embedding, Block_0 … Block_{L-1}, Head], on the meta device, built
-                                   in their modes (the Head's loss, the blocks' recomputation)
+                                   in their modes (the Head's loss, the blocks' recomputation and
+                                   float8 products)
       → this stage's layers        all of them when pp = 1 (parallel/pipeline.py: stage_bounds)
       → tensor-parallel plan       parallel/tensor.py: shard_layer, the same for every layer, each
                                    replacement built in its modes (sequence parallelism, overlap)
@@ -30,7 +31,7 @@ from model import GPT, GPTConfig
 from model.compile import compile_blocks
 from model.gpt import init_layers_, layer_list
 from model.init import materialize_
-from model.modes import LayerModes
+from model.modes import Float8, LayerModes
 from parallel.pipeline import PipelineStages, stage_bounds
 from parallel.tensor import TP_PLAN, SequenceParallelLayerNorm, check_plan, full_plan, shard_layer
 from parallel.topology import check_layout
@@ -44,11 +45,14 @@ class BuildOptions:
     activation_checkpointing: int | str = 0  # k > 0: recompute each run of k blocks in backward; "selective"
     overlap_communication: bool = True  # with tp > 1: input-gradient all-reduces overlap the weight-gradient GEMMs
     fused_loss: bool = False  # the Head's loss unembeds its hidden states chunk by chunk (train.fused_loss)
+    fp8: Float8 | None = None  # the blocks' linears compute in float8 (train.precision=fp8; model/float8.py)
 
     @property
     def layer_modes(self) -> LayerModes:
-        """The modes of the model's own layers (the rest are the tensor-parallel layers')."""
-        return LayerModes(fused_loss=self.fused_loss, activation_checkpointing=self.activation_checkpointing)
+        """The modes of the model's own layers (the rest are the tensor-parallel layers'; a tensor-parallel
+        linear keeps the float8 recipe of the layer it replaces)."""
+        return LayerModes(fused_loss=self.fused_loss, activation_checkpointing=self.activation_checkpointing,
+                          fp8=self.fp8)
 
 
 def build_model(

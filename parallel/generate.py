@@ -47,6 +47,16 @@ class LayoutDecoder(Decoder):
             self.last_rank = stages[-1]
 
     def next_token(self, tokens: torch.Tensor, cache: KVCache | None, pick) -> torch.Tensor:
+        hidden = self.hidden_states(tokens, cache)  # (B, t, d) on the last stage, None elsewhere
+        if self.last:  # only the last position reaches the head
+            token = pick(self.full_logits(hidden[:, -1:])[:, 0].float())  # (B, 1)
+        else:
+            token = torch.empty(tokens.shape[0], 1, dtype=torch.long, device=self.device)
+        return self.from_last_stage(token)
+
+    def hidden_states(self, tokens: torch.Tensor, cache: KVCache | None) -> torch.Tensor | None:
+        """The unseen tokens (B, t) through every block of the layout, stage by stage: on the last
+        stage the final hidden states (B, t, d), before the head; None on the other stages."""
         b, t = tokens.shape
         if self.first:
             x = tokens  # (B, t)
@@ -55,18 +65,23 @@ class LayoutDecoder(Decoder):
             dist.recv(x, src=self.previous)  # (B, t, d)
         body = self.layers[:-1] if self.last else self.layers
         x = run_layers(body, x, cache=cache)  # (B, t, d)
-        if self.last:  # only the last position reaches the head
-            token = pick(self._full_vocabulary(self.layers[-1](x[:, -1:])).float())  # (B, 1)
-        else:
-            dist.send(x.to(self.dtype).contiguous(), dst=self.next)
-            token = torch.empty(b, 1, dtype=torch.long, device=self.device)
-        if self.topology.pp_size > 1:
-            dist.broadcast(token, src=self.last_rank, group=self.topology.pp_group)
-        return token
+        if self.last:
+            return x
+        dist.send(x.to(self.dtype).contiguous(), dst=self.next)
+        return None
 
-    def _full_vocabulary(self, logits: torch.Tensor) -> torch.Tensor:
-        """(B, V) logits over the whole vocabulary from the head's (B, 1, V or Vp/p)."""
+    def full_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the whole vocabulary (B, t, V) of the last stage's hidden states (B, t, d):
+        the head, then the vocabulary shards gathered (tp > 1)."""
+        logits = self.layers[-1](hidden)  # (B, t, V or Vp/p)
         unembedding = self.layers[-1].lm_head
         if isinstance(unembedding, VocabParallelUnembedding):
-            logits = gather_logits(logits, unembedding.group, unembedding.vocab_size)  # (B, 1, V)
-        return logits[:, 0]  # (B, V)
+            logits = gather_logits(logits, unembedding.group, unembedding.vocab_size)  # (B, t, V)
+        return logits
+
+    def from_last_stage(self, value: torch.Tensor) -> torch.Tensor:
+        """`value` as the last stage holds it, on every stage (broadcast over the pipeline group);
+        the other stages pass a tensor of its shape and dtype to receive it in."""
+        if self.topology.pp_size > 1:
+            dist.broadcast(value, src=self.last_rank, group=self.topology.pp_group)
+        return value

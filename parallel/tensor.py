@@ -38,7 +38,7 @@ from torch import nn
 from model.fused_loss import fused_linear_cross_entropy
 from model.layers import Embedding
 from model.modes import Fixed
-from model.recompute import Recompute, linear
+from model.recompute import Linear, Recompute, linear, matmuls_for
 from model.vocab import PaddedEmbedding, PaddedUnembedding, padded_vocab_size
 from parallel.comm import (
     all_reduce,
@@ -118,19 +118,24 @@ class ColumnParallelLinear(nn.Module):
                          itself, so the reduction it overlaps is that gather's adjoint, a reduce-scatter
                          (the LayerNorm before it leaves its output split: SequenceParallelLayerNorm)
     Sequence parallelism without overlap: the LayerNorm before gathers, and its backward reduce-scatters.
+    Built with `fp8` (a model.modes.Float8) the products run in float8 (model/float8.py), W's and g's amaxes
+    reduced over the group (they are split by output features; x is whole on every rank).
     """
 
     sequence_parallel = Fixed()
     overlap = Fixed()
+    fp8 = Fixed()
+    matmuls = Fixed()
 
     def __init__(
         self, in_features, out_features, group, bias=True, sequence_parallel=False, tag="", device=None, dtype=None,
-        overlap=False,
+        overlap=False, fp8=None,
     ):
         super().__init__()
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         self.group, self.tag = group, tag
         self.sequence_parallel, self.overlap = sequence_parallel, overlap
+        self.fp8, self.matmuls = fp8, matmuls_for(fp8, "out", _reduce_max(group, tag))
         local = _local(out_features, size, f"{tag or 'column-parallel'} out_features")
         self.weight = nn.Parameter(torch.empty(local, in_features, device=device, dtype=dtype))
         _mark(self.weight, (out_features, in_features), SPLIT_DIMS["column"]["weight"], rank, size)
@@ -150,7 +155,8 @@ class ColumnParallelLinear(nn.Module):
         if self.copy_input:
             x = copy_to_tp_region(x, self.group, self.tag)
         reduce_input_grad = self.reduce_input_grad if torch.is_grad_enabled() else None
-        return linear(x, self.weight, self.bias, recompute, reduce_input_grad, self.gather_input)  # (B, T, n/p)
+        return linear(x, self.weight, self.bias, recompute, reduce_input_grad, self.gather_input,
+                      self.matmuls)  # (B, T, n/p)
 
 
 class RowParallelLinear(nn.Module):
@@ -160,16 +166,22 @@ class RowParallelLinear(nn.Module):
     The sum is an all-reduce (reduce_from_tp_region), or with sequence parallelism a reduce-scatter
     that leaves each rank its 1/p of the sequence. b is replicated and added once, after the sum;
     with sequence parallelism each rank's b sees only its tokens, so its gradient is summed over ranks.
+    Built with `fp8` (a model.modes.Float8) the products run in float8 (model/float8.py), x's and W's amaxes
+    reduced over the group (both are split by input features; g is whole on every rank).
     """
 
     sequence_parallel = Fixed()
+    fp8 = Fixed()
+    matmuls = Fixed()
 
     def __init__(
-        self, in_features, out_features, group, bias=True, sequence_parallel=False, tag="", device=None, dtype=None
-    ):
+        self, in_features, out_features, group, bias=True, sequence_parallel=False, tag="", device=None, dtype=None,
+        fp8=None,
+    ):  # fmt: skip
         super().__init__()
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         self.group, self.sequence_parallel, self.tag = group, sequence_parallel, tag
+        self.fp8, self.matmuls = fp8, matmuls_for(fp8, "in", _reduce_max(group, tag))
         local = _local(in_features, size, f"{tag or 'row-parallel'} in_features")
         self.weight = nn.Parameter(torch.empty(out_features, local, device=device, dtype=dtype))
         _mark(self.weight, (out_features, in_features), SPLIT_DIMS["row"]["weight"], rank, size)
@@ -177,7 +189,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, recompute: Recompute | None = None) -> torch.Tensor:  # x (B, T, k/p)
         """recompute: how backward gets x back instead of keeping it (model/recompute.py)."""
-        partial_sum = linear(x, self.weight, None, recompute)  # (B, T, n), this rank's term of Σ_i
+        partial_sum = linear(x, self.weight, None, recompute, matmuls=self.matmuls)  # (B, T, n), this rank's term of Σ_i
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(partial_sum, self.group, dim=1, tag=self.tag)  # (B, T/p, n)
             bias = None if self.bias is None else copy_to_tp_region(self.bias, self.group, self.tag)
@@ -354,6 +366,11 @@ class FullLogits(nn.Module):
         return logits
 
 
+def _reduce_max(group, tag: str):
+    """A float8 layer's amax reduction (model/float8.py): (amaxes, phase) ↦ their MAX over the group, in place."""
+    return lambda amaxes, phase: all_reduce(amaxes, group, tag, phase, op=dist.ReduceOp.MAX)
+
+
 def _scatter_sequence(group, tag: str):
     """Forward hook on the embedding of a sequence-parallel model: keep this rank's 1/p of its output's
     sequence, (B, T, d) → (B, T/p, d)."""
@@ -366,8 +383,9 @@ def _scatter_sequence(group, tag: str):
 
 def _build(style: str, name: str, module: nn.Module, group, sequence_parallel: bool, overlap: bool) -> nn.Module:
     """The tensor-parallel replacement for `module` (same shapes when unsharded, same parameter names),
-    built in its modes: sequence parallelism, overlap, and the unembedding's loss (kept from `module`)."""
-    kinds = {"column": nn.Linear, "row": nn.Linear, "vocab": (PaddedEmbedding, PaddedUnembedding), "sequence": nn.LayerNorm}
+    built in its modes: sequence parallelism, overlap, and those kept from `module` (the unembedding's loss,
+    a linear's float8 recipe)."""
+    kinds = {"column": Linear, "row": Linear, "vocab": (PaddedEmbedding, PaddedUnembedding), "sequence": nn.LayerNorm}
     if style not in kinds:
         raise ValueError(f"plan maps {name!r} to {style!r}; styles are {sorted(kinds)}")
     if not isinstance(module, kinds[style]):
@@ -384,8 +402,9 @@ def _build(style: str, name: str, module: nn.Module, group, sequence_parallel: b
     has_bias = module.bias is not None
     if style == "column":
         return ColumnParallelLinear(module.in_features, module.out_features, group, has_bias, sequence_parallel,
-                                    tag=name, overlap=overlap, **like)
-    return RowParallelLinear(module.in_features, module.out_features, group, has_bias, sequence_parallel, tag=name, **like)
+                                    tag=name, overlap=overlap, fp8=module.fp8, **like)
+    return RowParallelLinear(module.in_features, module.out_features, group, has_bias, sequence_parallel, tag=name,
+                             fp8=module.fp8, **like)
 
 
 def shard(

@@ -13,8 +13,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("model", "parallel", "train", "launch")
 # The commands (`python -m ...`): nothing imports them, and none imports another.
-COMMANDS = {"train.__main__", "train.generate", "train.export", "train.prepare_data", "train.plan.__main__",
-            "train.curves"}
+COMMANDS = {"train.__main__", "train.generate", "train.evaluate", "train.harness", "train.export", "train.prepare_data",
+            "train.plan.__main__", "train.curves"}
 
 
 def module_name(path: Path) -> str:

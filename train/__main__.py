@@ -6,7 +6,9 @@ Examples:
   torchrun --nproc_per_node 8 -m train model=gpt3-1.3b
 
 The config is checked and resolved once (train/config/spec.py) before anything is built; a bad
-value exits with EXIT_BAD_INPUT (2), a run that started and cannot go on with EXIT_FAILED (1).
+value exits with EXIT_BAD_INPUT (2), a run that started and cannot go on with EXIT_FAILED (1), a
+checkpoint the disk refused with EXIT_CANNOT_SAVE (4) and a data file that stayed unreadable with
+EXIT_DATA_UNREADABLE (5), each with one line.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from train.config.entry import (
-    CONFIG_DIR, EXIT_BAD_INPUT, EXIT_FAILED, drop_launcher_arguments, quiet_library_warnings, register_config,
+    CONFIG_DIR, EXIT_BAD_INPUT, EXIT_CANNOT_SAVE, EXIT_DATA_UNREADABLE, EXIT_FAILED, drop_launcher_arguments,
+    quiet_library_warnings, register_config,
 )
 from train.config.launch import is_rank_zero
 
@@ -53,8 +56,8 @@ def main(cfg: DictConfig) -> None:
         from train.config.run_folder import set_aside
 
         set_aside(spec.folder)  # train.resume=overwrite: the old run's files into <run dir>.replaced-<time>
-    from train.checkpoint import CheckpointError
-    from train.data.sources import DataError
+    from train.checkpoint import CheckpointError, StorageError
+    from train.data import DataError, DataUnavailable
     from train.engine import shutdown_distributed
     from train.guard.nonfinite import NonFiniteError
     from train.loop import run
@@ -62,6 +65,14 @@ def main(cfg: DictConfig) -> None:
     try:
         run(spec)
         shutdown_distributed()
+    except StorageError as err:  # a save the disk refused: every rank alike
+        if is_rank_zero():
+            print(f"gpt3d: error: {err}", file=sys.stderr)
+        raise SystemExit(EXIT_CANNOT_SAVE) from None
+    except DataUnavailable as err:  # the rank whose file it is names it; rank 0 always speaks
+        if err.path is not None or is_rank_zero():
+            print(f"gpt3d: error: {err}", file=sys.stderr)
+        raise SystemExit(EXIT_DATA_UNREADABLE) from None
     # a bad record met mid-run with data.on_bad_record=error, a dead data worker; no usable checkpoint to resume
     except (DataError, CheckpointError) as err:
         if is_rank_zero():

@@ -30,17 +30,7 @@ from train.config.entry import (
 )
 from train.metrics import write_atomically
 from train.sample import sample_text
-
-
-def checkpoint_weights(folder: Path, model_cfg: GPTConfig) -> dict[str, torch.Tensor]:
-    """The whole model's weights from a checkpoint folder of this model (ConfigError if they cannot be read)."""
-    from train import checkpoint
-    from train.config.settings import ConfigError
-
-    try:
-        return checkpoint.read_model_weights(folder, model_cfg)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
+from train.weights import checkpoint_weights
 
 
 def run(sections, gen, model_cfg: GPTConfig, folder: Path, weights: dict[str, torch.Tensor]) -> str:

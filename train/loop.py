@@ -24,11 +24,12 @@ from train.checkpoint import (
     read_init_weights,
 )
 from train.config.spec import RunSpec
+from train.data import DataUnavailable
 from train.data.records import ENCODING_HINT
 from train.guard.safeguards import Safeguards
 from train.metrics import Meter, full_shapes_model, mean_over_ranks
 from train.optimizer import GIVEN_NORM, TokenLR, make_optimizer
-from train.precision import resolve_precision
+from train.precision import fp8_mode, resolve_precision
 from train.step import TrainStep
 
 
@@ -131,11 +132,19 @@ def loop(trainer: Trainer, progress: Progress, logger: metrics.MetricsLogger, me
 
     Faults (train/guard/safeguards.py): a step skipped for a non-finite loss or gradient is counted, and too
     many in a row raise NonFiniteError; SIGTERM / SIGINT / SIGUSR1 on any rank end the loop on every
-    rank after the step with a checkpoint; a step that hangs ends the process from the watchdog's thread."""
+    rank after the step with a checkpoint; a step that hangs ends the process from the watchdog's thread.
+    The machine's faults: a save the disk refuses raises StorageError (train/checkpoint/storage.py), a write
+    in the background at the end of the step it failed in; the next step's data is read before the step's
+    agreement, and a data file that stays unreadable on any rank ends the loop on every rank after the step
+    with a checkpoint, raising DataUnavailable (train/data/reading.py); at the first step of a start there
+    is nothing new to save."""
     settings, last, checkpoints = trainer.sections, trainer.sections.train.max_steps, trainer.checkpointer
     while progress.step < last:
         guard.step_begins(progress.step + 1)
-        windows, size = next_batch(trainer, progress)
+        try:
+            windows, size = next_batch(trainer, progress)  # read ahead (`read_ahead`), but at a start's first step
+        except DataUnavailable as err:
+            raise _data_gone(err, progress, guard.last_checkpoint, trained=False) from None
         result = trainer.step(windows)
         progress.advance(size * trainer.model_cfg.seq_len)
         meter.add(result.loss, size, result.skipped)
@@ -146,6 +155,10 @@ def loop(trainer: Trainer, progress: Progress, logger: metrics.MetricsLogger, me
             if trainer.val_batches and _due(progress.step, settings.train.eval_interval, last):
                 guard.phase(f"evaluation after step {progress.step}")
                 record["val/loss"] = evaluate(trainer)
+            tasks_interval = settings.train.eval_tasks_interval or settings.train.eval_interval
+            if trainer.spec.eval_tasks and _due(progress.step, tasks_interval, last):
+                guard.phase(f"task evaluation after step {progress.step}")
+                record.update(score_tasks(trainer))
             _say(trainer, _progress_line(record, last, meter.eta_s))
             meter.restart()
         if record is not None and progress.step < last:
@@ -159,7 +172,14 @@ def loop(trainer: Trainer, progress: Progress, logger: metrics.MetricsLogger, me
         finally:  # also when the run stops with an error here: the step's record is logged
             if record is not None:
                 logger.log({**record, **checkpoints.times()})
-        verdict = guard.agree(progress.step, result)  # the step's one collective: a stop signal on any rank?
+        unreadable = read_ahead(trainer, progress)
+        verdict = guard.agree(progress.step, result, data_failed=unreadable is not None)  # the step's one collective
+        if verdict.write_failed:  # a write in the background failed: the run ends here, raising it on every rank
+            checkpoints.save(progress.step, last=True)
+        if verdict.data_failed:  # the model and the data position are this step's: saved, then the run stops
+            checkpoints.save(progress.step, last=True)
+            raise _data_gone(unreadable or DataUnavailable(None, "its own line names the file", 0), progress,
+                             guard.last_checkpoint, trained=True)
         if verdict.signal:
             checkpoints.save(progress.step, last=True)  # the run ends here: saved (unless it just was), written
             guard.stopped(progress.step, verdict, guard.last_checkpoint, finished=progress.step == last)
@@ -184,6 +204,7 @@ def build(spec: RunSpec) -> Trainer:
         activation_checkpointing=settings.parallel.activation_checkpointing,
         overlap_communication=settings.parallel.overlap_communication,
         fused_loss=settings.train.fused_loss,
+        fp8=fp8_mode(resolve_precision(settings.train.precision, device), settings.train.fp8_recipe, device),
     )
     model = build_model(model_cfg, topology, settings.train.seed, device, options)
     if settings.train.init_from is not None:  # a Hugging Face GPT-2 folder (train/checkpoint/hugging_face.py): its weights, sliced
@@ -259,8 +280,32 @@ def next_batch(trainer: Trainer, progress: Progress) -> tuple[torch.Tensor, int]
     size at the tokens consumed so far (train.batch_ramp; else train.global_batch_size). The learning
     rate is set for the tokens trained on once this batch is (TokenLR.next_step)."""
     size = trainer.ramp.size_at(progress.tokens)
+    windows = trainer.batches.next_batch(size)
     trainer.lr.next_step(size * trainer.model_cfg.seq_len)
-    return trainer.batches.next_batch(size), size
+    return windows, size
+
+
+def read_ahead(trainer: Trainer, progress: Progress) -> DataUnavailable | None:
+    """Read the next step's batch now, without taking it (TrainBatches.ready), so that a data file that stays
+    unreadable is known before the step's agreement, where every rank hears of it while all of them can still
+    save; that error, or None (also after the last step)."""
+    if progress.step >= trainer.sections.train.max_steps:
+        return None
+    try:
+        trainer.batches.ready(trainer.ramp.size_at(progress.tokens))
+    except DataUnavailable as err:
+        return err
+    return None
+
+
+def _data_gone(err: DataUnavailable, progress: Progress, checkpoint: Path | None, trained: bool) -> DataUnavailable:
+    """What a data file that stayed unreadable stops the run with: where it stopped and the checkpoint it
+    resumes from (`trained`: after a step of this start, saved by now; else before its first step)."""
+    if trained:
+        where = f"stopped after step {progress.step}, checkpoint {checkpoint}"
+    else:
+        where = f"stopped before step {progress.step + 1}, nothing trained since {checkpoint or 'the start'}"
+    return err.stopped(f"{where}; put the file back and re-run the same command: it resumes there")
 
 
 def open_logger(trainer: Trainer, resumed_step: int | None) -> metrics.MetricsLogger:
@@ -285,6 +330,17 @@ def open_logger(trainer: Trainer, resumed_step: int | None) -> metrics.MetricsLo
 def evaluate(trainer: Trainer) -> float:
     """Mean next-token loss over the held-out windows, averaged over all ranks."""
     return mean_over_ranks(_mean(trainer.step.evaluate(trainer.val_batches)))
+
+
+def score_tasks(trainer: Trainer) -> dict:
+    """{eval/<task>/<metric>: value} of train.eval_tasks on the model as it stands (every rank takes part;
+    the same numbers at every layout: train/evaluation/suite.py)."""
+    from train.evaluation import evaluate_tasks
+
+    settings = trainer.sections
+    bf16 = resolve_precision(settings.train.precision, trainer.device) != "fp32"
+    return evaluate_tasks(trainer.engine.module, trainer.model_cfg, trainer.topology, list(trainer.spec.eval_tasks),
+                          settings.evaluate.batch_tokens, bf16)
 
 
 def finish(trainer: Trainer, logger: metrics.MetricsLogger, sample: bool = True) -> None:

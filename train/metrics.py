@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from model import GPT, count_parameters, flops_per_token
+from train import report
 
 
 # Peak dense bf16 tensor-core FLOP/s by GPU name fragment (vendor data sheets, without sparsity); the
@@ -57,11 +58,28 @@ def peak_tflops(device, configured: float | None) -> float | None:
     return next((tflops for fragment, tflops in GPU_PEAK_TFLOPS.items() if fragment in name), None)
 
 
+def _final_and_best(record: dict, summary) -> dict:
+    """The summary entries a record updates: <key>_final and <key>_best of val/loss (lowest best) and of
+    every eval/<task>/<metric> (highest best; perplexity, ppl, the lowest)."""
+    updates = {}
+    for key, value in record.items():
+        if value is None or not (key == "val/loss" or key.startswith("eval/")):
+            continue
+        better = min if key == "val/loss" or key.endswith("/ppl") else max
+        best = summary.get(f"{key}_best")
+        updates[f"{key}_final"], updates[f"{key}_best"] = value, value if best is None else better(best, value)
+    return updates
+
+
 class MetricsLogger:
     """Writes one JSON object per logged step to metrics.jsonl and the same dict to W&B, and, with
     logging.tensorboard, each of its numbers as a TensorBoard scalar at the step.
 
     Only the process that should log (rank 0) constructs an active logger; others pass active=False.
+    A write that fails (the run folder full or read-only, W&B's files or service failing) never stops
+    training: the first failure of each target is one warning, and the writes it could not take (records;
+    for W&B also the summary, sample, artifact and finish) are counted (`unwritten`) and said in one more
+    warning when the logger closes.
     """
 
     def __init__(self, run_dir: Path, logging_cfg, run_config: dict, active: bool, resumed_step: int | None,
@@ -74,12 +92,16 @@ class MetricsLogger:
         start logs also holds (the layout it trains at, which an elastic restart may change).
 
         The W&B summary holds val/loss_final (the last validation loss) and val/loss_best (the lowest),
-        over the records this process logged (a resume starts them again from the run's W&B summary)."""
+        and for every task metric eval/<task>/<metric> (train.eval_tasks) its _final and _best (the
+        highest; perplexity the lowest), over the records this process logged (a resume starts them
+        again from the run's W&B summary)."""
         self.active = active
         self.run = None
         self.tensorboard = None
         self.first_record = dict(first_record or {})
         self.val_losses: list[float] = []
+        self.unwritten: dict[str, int] = {}  # records a target could not take: {"metrics.jsonl" | "W&B": n}
+        self.logged = 0
         default_name = default_name or Path(run_dir).name
         if not active:
             return
@@ -113,7 +135,7 @@ class MetricsLogger:
                 settings=wandb.Settings(resumed=resumed),  # offline there is no server to say so
             )
             self.run.define_metric("tokens")  # every chart can plot against tokens seen
-            for prefix in ("train/*", "val/*", "perf/*", "data/*"):
+            for prefix in ("train/*", "val/*", "eval/*", "perf/*", "data/*"):
                 self.run.define_metric(prefix, step_metric="tokens")
             self.log_checkpoints = bool(w.log_checkpoints)
 
@@ -121,31 +143,49 @@ class MetricsLogger:
         if not self.active:
             return
         record, self.first_record = {**record, **self.first_record}, {}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        self.logged += 1
+        try:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as err:
+            self._failed("metrics.jsonl", err)
         if self.tensorboard is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                     self.tensorboard.add_scalar(key, value, global_step=record["step"])
             self.tensorboard.flush()
         if self.run is not None:
-            self.run.log({k: v for k, v in record.items() if v is not None and k != "step"}, step=record["step"])
-            if record.get("val/loss") is not None:
-                best = self.run.summary.get("val/loss_best")
-                loss = record["val/loss"]
-                self.run.summary.update({"val/loss_final": loss, "val/loss_best": loss if best is None else min(best, loss)})
+            self._wandb(self._wandb_log, record)
+
+    def _wandb_log(self, record: dict) -> None:
+        self.run.log({k: v for k, v in record.items() if v is not None and k != "step"}, step=record["step"])
+        self.run.summary.update(_final_and_best(record, self.run.summary))
+
+    def _wandb(self, call, *args) -> None:
+        """`call(*args)` on the W&B run; its failure is counted and warned of once, never raised."""
+        try:
+            call(*args)
+        except Exception as err:  # W&B's own errors have no common base; none may stop training
+            self._failed("W&B", err)
+
+    def _failed(self, target: str, err: Exception) -> None:
+        """A record `target` could not take: counted; the first one of each target is one warning."""
+        if target not in self.unwritten:
+            report.warn(f"{target} cannot be written ({getattr(err, 'strerror', None) or err}); training goes on, "
+                        f"and what it cannot take is counted")
+        self.unwritten[target] = self.unwritten.get(target, 0) + 1
 
     def summary(self, values: dict) -> None:
         if self.run is not None:
-            self.run.summary.update(values)
+            self._wandb(self.run.summary.update, values)
 
     def sample(self, step: int, prompt: str, text: str) -> None:
         """The end-of-run sample, as a W&B table (step, prompt, sample)."""
         if self.run is not None:
             import wandb
 
-            self.run.log({"samples": wandb.Table(columns=["step", "prompt", "sample"], data=[[step, prompt, text]])},
-                         step=step)
+            table = wandb.Table(columns=["step", "prompt", "sample"], data=[[step, prompt, text]])
+            self._wandb(self.run.log, {"samples": table}, step)
 
     def checkpoint(self, path: Path, step: int) -> None:
         """A checkpoint folder as a W&B artifact (type "checkpoint"), when logging.wandb.log_checkpoints is set."""
@@ -153,16 +193,24 @@ class MetricsLogger:
             import wandb
 
             artifact = wandb.Artifact(f"{self.run.id}-checkpoint", type="checkpoint", metadata={"step": step})
-            artifact.add_dir(str(path))
-            self.run.log_artifact(artifact, aliases=[f"step{step}", "latest"])
+            self._wandb(self._log_artifact, artifact, path, step)
+
+    def _log_artifact(self, artifact, path: Path, step: int) -> None:
+        artifact.add_dir(str(path))
+        self.run.log_artifact(artifact, aliases=[f"step{step}", "latest"])
 
     def close(self) -> None:
+        """Finish the W&B run, and say how many records a target could not take."""
         if self.run is not None:
-            self.run.finish()
+            self._wandb(self.run.finish)
             self.run = None
         if self.tensorboard is not None:
             self.tensorboard.close()
             self.tensorboard = None
+        if self.unwritten:
+            counts = ", ".join(f"{n} to {target}" for target, n in self.unwritten.items())
+            report.warn(f"writes that failed and were skipped: {counts} (of {self.logged} metrics records this start)")
+            self.unwritten = {}
 
 
 def run_record(config: dict, schedule, layout: dict, global_batch: int, seq_len: int, plan) -> dict:
@@ -307,6 +355,7 @@ class Meter:
             "perf/mfu": mfu(tokens_per_s, self.flops_per_token, self.peak, self.world),
             "perf/max_mem_gib": max_memory_gib(self.device),
             "perf/data_wait_s": self.batches.pop_wait_seconds(),
+            "data/read_retries": self.batches.read_retries,  # reads of data files retried so far (this start)
             **self._shares(),
             **({"perf/mfu_predicted": self.plan.predicted_mfu} if self.plan is not None else {}),
         }

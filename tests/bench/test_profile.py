@@ -53,3 +53,21 @@ def test_profile_writes_a_trace_and_a_table_that_adds_up_to_the_step_time(tmp_pa
     assert len(measured) == STEPS
     wall = sum(measured) / STEPS
     assert abs(table["total_s"] - wall) <= WALL_RTOL * wall, (table["total_s"], wall)
+
+
+def test_json_holds_the_printed_table_and_the_overrides(tmp_path, monkeypatch, capsys):
+    """--json writes the table main() prints (what the GPU suite keeps when the trace stays in scratch)."""
+    import sys
+
+    import bench.profile as bench_profile
+
+    table = {"rows": {"GEMM": 0.002, "attention forward": 0.001, "between steps: data wait, logging, checks": 0.0005},
+             "steps": 3, "total_s": 0.0035, "device": "cpu", "trace": str(tmp_path / "run" / "profile_trace.json")}
+    monkeypatch.setattr(bench_profile, "profile", lambda overrides, run_dir, steps, skip: table)
+    out = tmp_path / "profile.json"
+    monkeypatch.setattr(sys, "argv", ["bench.profile", "model=toy", "train.device=cpu", "--run-dir",
+                                      str(tmp_path / "run"), "--json", str(out)])
+    bench_profile.main()
+    assert json.loads(out.read_text()) == {**table, "overrides": ["model=toy", "train.device=cpu"]}
+    printed = capsys.readouterr().out
+    assert "GEMM" in printed and f"{1e3 * table['total_s']:.2f}" in printed

@@ -149,3 +149,15 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def evaluate(
+    checkpoint: Path, *overrides: str, kind: str = "python", nproc: int = 1, check: bool = True
+) -> subprocess.CompletedProcess:
+    """`python -m train.evaluate` on a run's checkpoint, with the TINY model."""
+    model = [o for o in TINY if o.startswith("model.")]
+    cmd = [*launcher(kind, nproc, "train.evaluate"), *model, f"evaluate.checkpoint={checkpoint}", *overrides]
+    proc = subprocess.run(cmd, cwd=REPO, env=clean_env({}), capture_output=True, text=True, timeout=600)
+    if check:
+        assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc

@@ -13,6 +13,7 @@ from model.attention import band_limits
 from model.attention_op import attention_forward
 from model.compile import compile_blocks
 from model.layers import Block
+from model.modes import Float8
 from parallel.build import BuildOptions, build_model
 from parallel.topology import Topology
 from reference_gpt import rel_err
@@ -81,3 +82,21 @@ def test_checkpoints_do_not_compare_the_compile_switch():
 def test_model_compile_must_be_true_or_false():
     with pytest.raises(ValueError, match=r"^model.compile='yes': must be true or false$"):
         GPTConfig(compile="yes")
+
+
+@pytest.mark.slow  # CPU inductor: C++ compiles of the block's forward and backward with its float8 products
+def test_compiled_float8_blocks_equal_eager():
+    """train.precision=fp8 with model.compile: the blocks' float8 casts and torch._scaled_mm products (what
+    a GPU runs; model/float8.py) compiled, the loss and every gradient as eager computes them, up to a
+    rare float8 rounding that fp32's last bit moves across a boundary (1e-4 of a tensor's largest element)."""
+    topology = Topology.create(tp=1)
+    options = BuildOptions(fused_loss=True, fp8=Float8("tensorwise"))
+    eager = build_model(CONFIG, topology, 7, "cpu", options)
+    compiled = build_model(dataclasses.replace(CONFIG, compile=True), topology, 7, "cpu", options)
+    gen = torch.Generator().manual_seed(1)
+    idx, targets = torch.randint(0, 64, (2, 8), generator=gen), torch.randint(0, 64, (2, 8), generator=gen)
+    want_loss, want = loss_and_grads(eager, idx, targets)
+    got_loss, got = loss_and_grads(compiled, idx, targets)
+    assert abs(got_loss - want_loss) <= 1e-5 * want_loss
+    errors = {name: rel_err(got[name], want[name]) for name in want}
+    assert max(errors.values()) <= 1e-4, errors

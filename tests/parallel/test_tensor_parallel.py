@@ -405,7 +405,7 @@ def test_plan_swaps_modules_on_meta_and_marks_shards(tp_run):
     assert ranks[0]["meta"]["tied"], "lm_head is not tied to the vocab-parallel embedding"
     assert ranks[0]["meta"]["errors"] == [
         "plan keys ['attn.qkvx'] match no module of the model",
-        "plan maps 'layers.1.ln_1' (LayerNorm) to 'column', which needs <class 'torch.nn.modules.linear.Linear'>",
+        "plan maps 'layers.1.ln_1' (LayerNorm) to 'column', which needs <class 'model.recompute.Linear'>",
         "plan maps 'layers.1.attn.qkv' to 'diagonal'; styles are ['column', 'row', 'sequence', 'vocab']",
     ]
     assert ranks[0]["meta"]["swapped_by_bad_plans"] == [], "a rejected plan changed the model"

@@ -1,5 +1,5 @@
 """train.precision=bf16: bf16 compute weights, fp32 masters and moments in the optimizer, checkpoints
-of the fp32 masters, exact resume; fp8 refused where it cannot run.
+of the fp32 masters, exact resume; fp8 refused where it cannot run (its runs: tests/end_to_end/test_fp8.py).
 
 Gloo ranks build the real run (train.loop.build from the composed config) and step it on fixed
 windows. References: the fp32 run of the same windows (losses within bf16's precision), the gradient
@@ -182,11 +182,39 @@ def test_bf16_checkpoint_holds_the_fp32_masters_and_resumes_bit_for_bit(bf16_run
     assert all(torch.equal(resumed["final"][k], v) for k, v in result["final"].items())
 
 
-def test_fp8_on_cpu_is_refused_by_the_config_checks(corpus):
-    """Refused by the checks that run before anything is built (a ConfigError: the command exits 2)."""
+def test_fp8_runs_on_the_cpu_and_is_refused_before_ada_in_one_line_naming_bf16(monkeypatch):
+    """Checked before anything is built (a ConfigError: the command exits 2): compute capability ≥ 8.9
+    on CUDA (a GPU is faked here: the check reads only its capability and name); the CPU runs it."""
     from config_checks import refusal
 
-    message = refusal(["train.precision=fp8"])
-    assert "train.precision=fp8 needs a CUDA GPU of compute capability ≥ 9.0" in message
-    assert "this run is on cpu" in message and "train.precision=bf16" in message
+    from train.config.sections.train import TrainConfig
+    from train.precision import check_fp8
+
+    assert refusal(["train.precision=fp8"]) is None  # on this CPU: runs
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    fp8 = TrainConfig(precision="fp8")
+    for capability, refused in (((8, 0), True), ((8, 6), True), ((8, 9), False), ((9, 0), False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        if not refused:
+            check_fp8(fp8, torch.device("cuda"))
+            continue
+        with pytest.raises(ValueError) as error:
+            check_fp8(fp8, torch.device("cuda"))
+        assert str(error.value) == (
+            "train.precision=fp8: must run on compute capability ≥ 8.9 (float8 tensor cores: Ada, Hopper or newer); "
+            f"NVIDIA A100-SXM4-80GB has {capability[0]}.{capability[1]}: use train.precision=bf16")
     assert refusal(["train.precision=bf32"]).startswith("train.precision='bf32': must be one of ['auto', 'fp32', 'autocast'")
+    assert refusal(["train.fp8_recipe=blockwise"]).startswith("train.fp8_recipe='blockwise': must be one of "
+                                                              "['tensorwise', 'rowwise']")
+
+
+def test_fp8_without_torchao_is_refused_in_one_line(monkeypatch):
+    import importlib.util
+
+    from config_checks import refusal
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
+    assert refusal(["train.precision=fp8"]) == ("train.precision=fp8: needs torchao for its float8 casts and products: "
+                                                "pip install -e '.[fp8]'; or use train.precision=bf16")
+    assert refusal(["train.precision=bf16"]) is None  # only fp8 needs it

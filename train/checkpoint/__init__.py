@@ -3,7 +3,7 @@
 - a run's checkpoints: `Checkpointer` (checkpointer.py) with its `CheckpointSettings`, and the parts
   a run registers (parts.py, rng.py, kernels.py);
 - finding and verifying one (integrity.py), loading the whole model's weights in one process
-  (loading.py), saving once (saving.py);
+  (loading.py), saving once (saving.py); a save the disk refused (storage.py: StorageError);
 - Hugging Face import (hugging_face.py; export is `python -m train.export`).
 
 The resume checks (resume_checks.py) are read by the config resolution, before a run is built.
@@ -18,9 +18,10 @@ from train.checkpoint.loading import read_model_weights, saved_model_config
 from train.checkpoint.parts import CheckpointParts, EngineCounters, Keyed, Record
 from train.checkpoint.rng import ProcessRNG
 from train.checkpoint.saving import save
+from train.checkpoint.storage import StorageError
 
 __all__ = [
     "CheckpointError", "CheckpointParts", "CheckpointSettings", "Checkpointer", "EngineCounters", "Keyed", "KernelChoices",
-    "ProcessRNG", "Record", "check_model", "checkpoint_dir", "find_resume_path", "model_differences",
+    "ProcessRNG", "Record", "StorageError", "check_model", "checkpoint_dir", "find_resume_path", "model_differences",
     "read_init_weights", "read_model_weights", "save", "saved_model_config", "tag_folder",
 ]

@@ -9,6 +9,11 @@ each) and announces every checkpoint published since the last call: a line, the 
 checkpoint (for its messages) and the W&B artifact (the logger). At the run's last step it waits for
 the write, so a run ends with its checkpoint on disk; after an error, `close()` lets the write in
 flight finish. `times()` gives the checkpoint metrics of the loop's next record.
+
+The disk (train/checkpoint/storage.py): before the first step `restore()` warns when the run folder's
+file system cannot hold what retention keeps. A save the file system refuses (full, read-only) stops the
+run with one line (StorageError), the earlier checkpoints intact; a write in the background that fails
+is reported to the guard, whose agreement at the end of the step stops every rank with that line.
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from train import report
-from train.checkpoint import files, loading, saving
+from train.checkpoint import files, loading, saving, storage
 from train.checkpoint.files import CheckpointError
+from train.checkpoint.storage import SaveFailed
 from train.checkpoint.parts import CheckpointParts
 from train.checkpoint.writer import CheckpointWriter
 
@@ -68,7 +74,8 @@ class Checkpointer:
 
     def restore(self) -> Path | None:
         """Load the resume point (settings.resume; None: a fresh start) into the engine and every part,
-        say so, and remove what interrupted saves left behind. Returns the step folder loaded, or None."""
+        say so, remove what interrupted saves left behind, and warn when the disk cannot hold the
+        checkpoints retention keeps (storage.preflight). Returns the step folder loaded, or None."""
         point, folder = self.settings.resume, None
         if point is not None:
             folder, state = loading.load(self.engine, self.topology, self.model_cfg, point, self.parts)
@@ -76,32 +83,48 @@ class Checkpointer:
             moved = "" if saved == now else f" (saved at {_layout_text(saved)}, now {_layout_text(now)})"
             report.say(f"resumed from {folder} at step {state['step']}{moved}", self._speaks)
         if self._speaks:
-            for name in files.remove_leftovers(files.checkpoint_dir(self.settings.run_dir)):
+            root = files.checkpoint_dir(self.settings.run_dir)
+            for name in files.remove_leftovers(root):
                 report.say(f"removed checkpoints/{name}: a save that was interrupted")
+            storage.preflight(root, self._bytes(), self.settings.keep, report.warn)
         return folder
+
+    def _bytes(self) -> int:
+        """A checkpoint's bytes, as the planner counts them."""
+        from train.plan.counts import checkpoint_bytes
+
+        return checkpoint_bytes(self.model_cfg)
 
     def connect(self, guard, logger) -> None:
         """From here on, saves go through `guard` (train/guard/safeguards.py: a fresh watchdog deadline,
         no checkpoint of non-finite weights; it keeps the last checkpoint for its messages) and are
-        announced to `logger` (train/metrics.py: a W&B artifact when asked)."""
+        announced to `logger` (train/metrics.py: a W&B artifact when asked); the guard's agreement at the
+        end of every step asks whether a write in the background has failed."""
         self._guard, self._logger = guard, logger
+        guard.watch_writes(self.writer.failed)
 
     def save(self, step: int, *, last: bool = False) -> None:
         """Checkpoint the run at `step` (every rank calls it, after every step) when a save is due: every
         settings.interval steps, and at the run's last step (`last`: its final step, or the one a stop
         signal ends it after), unless `step` was saved already; then announce every checkpoint published
         since the last call. At the last step the write is waited for, and announced. A write that failed
-        is raised here (CheckpointError), at the next save or the last step."""
+        is raised here (a StorageError when the file system refused it, else CheckpointError), at the next
+        save or the last step: once the ranks agreed that a write in the background failed, the loop makes
+        that step the last."""
         interval = self.settings.interval
         due = step != self._saved_step and (last or (interval > 0 and step % interval == 0))
-        if due:
-            stopped_at = time.perf_counter()
-            self._guard.phase(f"checkpoint at step {step}")
-            self._guard.before_saving(step, self.device)  # NonFiniteError instead of non-finite weights
-            self.writer.save(self.engine, self.topology, self.model_cfg, self.settings.run_dir, self.parts, stopped_at)
-            self._saved_step = step
-        if last:
-            self.writer.wait()
+        try:
+            if due:
+                stopped_at = time.perf_counter()
+                self._guard.phase(f"checkpoint at step {step}")
+                self._guard.before_saving(step, self.device)  # NonFiniteError instead of non-finite weights
+                self.writer.save(self.engine, self.topology, self.model_cfg, self.settings.run_dir, self.parts,
+                                 stopped_at)
+                self._saved_step = step
+            if last:
+                self.writer.wait()
+        except SaveFailed as err:
+            raise self._refused(err) from None
         for written in self.writer.written():
             self._guard.saved(written.path)
             report.say(f"checkpoint {written.path}", self._speaks)
@@ -116,8 +139,17 @@ class Checkpointer:
         the fault), and its own failure is only a warning (the first error is the one raised)."""
         try:
             self.writer.wait()
+        except SaveFailed as err:
+            report.warn(str(self._refused(err)))
         except CheckpointError as err:
             report.warn(str(err))
+
+    def _refused(self, failed: SaveFailed) -> CheckpointError:
+        """What a failed save stops the run with (storage.cannot_save), naming the newest step folder: the one
+        `train.resume=auto` takes (also when the save failed after publishing its folder, before `latest`)."""
+        root = files.checkpoint_dir(self.settings.run_dir)
+        newest = files.step_folders(root)[:1]
+        return storage.cannot_save(failed, root, self._bytes(), self.settings.keep, newest[0] if newest else None)
 
 
 def _layout_text(layout: dict) -> str:

@@ -26,11 +26,14 @@ from pathlib import Path
 
 import torch
 
+from torch.distributed.checkpoint.api import CheckpointException
+
 from train.checkpoint import files, tensors
-from train.checkpoint.files import CheckpointError, checkpoint_dir, step_tag
+from train.checkpoint.files import checkpoint_dir, step_tag
 from train.checkpoint.optimizer_state import KINDS, ParameterState
 from train.checkpoint.parts import CheckpointParts
 from train.checkpoint.schema import FORMAT, FORMAT_VERSION
+from train.checkpoint.storage import SaveFailed, first_cause
 
 
 def save(engine, topology, model_cfg, run_dir: Path, parts: CheckpointParts, *, keep: int = 3,
@@ -60,7 +63,8 @@ def stage(engine, topology, model_cfg, run_dir: Path, parts: CheckpointParts, ho
     the default process group), and the empty temporary folder it goes into (older leftovers removed).
     `host_copy(name, tensor) → tensor` makes this rank's tensors copies in host memory that training
     does not touch afterwards (for a write in the background); without it they are `.cpu()` (on the
-    CPU the live tensors themselves), which a write must finish with before the next step changes them."""
+    CPU the live tensors themselves), which a write must finish with before the next step changes them.
+    SaveFailed on every rank when rank 0 cannot make the folder (a full disk, a folder turned read-only)."""
     import copy
 
     import torch.distributed as dist
@@ -72,11 +76,17 @@ def stage(engine, topology, model_cfg, run_dir: Path, parts: CheckpointParts, ho
     root = checkpoint_dir(run_dir)
     tmp = root / f"{files.TMP_PREFIX}{step_tag(step)}"
     rank, world = dist.get_rank(), dist.get_world_size()
+    made = [None]  # rank 0's error making the folder, for every rank (a folder turned read-only, a full disk)
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        files.remove_leftovers(root)
-        tmp.mkdir()
-    dist.barrier()
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            files.remove_leftovers(root)
+            tmp.mkdir()
+        except OSError as err:
+            made = [_plain_error(err)]
+    dist.broadcast_object_list(made, src=0)
+    if made[0] is not None:
+        raise SaveFailed(step, _os_error(made[0]))
     params = ParameterState(engine)
     params.ensure_state()
     slices = _collect(engine.module, model_cfg, topology, params, host_copy)
@@ -98,22 +108,27 @@ def write(staged: Staged, *, keep: int = 3, keep_every: int = 0, group=None) -> 
     default process group when None): each rank's safetensors file, fsynced, each rank hashing every
     world-th of them; then rank 0 writes state.json, rng.json and the manifest, renames the folder
     into place, replaces `latest` and applies retention. Every rank returns the folder once it is
-    published, or raises CheckpointError when any rank failed (every rank alike)."""
+    published, or raises SaveFailed when any rank failed (every rank alike, naming the first rank's error),
+    after rank 0 removed the temporary folder: a failed save leaves the checkpoints as they were."""
     import torch.distributed as dist
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     root, tag, tmp = staged.tmp.parent, step_tag(staged.step), staged.tmp
-    tensors.write(staged.slices, tmp, group=group)
+    try:
+        tensors.write(staged.slices, tmp, group=group)
+    except CheckpointException as err:  # DCP gathered every rank's outcome: raised on every rank alike
+        _discard(tmp, rank)
+        raise SaveFailed(staged.step, first_cause([error for error, _ in err.failures.values()])) from None
     staged.slices = {}  # the host copies are not needed any more
     shard_files = sorted(p.name for p in tmp.glob(f"*{files.SHARD_SUFFIX}"))
     try:
         mine = ({name: files.describe(tmp / name) for name in shard_files[rank::world]}, None)
     except OSError as err:
-        mine = ({}, f"rank {rank} cannot hash its files ({err})")
+        mine = ({}, _plain_error(err))
     described = [None] * world
     dist.all_gather_object(described, mine, group=group)
     failed = [error for _, error in described if error]
-    outcome = ["; ".join(failed) or None]
+    outcome = [failed[0] if failed else None]
     if rank == 0 and not failed:
         try:
             _write_state(tmp, staged.state, {"ranks": staged.per_rank},
@@ -122,11 +137,36 @@ def write(staged: Staged, *, keep: int = 3, keep_every: int = 0, group=None) -> 
             files.set_latest(root, tag)
             files.prune(root, keep, keep_every, staged.step)
         except Exception as err:  # every rank must hear of it, not wait for rank 0 forever
-            outcome = [str(err) or repr(err)]
+            outcome = [_plain_error(err)]
     dist.broadcast_object_list(outcome, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     if outcome[0] is not None:
-        raise CheckpointError(f"the checkpoint of step {staged.step} could not be written: {outcome[0]}")
+        _discard(tmp, rank)
+        raise SaveFailed(staged.step, _os_error(outcome[0]))
     return root / tag
+
+
+def _plain_error(err: Exception) -> tuple:
+    """An error as plain values that any rank can unpickle: (errno, text, file name); errno None when it is
+    not an OSError."""
+    if isinstance(err, OSError) and err.errno is not None:
+        return err.errno, err.strerror, err.filename
+    return None, str(err) or repr(err), None
+
+
+def _os_error(plain: tuple) -> Exception:
+    """The error `_plain_error` described: an OSError with its errno, or a RuntimeError with its text."""
+    number, text, filename = plain
+    return OSError(number, text, filename) if number is not None else RuntimeError(text)
+
+
+def _discard(tmp: Path, rank: int) -> None:
+    """Rank 0: remove the temporary folder of a save that failed (on a read-only or vanished folder there
+    is nothing to remove, or nothing that can be: the next start removes what is left)."""
+    if rank == 0:
+        try:
+            files.remove(tmp)
+        except OSError:
+            pass
 
 
 def _check_plain(**values) -> None:

@@ -13,10 +13,13 @@ has every rank's files hashed and the folder published, and every rank's writer 
 after that (or with the same error).
 
 At most one save is in flight: a save first waits for the write before it, and so does the end of a
-run (`wait`). A write that failed is raised as CheckpointError there, on every rank alike, never in
-between: the ranks' writer threads end at about the same moment, but each rank sees that at a step
-boundary of its own. A run killed during a write keeps the previous checkpoint as `latest`; the
-temporary folder left behind is removed when the run starts again (train/checkpoint/checkpointer.py).
+run (`wait`). A write that failed is raised as CheckpointError there, on every rank alike: the ranks'
+writer threads end with the same outcome at about the same moment, but each rank sees that at a step
+boundary of its own, so a rank only reports it (`failed`) and the ranks agree at the end of the step
+that the run stops (train/guard/preemption.py), then every rank raises it. A failed write leaves no
+temporary folder (train/checkpoint/saving.py). A run killed during a write keeps the previous
+checkpoint as `latest`; the temporary folder left behind is removed when the run starts again
+(train/checkpoint/checkpointer.py).
 
 Times: `pause_s`, how long training stood still for a save (waiting for the previous write, the
 staging, and, synchronously, the write), and `write_s`, how long its write took.
@@ -116,6 +119,12 @@ class CheckpointWriter:
         if self._thread is not None:
             self._thread.join()
         self._collect()
+
+    def failed(self) -> bool:
+        """Whether the write in flight has ended with an error that `wait` has not raised yet (this rank's
+        view: the ranks agree on it at the end of the step, train/guard/preemption.py)."""
+        thread = self._thread
+        return thread is not None and not thread.is_alive() and isinstance(self._outcome, BaseException)
 
     def written(self) -> list[Written]:
         """The checkpoints published since the last call, taking a write that has ended (never raising:

@@ -49,16 +49,15 @@ def check_model(values: dict) -> GPTConfig:
 
 
 def check_device(train: TrainConfig) -> None:
-    """The device must exist on this machine, and the precision run on it (fp8: refused with its reason)."""
+    """The device must exist on this machine, and the precision run on it (fp8: a GPU with float8 tensor
+    cores, or the CPU, and torchao installed: train/precision.py's check_fp8)."""
     from train.engine import resolve_device
-    from train.precision import fp8_refusal, resolve_precision
+    from train.precision import check_fp8
 
     try:
-        device = resolve_device(train.device)
+        check_fp8(train, resolve_device(train.device))
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    if resolve_precision(train.precision, device) == "fp8":
-        raise ConfigError(fp8_refusal(device))
 
 
 def world_size() -> int:

@@ -10,7 +10,9 @@
 - quiet_library_warnings(): silences library warnings that tell the user nothing (call before importing them).
 - Exit codes: EXIT_BAD_INPUT (2) for anything refused before the run starts, EXIT_FAILED (1) for a run
   that started and could not go on (a bad record under data.on_bad_record=error, no usable checkpoint,
-  too many non-finite steps).
+  too many non-finite steps); the machine's faults: EXIT_CANNOT_SAVE (4), a checkpoint the file system
+  refused (full, read-only), the earlier ones intact; EXIT_DATA_UNREADABLE (5), a data file that stayed
+  unreadable, the run saved at the step it reached. A hang is 3 (train/guard/watchdog.py).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from train.config.launch import is_rank_zero, launch_timestamp
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
+EXIT_CANNOT_SAVE = 4
+EXIT_DATA_UNREADABLE = 5
 
 
 def register_config() -> None:

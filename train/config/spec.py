@@ -20,7 +20,8 @@
                 of it, and train.eval_batches lowered to the batches that fit, with one note); a resume's
                 checkpoint must have trained on the same data in the same order
   7. ramp, LR   the batch ramp against the model, dp and streams; the LR schedule of the run
-  8. plan       on CUDA the planner's prediction, which must fit the device (pre-flight)
+  8. tasks      train.eval_tasks read and made into requests, as evaluate.* says (train/evaluation/)
+  9. plan       on CUDA the planner's prediction, which must fit the device (pre-flight)
 
 Each step that changes a value makes new sections (`Sections.replaced`, checked again): the composed
 config is never written. The build and the loop read only a RunSpec, and each component receives its
@@ -62,6 +63,7 @@ class RunSpec:
     plan: object | None  # train/plan/estimate.py's Plan, on CUDA
     data: DataSpec  # the data as the probe resolved it: its streams, its validation split cut (train/data/probe.py)
     layout: object | None = None  # train/plan/elastic.py's LayoutChoice, with parallel.layout=auto
+    eval_tasks: tuple = ()  # train.eval_tasks, prepared (train/evaluation/suite.py: PreparedTask)
 
     @property
     def run_tokens(self) -> int:
@@ -102,8 +104,23 @@ def resolve(cfg, run_dir: Path, overrides: tuple[str, ...] | list[str] = ()) -> 
         schedule = schedule_for_run(sections, model_cfg.name, run_tokens, kept, saved_schedule)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    tasks = _eval_tasks(sections, model_cfg)
     return RunSpec(sections, run_dir, model_cfg, dp, resume, folder, ramp, schedule, _plan(sections, model_cfg), data,
-                   layout)
+                   layout, tasks)
+
+
+def _eval_tasks(sections: Sections, model_cfg: GPTConfig) -> tuple:
+    """train.eval_tasks prepared with evaluate.*'s files, shots, seed and limit (no task: nothing read)."""
+    if not sections.train.eval_tasks:
+        return ()
+    from dataclasses import replace
+
+    from train.evaluation import TaskError, prepare_tasks
+
+    try:
+        return tuple(prepare_tasks(replace(sections.evaluate, tasks=list(sections.train.eval_tasks)), model_cfg.seq_len))
+    except TaskError as err:
+        raise ConfigError(f"train.eval_tasks: {err}") from None
 
 
 def _auto_layout(sections: Sections, model_cfg: GPTConfig, set_keys: list[str]):

@@ -2,11 +2,12 @@
 
 The loop reads `TrainBatches` and `validation_batches` (batches.py); the config checks call
 `check_data` (probe.py). `DataError` is a bad data setting or a bad record under
-data.on_bad_record=error.
+data.on_bad_record=error; `DataUnavailable` (reading.py), a data file that stayed unreadable.
 """
 
 from train.data.batches import TrainBatches, validation_batches
 from train.data.probe import check_data
+from train.data.reading import DataUnavailable
 from train.data.sources import DataError, check_data_config
 
-__all__ = ["DataError", "TrainBatches", "check_data", "check_data_config", "validation_batches"]
+__all__ = ["DataError", "DataUnavailable", "TrainBatches", "check_data", "check_data_config", "validation_batches"]

@@ -25,6 +25,10 @@ after epoch, per lane) and never runs out; validation reads its split once, unsh
 `TrainBatches.state_dict()` holds, for every lane, the windows it has served and its cursor (record
 position + token offset) at the start of its current chunk; resuming re-packs at most one chunk per
 lane and gives the identical next batch, at any dp.
+
+`TrainBatches.ready(n)` reads the chunks the next batch needs without taking it (the position and the
+state stay where they are), so the loop learns of a data file that stays unreadable (DataUnavailable,
+train/data/reading.py) before the step's agreement, while every rank can still save a checkpoint.
 """
 
 from __future__ import annotations
@@ -39,12 +43,14 @@ import torch
 
 from train.data.probe import check_data, check_layout
 from train.data.order import changes, stream_id
+from train.data.reading import DataUnavailable, Reader
 from train.data.records import BadRecords, documents, merge_counts
 from train.data.sources import DataError, check_data_config, resolve
 from train.data.streams import LaneState, Schedule, pack
 from train.data.workers import make_supply
 
-__all__ = ["DataError", "check_data_config", "check_data", "TrainBatches", "validation_batches", "pack"]
+__all__ = ["DataError", "DataUnavailable", "check_data_config", "check_data", "TrainBatches", "validation_batches",
+           "pack"]
 
 STATE_VERSION = 2
 
@@ -77,9 +83,10 @@ class TrainBatches:
         self._pos = 0  # windows of the global order served so far (all ranks)
         self._source_windows = np.zeros(len(self.spec.sources), dtype=np.int64)  # of those, from each source
         self._lanes = {(j, s): LaneState() for s in self.own_streams for j in range(len(self.spec.sources))}
-        self._chunks: dict = {}  # lane → the chunk its next window comes from, once fetched
+        self._chunks: dict = {}  # (lane, chunk index) → the chunks fetched and not yet used up, in order per lane
         self._supply = None
         self._wait = 0.0
+        self._retries = 0  # reads retried to pack the chunks fetched so far
 
     # -- reading --------------------------------------------------------------------------------------
 
@@ -104,6 +111,22 @@ class TrainBatches:
         if self._supply is not None:
             self._supply.close()
             self._supply, self._chunks = None, {}
+
+    def ready(self, global_batch: int) -> None:
+        """Fetch every chunk the next `global_batch` windows come from, without taking them: the position and
+        state_dict stay as they are, and the next `next_batch(global_batch)` reads nothing. DataUnavailable
+        when a file one of them needs stays unreadable."""
+        check_layout(self.spec, self.seq_len, global_batch, self.dp_rank, self.dp_size)
+        started = time.perf_counter()
+        self.start()
+        m, t0, size = global_batch // self.spec.streams, self._pos // self.spec.streams, self.spec.chunk_windows
+        for s in self.own_streams:
+            needed = np.bincount(self.schedule.sources(s, t0, t0 + m), minlength=len(self.spec.sources))
+            for j, n in enumerate(needed.tolist()):
+                served = self._lanes[(j, s)].served
+                for index in range(served // size, (served + n - 1) // size + 1 if n else 0):
+                    self._chunk((j, s), index)
+        self._wait += time.perf_counter() - started
 
     def __iter__(self):
         return self
@@ -151,18 +174,30 @@ class TrainBatches:
         state, size, parts = self._lanes[lane], self.spec.chunk_windows, []
         while n:
             index, offset = divmod(state.served, size)
-            chunk = self._chunks.get(lane)
-            if chunk is None:
-                chunk = self._chunks[lane] = self._supply.get(lane, index)
+            chunk = self._chunk(lane, index)
             k = min(n, size - offset)
             parts.append(chunk.windows[offset : offset + k])
             state.served, n = state.served + k, n - k
             if state.served % size == 0:
                 state.cursor, state.counts = chunk.end, chunk.end_counts
-                del self._chunks[lane]
+                del self._chunks[(lane, index)]
         return np.concatenate(parts)
 
+    def _chunk(self, lane: tuple[int, int], index: int):
+        """Chunk `index` of a lane, fetched from the supply unless it was already (the supply hands out each
+        lane's chunks in order, and they are asked for in order)."""
+        chunk = self._chunks.get((lane, index))
+        if chunk is None:
+            chunk = self._chunks[(lane, index)] = self._supply.get(lane, index)
+            self._retries += chunk.retries
+        return chunk
+
     # -- what the loop logs ---------------------------------------------------------------------------
+
+    @property
+    def read_retries(self) -> int:
+        """Reads of data files retried so far by this process (train/data/reading.py), for the chunks it took."""
+        return self._retries
 
     def pop_wait_seconds(self) -> float:
         """Seconds spent inside next_batch since the last call (the step's wait for data), then reset."""
@@ -178,7 +213,9 @@ class TrainBatches:
     def bad_records(self, gather: bool = False) -> dict:
         """Bad records skipped so far, {file: {reason: count}}: this rank's streams, or with gather=True
         every stream's (a collective when ranks read different streams: call it on every rank)."""
-        counts = {f"{j}/{s}": (self._chunks[(j, s)].end_counts if (j, s) in self._chunks else st.counts or {})
+        size = self.spec.chunk_windows
+        current = {lane: self._chunks.get((lane, st.served // size)) for lane, st in self._lanes.items()}
+        counts = {f"{j}/{s}": (current[(j, s)].end_counts if current[(j, s)] is not None else st.counts or {})
                   for (j, s), st in self._lanes.items()}
         if gather:
             counts = _union(self._gather(counts))
@@ -272,9 +309,10 @@ def validation_batches(
         return []
     counts = spec.val_shares(need)
     keyed = []
+    reader = Reader(spec.read_retries, spec.read_retry_s)
     for src, count in zip(spec.sources, counts):
         bad = BadRecords(spec.on_bad_record, warn=False)  # training reports the bad records; this is a prefix
-        docs = documents(src, 0, 1, validation=True, bad=bad)
+        docs = documents(src, 0, 1, validation=True, bad=bad, reader=reader)
         got = [w for w, _, _ in islice(pack(docs, seq_len + 1, 1), count)]  # each (1, T+1)
         if len(got) < count:
             raise DataError(

@@ -18,6 +18,9 @@ is a *bad record*: `BadRecords` counts it per file and reason and warns once per
 ``on_bad_record=error``, stops with the file and the record's number. Empty documents are skipped
 silently (they would only add an ``<|endoftext|>``).
 
+Files are opened through a `Reader` (train/data/reading.py), which tries a read that fails again for a
+while and then names the file (DataUnavailable).
+
 Every position is a plain dict (ints, strings; for the Hub, datasets' own state), fit for a checkpoint:
 reading resumes at a record without re-reading what came before it (a ``.jsonl`` file is entered by
 its byte offset, parquet by row group).
@@ -37,6 +40,7 @@ import numpy as np
 
 from train import report
 from train.data import pieces
+from train.data.reading import Reader
 from train.data.sources import DataError, SourceSpec, hub_offline
 from train.data.tokenizer import EOT, gpt2
 
@@ -125,25 +129,26 @@ def checked_text(value, field: str) -> str | Bad:
     return value
 
 
-def records(src: SourceSpec, stream: int, streams: int, pos: dict | None = None) -> Iterator[Record]:
-    """The records of `stream` (of `streams`) from position `pos` on (None: the start), in reading order."""
+def records(src: SourceSpec, stream: int, streams: int, pos: dict | None = None,
+            reader: Reader | None = None) -> Iterator[Record]:
+    """The records of `stream` (of `streams`) from position `pos` on (None: the start), in reading order.
+    Files are opened through `reader` (train/data/reading.py: retries; None: no retry)."""
     read = {"text": _text_records, "json": _json_records, "parquet": _parquet_records, "hub": _hub_records}
     if src.reader not in read:
         raise ValueError(f"records: {src.reader} sources hold tokens, not records")
-    return read[src.reader](src, stream, streams, pos)
+    return read[src.reader](src, stream, streams, pos, reader or Reader())
 
 
-def _text_records(src, stream, streams, pos):
+def _text_records(src, stream, streams, pos, reader):
     """One document per file: file f is record f; only this stream's files are opened. With
     src.piece_chars > 0 a longer file is cut into pieces (train/data/pieces.py): piece k of file f is
     record f + k, so every file that may be longer than piece_chars is opened by every stream."""
     first_file, first_piece = (pos["file"], pos.get("piece", 0)) if pos else (0, 0)
     for f in range(first_file, len(src.files)):
-        may_cut = src.piece_chars > 0 and os.path.getsize(src.files[f]) > src.piece_chars  # chars ≤ bytes
+        may_cut = src.piece_chars > 0 and reader.size(src.files[f]) > src.piece_chars  # chars ≤ bytes
         if not may_cut and f % streams != stream:
             continue
-        with open(src.files[f], "rb") as fh:
-            raw = fh.read()
+        raw = reader.read_bytes(src.files[f])
         text = decode(raw, src.encoding)
         if isinstance(text, Bad) or not may_cut:
             if f % streams == stream and (f, 0) >= (first_file, first_piece):
@@ -159,14 +164,14 @@ def _text_records(src, stream, streams, pos):
                              checked_text(piece, "text"), held)
 
 
-def _json_records(src, stream, streams, pos):
+def _json_records(src, stream, streams, pos, reader):
     """JSON lines (one object per non-blank line), or a JSON array of objects, per file."""
     pos = pos or {"file": 0, "byte": 0, "line": 0, "index": 0}
     index = pos["index"]
     for f in range(pos["file"], len(src.files)):
         path = src.files[f]
         start = pos if f == pos["file"] else {"byte": 0, "line": 0}
-        with open(path, "rb") as fh:
+        with reader.call(path, _open_binary) as fh:
             if _is_json_array(fh):
                 index = yield from _json_array_records(src, fh, f, index, start["line"], stream, streams)
                 continue
@@ -180,6 +185,10 @@ def _json_records(src, stream, streams, pos):
                     at = {"file": f, "byte": here, "line": line - 1, "index": index}
                     yield Record(at, index, path, f"line {line}", _json_text(raw, src))
                 index += 1
+
+
+def _open_binary(path: str):
+    return open(path, "rb")
 
 
 def _is_json_array(fh) -> bool:
@@ -226,7 +235,7 @@ def _json_text(raw: bytes, src: SourceSpec) -> str | Bad:
     return checked_text(obj.get(src.text_field), src.text_field)
 
 
-def _parquet_records(src, stream, streams, pos):
+def _parquet_records(src, stream, streams, pos, reader):
     """Rows of parquet files, by row group; only the text column is read, only this stream's rows converted."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -235,7 +244,7 @@ def _parquet_records(src, stream, streams, pos):
     index = pos["index"] - pos["row"]  # the index of the first row of file pos["file"]
     for f in range(pos["file"], len(src.files)):
         path = src.files[f]
-        meta = pq.ParquetFile(path)
+        meta = reader.call(path, pq.ParquetFile)
         start = pos["row"] if f == pos["file"] else 0
         has_field = src.text_field in meta.schema_arrow.names
         row0 = 0
@@ -258,9 +267,9 @@ def _parquet_records(src, stream, streams, pos):
         index += meta.metadata.num_rows
 
 
-def _hub_records(src, stream, streams, pos):
+def _hub_records(src, stream, streams, pos, reader):
     """A `datasets` stream (a Hub name, a local dataset folder or a cached dataset); positions hold datasets'
-    own state. With at least `streams` data files, stream j is datasets' shard j of `streams` (files j, j+S,
+    own state (`datasets` reads its files itself: `reader` is not used). With at least `streams` data files, stream j is datasets' shard j of `streams` (files j, j+S,
     j+2S, …) and its records are numbered within it; with fewer, every stream reads all records in order and
     keeps record i when i mod S = j."""
     dataset = open_hub(src)
@@ -319,9 +328,10 @@ def in_validation(record: Record, val_permille: int) -> bool:
 
 def documents(
     src: SourceSpec, stream: int, streams: int, validation: bool, bad: BadRecords,
-    cursor: dict | None = None, repeat: bool = False,
+    cursor: dict | None = None, repeat: bool = False, reader: Reader | None = None,
 ) -> Iterator[tuple[dict, np.ndarray]]:
-    """Yield (cursor, tokens) for each document of one split of one stream, from `cursor` on (None: the start).
+    """Yield (cursor, tokens) for each document of one split of one stream, from `cursor` on (None: the start),
+    its files opened through `reader` (None: no retry).
 
     tokens: int32 array, the document's GPT-2 tokens then `<|endoftext|>`, from the cursor's token offset.
     cursor: {"epoch", "at": the record's position (None: the epoch's start), "offset": tokens of the document
@@ -333,7 +343,7 @@ def documents(
     read = _prepared_documents if src.reader == "prepared" else _text_documents
     while True:
         kept = 0
-        for pos, tokens in read(src, stream, streams, at, validation, bad):
+        for pos, tokens in read(src, stream, streams, at, validation, bad, reader):
             kept += 1
             yield {"epoch": epoch, "at": pos, "offset": offset}, tokens[offset:]
             offset = 0
@@ -358,8 +368,8 @@ def tokens_of(text: str) -> list[int]:
     return ids
 
 
-def _text_documents(src, stream, streams, at, validation, bad):
-    for record in records(src, stream, streams, at):
+def _text_documents(src, stream, streams, at, validation, bad, reader):
+    for record in records(src, stream, streams, at, reader):
         if isinstance(record.text, Bad):
             bad.skip(record)
         elif record.text and src.val_tail is not None:
@@ -383,8 +393,9 @@ def _tail_split(record: Record, tail: tuple[int, int, int], validation: bool) ->
     return [*ids[:offset], EOT] if offset else None
 
 
-def _prepared_documents(src, stream, streams, at, validation, bad):
-    """Token rows of a prepared split whose document index is this stream's; positions are row numbers."""
+def _prepared_documents(src, stream, streams, at, validation, bad, reader):
+    """Token rows of a prepared split whose document index is this stream's; positions are row numbers
+    (memory-mapped by `datasets`: `reader` is not used)."""
     split = prepared_split(src.path, "validation" if validation else "train")
     rows = split.rows_of(stream, streams)
     start = int(np.searchsorted(rows, at["row"])) if at else 0

@@ -13,7 +13,8 @@ Five kinds of source (``data.source``):
 
 Pipeline keys (top level only): ``streams`` (documents are dealt to this many streams by their index
 modulo it; global batches are assembled stream by stream), ``shuffle_buffer`` (windows shuffled
-together, over all streams), ``workers`` / ``prefetch`` (background packing), ``on_bad_record``.
+together, over all streams), ``workers`` / ``prefetch`` (background packing), ``on_bad_record``,
+``read_retries`` / ``read_retry_s`` (a file that cannot be read, tried again: train/data/reading.py).
 Record keys (top level, or per mixture entry): ``text_field``, ``encoding``, ``val_permille``,
 ``piece_chars`` (a ``.txt`` document longer than this is cut into pieces: train/data/pieces.py).
 
@@ -35,7 +36,7 @@ from urllib.parse import urlparse
 
 KINDS = ("stdlib", "files", "hub", "prepared")  # what a single source (or a mixture entry) can be
 SOURCES = (*KINDS, "mixture")
-PIPELINE_KEYS = ("streams", "shuffle_buffer", "workers", "prefetch", "on_bad_record")
+PIPELINE_KEYS = ("streams", "shuffle_buffer", "workers", "prefetch", "on_bad_record", "read_retries", "read_retry_s")
 RECORD_KEYS = ("text_field", "encoding", "val_permille", "piece_chars")
 KIND_KEYS = {"stdlib": (), "files": ("paths",), "hub": ("name", "config_name", "split"), "prepared": ("path",)}
 ENTRY_KEYS = ("label", "weight", "source", *RECORD_KEYS, *(k for keys in KIND_KEYS.values() for k in keys))
@@ -107,6 +108,8 @@ class DataSpec:
     prefetch: int = 2
     on_bad_record: str = "skip"
     val_batches: int = 0  # global batches of validation windows the splits hold, as the probe found (train/data/probe.py)
+    read_retries: int = 5  # a file that cannot be read is tried again this many times (train/data/reading.py)
+    read_retry_s: float = 1.0  # the wait before the first retry, doubling after each
 
     @property
     def mixture(self) -> bool:
@@ -126,7 +129,7 @@ class DataSpec:
         return counts
 
     def fingerprint(self) -> dict:
-        """What fixes the global order of windows (not dp, workers, prefetch or the bad-record policy)."""
+        """What fixes the global order of windows (not dp, workers, prefetch, retries or the bad-record policy)."""
         return {
             "sources": [s.fingerprint() for s in self.sources],
             "weights": list(self.weights),
@@ -169,6 +172,8 @@ def resolve(data_cfg) -> DataSpec:
         workers=_int_at_least(cfg, "workers", 0, 0),
         prefetch=_int_at_least(cfg, "prefetch", 2, 1),
         on_bad_record=policy,
+        read_retries=_int_at_least(cfg, "read_retries", 5, 0),
+        read_retry_s=_seconds(cfg, "read_retry_s", 1.0),
     )
     defaults = _record_keys(cfg, "data", {})
     if source != "mixture":
@@ -265,6 +270,13 @@ def _int_at_least(cfg: dict, key: str, default: int, low: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
         raise DataError(f"data.{key}={value!r} must be a whole number >= {low}")
     return value
+
+
+def _seconds(cfg: dict, key: str, default: float) -> float:
+    value = cfg.get(key, default)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < float("inf"):
+        raise DataError(f"data.{key}={value!r} must be a number of seconds >= 0")
+    return float(value)
 
 
 def _record_keys(cfg: dict, where: str, defaults: dict) -> dict:

@@ -18,6 +18,7 @@ from typing import Iterator
 
 import numpy as np
 
+from train.data.reading import Reader
 from train.data.records import BadRecords, documents
 from train.data.sources import DataSpec
 
@@ -56,6 +57,7 @@ class Chunk:
     windows: np.ndarray  # (B, T+1) int32, permuted
     end: dict  # the lane's cursor after this chunk
     end_counts: dict  # bad records counted before that cursor
+    retries: int = 0  # reads retried while packing it (train/data/reading.py)
 
 
 @dataclass
@@ -80,13 +82,17 @@ class LanePacker:
         self.key, self.size = (seed, j, s), spec.chunk_windows
         self.index = state.served // self.size
         self.bad = BadRecords(spec.on_bad_record, warn, state.counts, warned)
-        docs = documents(spec.sources[j], s, spec.streams, validation=False, bad=self.bad, cursor=state.cursor, repeat=True)
+        self.reader = Reader(spec.read_retries, spec.read_retry_s, warn)
+        docs = documents(spec.sources[j], s, spec.streams, validation=False, bad=self.bad, cursor=state.cursor,
+                         repeat=True, reader=self.reader)
         self._chunks = pack(docs, seq_len + 1, self.size, self.bad)
 
     def next_chunk(self) -> Chunk:
+        """The lane's next chunk; DataUnavailable when a file it needs stays unreadable."""
+        retried = self.reader.made
         windows, end, counts = next(self._chunks)  # (B, T+1)
         order = np.random.default_rng([*self.key, self.index]).permutation(self.size)
-        chunk = Chunk(self.index, windows[order], end, counts)
+        chunk = Chunk(self.index, windows[order], end, counts, self.reader.made - retried)
         self.index += 1
         return chunk
 

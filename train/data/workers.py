@@ -10,7 +10,8 @@ some of the rank's lanes and keeping up to ``prefetch`` chunks of each ready ahe
 has taken. A worker packs next the lane whose next chunk is needed soonest (estimated from the
 mixture weights); it never runs more than ``prefetch`` ahead on any lane, and a lane the consumer waits
 for always has room, so it cannot deadlock. A worker's error reaches the consumer as the same
-`DataError` message; a worker that dies is reported with its exit code. A worker whose rank is gone
+`DataError` (a file that stayed unreadable as the same DataUnavailable, when the consumer asks for the
+chunk that needed it); a worker that dies is reported with its exit code. A worker whose rank is gone
 (killed, with no chance to stop it) stops by itself.
 """
 
@@ -84,7 +85,7 @@ class WorkerPool:
                     ) from None
                 continue
             if message[0] == "error":
-                raise DataError(message[1])
+                raise message[1]
             got_lane, chunk = message
             self.stash[got_lane][chunk.index] = chunk
         self.taken[self.slot[lane]] = index + 1
@@ -131,10 +132,10 @@ def _work(spec: DataSpec, lanes: dict, slot: dict, seq_len: int, seed: int, warn
             lane = min(ahead, key=lambda lane: (packers[lane].index / weight[lane], lane))
             out.put((lane, packers[lane].next_chunk()))
         out.cancel_join_thread()  # stopped: nobody reads the chunks still queued, so exit without flushing them
-    except DataError as e:
-        out.put(("error", str(e)))
-    except BaseException as e:  # anything else: the consumer re-raises it with the worker's traceback
-        out.put(("error", f"data: background worker failed: {e!r}\n{traceback.format_exc()}"))
+    except DataError as e:  # the error itself (a DataUnavailable stays one), raised again by the consumer
+        out.put(("error", e))
+    except BaseException as e:  # anything else: the consumer raises it with the worker's traceback
+        out.put(("error", DataError(f"data: background worker failed: {e!r}\n{traceback.format_exc()}")))
 
 
 def make_supply(spec: DataSpec, lanes: dict[tuple[int, int], LaneState], seq_len: int, seed: int, warn: bool = True):

@@ -4,8 +4,9 @@ A signal may reach only some ranks (a scheduler signalling one node, a `kill` by
 that stopped alone would leave the others blocked in their next collective. So a signal only sets a
 flag. At the end of every step (after its logging, evaluation and checkpoint) the ranks all-reduce
 (max) one small vector of integers, `agree`, holding each rank's flag together with the step's
-non-finite checks, and all stop when any rank was signalled. The step that was running when the
-signal arrived is finished and the checkpoint is at that step. (Python runs a signal handler only
+non-finite checks and the machine's faults a rank saw (a failed checkpoint write in the background, a
+data file the next step cannot read), and all stop when any rank was signalled. The step that was
+running when the signal arrived is finished and the checkpoint is at that step. (Python runs a signal handler only
 once the C++ call under way returns: a signal that comes during the closing collective itself is
 seen after it, and counts for the next step.)
 
@@ -94,30 +95,35 @@ class Verdict:
     signal: int  # the largest signal number any rank received since it started (0: none)
     rank: int | None  # the largest rank that received one
     step: int  # the step that rank was running when it came
+    write_failed: bool = False  # a checkpoint write in the background failed, on some rank
+    data_failed: bool = False  # a data file the next step needs stayed unreadable, on some rank
 
 
-def agree(step: int, loss: torch.Tensor, skipped: bool, signals: StopSignals) -> Verdict:
+def agree(step: int, loss: torch.Tensor, skipped: bool, signals: StopSignals, write_failed: bool = False,
+          data_failed: bool = False) -> Verdict:
     """The one collective of a step: max over ranks of
-    [loss not finite, skipped, applied, signal, rank + 1, step the signal came in].
+    [loss not finite, skipped, applied, signal, rank + 1, step the signal came in, write failed, data failed].
 
     It also checks that the step was skipped on every rank or on none, and never applied on a rank
     whose loss was not finite (train/guard/nonfinite.py explains why neither can happen; this proves it, each step).
+    The last two are the machine's faults this rank saw (a failed background write, a data file that stayed
+    unreadable): when any rank saw one, every rank stops after the step (train/loop.py).
     """
     import torch.distributed as dist
 
     received, received_step = signals.take(step)
     rank = dist.get_rank()
-    flags = torch.tensor([0, int(skipped), int(not skipped), received, rank + 1 if received else 0, received_step],
-                         dtype=torch.int64, device=loss.device)
+    flags = torch.tensor([0, int(skipped), int(not skipped), received, rank + 1 if received else 0, received_step,
+                          int(write_failed), int(data_failed)], dtype=torch.int64, device=loss.device)
     flags[0] = (~torch.isfinite(loss)).to(torch.int64)
     if dist.get_world_size() > 1:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    non_finite, any_skipped, any_applied, signum, who, step = flags.tolist()
+    non_finite, any_skipped, any_applied, signum, who, step, write, data = flags.tolist()
     if any_skipped and any_applied:
         raise RuntimeError("the ranks disagree on whether this step's update was skipped; their weights now differ")
     if non_finite and any_applied:
         raise RuntimeError("a rank's loss was not finite, yet the optimizer applied the update")
-    return Verdict(signum, who - 1 if who else None, step)
+    return Verdict(signum, who - 1 if who else None, step, bool(write), bool(data))
 
 
 def write_marker(run_dir: Path, step: int, verdict: Verdict, checkpoint: Path) -> None:

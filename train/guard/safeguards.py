@@ -3,8 +3,9 @@ hangs (train/guard/watchdog.py) and non-finite steps (train/guard/nonfinite.py).
 
 Per step the loop calls `step_begins` (arms the watchdog), `after_step` (counts a skipped step),
 `check_skips` once the step is logged (stops after train.max_consecutive_skips in a row) and, last,
-`agree` (the step's one collective: did any rank get a stop signal?). `before_saving` refuses a
-checkpoint of non-finite weights.
+`agree` (the step's one collective: did any rank get a stop signal, see its checkpoint write in the
+background fail (`watch_writes`), or find a data file of the next step unreadable?). `before_saving`
+refuses a checkpoint of non-finite weights.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class Safeguards:
         self.signals = preemption.StopSignals(rank)
         self.watchdog = Watchdog(run_dir, rank)
         self._first = True
+        self._write_failed = lambda: False  # set by `watch_writes`
         self.signals.install()
         if rank == 0:
             preemption.clear_marker(run_dir)  # this run is under way again
@@ -58,8 +60,15 @@ class Safeguards:
         if ranks_with_bad:
             raise nonfinite.refuse_to_save(step, bad, ranks_with_bad, self.last_checkpoint)
 
-    def agree(self, step: int, result) -> preemption.Verdict:
-        return preemption.agree(step, result.loss, result.skipped, self.signals)
+    def watch_writes(self, failed) -> None:
+        """`failed()`: whether this rank's checkpoint write in the background has failed (the Checkpointer's
+        writer); `agree` asks it at the end of every step."""
+        self._write_failed = failed
+
+    def agree(self, step: int, result, data_failed: bool = False) -> preemption.Verdict:
+        """The end of `step`, agreed by every rank (train/guard/preemption.py); `data_failed`: this rank could
+        not read a data file the next step needs."""
+        return preemption.agree(step, result.loss, result.skipped, self.signals, self._write_failed(), data_failed)
 
     def stopped(self, step: int, verdict: preemption.Verdict, saved: Path, finished: bool) -> None:
         """After the checkpoint of a signalled stop: the marker a job script requeues on (unless the run

@@ -49,11 +49,13 @@ def layout_from_config(train: TrainConfig, parallel: ParallelConfig, model_cfg: 
     return layout
 
 
-def implementation_from_config(train: TrainConfig, parallel: ParallelConfig) -> Implementation:
+def implementation_from_config(train: TrainConfig, parallel: ParallelConfig, compiled: bool) -> Implementation:
     """gpt3d's implementation under the run's train.precision (auto: what it is on a GPU, bf16; the
-    planner always predicts for a GPU), parallel.overlap_communication and train.fused_loss."""
+    planner always predicts for a GPU) and train.fp8_recipe, parallel.overlap_communication and
+    train.fused_loss, and model.compile (`compiled`)."""
     precision = "bf16" if train.precision == "auto" else train.precision
-    return for_precision(precision, bool(parallel.overlap_communication), train.fused_loss)
+    return for_precision(precision, bool(parallel.overlap_communication), train.fused_loss, train.fp8_recipe,
+                         compiled)
 
 
 def hardware_from_config(plan_cfg: PlanConfig) -> Hardware:
@@ -71,7 +73,7 @@ def plan_from_config(sections: Sections, plan_cfg: PlanConfig, model_cfg: GPTCon
     train, parallel = sections.train, sections.parallel
     layout = layout_from_config(train, parallel, model_cfg, gpus_of(plan_cfg, parallel))
     return build_plan(
-        model_cfg, layout, hardware_from_config(plan_cfg), implementation=implementation_from_config(train, parallel),
+        model_cfg, layout, hardware_from_config(plan_cfg), implementation=implementation_from_config(train, parallel, model_cfg.compile),
         gpus_per_node=plan_cfg.gpus_per_node, reserved_gib=float(plan_cfg.reserved_gib), tokens=float(plan_cfg.tokens),
     )
 
@@ -89,7 +91,7 @@ def plan_for_run(train: TrainConfig, parallel: ParallelConfig, model_cfg: GPTCon
     world = int(os.environ.get("WORLD_SIZE", 1))
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", min(world, 8)))
     return build_plan(model_cfg, layout_from_config(train, parallel, model_cfg, world), hardware,
-                      implementation=implementation_from_config(train, parallel), gpus_per_node=per_node)
+                      implementation=implementation_from_config(train, parallel, model_cfg.compile), gpus_per_node=per_node)
 
 
 def layout_overrides(layout: Layout) -> str:

@@ -228,6 +228,13 @@ def count_full_parameters(config: GPTConfig) -> int:
     return sum(p.full_numel for p in rank_parameters(config, 1, 1, 0))
 
 
+def checkpoint_bytes(config: GPTConfig) -> int:
+    """Bytes of the tensors one checkpoint holds, at any layout (train/checkpoint/saving.py): every full-model
+    parameter's fp32 weights and its two fp32 Adam moments, the vocabulary unpadded; 12 bytes a parameter.
+    Its JSON files and the safetensors headers add a few kilobytes."""
+    return 3 * FP32 * count_full_parameters(config)
+
+
 def block_elements(model_cfg: GPTConfig, tp: int) -> int:
     """Elements of one transformer block's parameters on one tensor-parallel rank."""
     return sum(math.prod(shard.local_shape) for shard in layer_shards(model_cfg, 1, tp).values())

@@ -55,13 +55,17 @@ def _fake_world(rank: int, world_size: int):
 
     if dist.is_initialized():
         raise RuntimeError("the dry run needs a process without a process group (run it outside a launch)")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    launch = {"LOCAL_RANK": "0", "DS_ACCELERATOR": "cpu"}
+    unset = [key for key in launch if key not in os.environ]
+    for key in unset:
+        os.environ[key] = launch[key]
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        for key in unset:  # the caller's environment as it was: a later library must not see a launch
+            del os.environ[key]
 
 
 def _build_rank_shard(model_cfg: GPTConfig, tp: int, pp: int):

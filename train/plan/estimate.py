@@ -8,7 +8,10 @@ the step time is modelled"):
 
   t_mb(s)  = GEMMs + attention + memory-bound traffic + tensor-parallel collectives + pipeline sends
              (one micro batch, forward and backward; nothing overlaps on a rank's critical path)
-  GEMM     each matmul at max(FLOPs / (peak·gemm_efficiency), bytes / achieved HBM bandwidth)
+  GEMM     each matmul at max(FLOPs / (peak·gemm_efficiency), bytes / achieved HBM bandwidth); in
+           fp8 (`Implementation.fp8`) the blocks' linears at twice that rate (the float8 tensor cores'
+           dense peak is twice bf16's on Ada and Hopper) with 1-byte inputs and bf16 outputs, plus
+           their casts' traffic (fp8_cast_bytes) and the amax all-reduces' latency under tp
   attention the fused kernel's FLOPs (visible keys only) at peak·attention_efficiency
   traffic  LayerNorm, residual adds, GELU, casts, the loss, gradient accumulation, at HBM bandwidth
   step     = (m + pp − 1)·max_s t_mb(s)   (1F1B: the slowest stage paces, bubble (pp−1)/(m+pp−1))
@@ -128,6 +131,8 @@ class Implementation:
     grad_reduce_bytes: int | None = None  # None: gpt3d's (bf16 weights: bf16; fp32 weights: fp32, but
     #                                       DeepSpeed reduces nn.Linear gradients in bf16 under autocast
     #                                       at ZeRO ≥ 1); else this size for all
+    fp8: str | None = None  # the float8 recipe of the blocks' linears (train.precision=fp8), with bf16 weights
+    compiled: bool = False  # model.compile: the float8 casts fuse into the compiled blocks' kernels
 
     @property
     def bf16_weights(self) -> bool:
@@ -136,24 +141,43 @@ class Implementation:
 
     @property
     def precision(self) -> str:
-        """The train.precision this is: fp32, autocast or bf16."""
+        """The train.precision this is: fp32, autocast, bf16 or fp8."""
+        if self.fp8 is not None:
+            return "fp8"
         return "bf16" if self.bf16_weights else "autocast" if self.autocast else "fp32"
 
 
 PRECISIONS = ("fp32", "autocast", "bf16", "fp8")
+# Bytes of memory traffic per element of x, W and g of a linear layer, per micro batch, for its float8 casts
+# (model/float8.py, eager): each cast reads its bf16 operand for the amax (2) unless the amax is known,
+# then again to scale it and writes float8 (3); the input grad's W and the weight grad's gᵀ and x are copied
+# once more into the layout _scaled_mm takes (read and write a float8 byte, 2). Tensorwise: x 5 + 5,
+# W 5 + 5, g 5 + 5 (the weight grad reuses the amaxes); rowwise: every cast has its own amax, 12 each.
+FP8_CAST_BYTES = {"tensorwise": 10, "rowwise": 12}
+# All-reduces of amaxes per block and micro batch under tensor parallelism (model/float8.py's table): tensorwise,
+# the column layers' W (forward) and g (backward), the row layers' x and W (forward, one call): 2 + 2 + 1 + 1;
+# rowwise, the column layers' input grad and the row layers' forward: 1 + 1 + 1 + 1.
+FP8_AMAX_REDUCTIONS = {"tensorwise": 6, "rowwise": 4}
+# Kernels one block linear adds in float8, forward and backward, eager: amaxes, scales, casts, layout copies,
+# the scaled products (aten operations other than views, counted on one linear: 78 tensorwise and 113 rowwise,
+# against the plain linear's 6). At 30 µs of host time each they bound a large model's micro batch unless
+# model.compile fuses them (Implementation.compiled: none added; their memory traffic is still counted).
+FP8_KERNELS_PER_LINEAR = {"tensorwise": 72, "rowwise": 107}
 
 
-def for_precision(precision: str, overlap_communication: bool = True, fused_loss: bool = True) -> Implementation:
+def for_precision(precision: str, overlap_communication: bool = True, fused_loss: bool = True,
+                  fp8_recipe: str = "tensorwise", compiled: bool = False) -> Implementation:
     """gpt3d under train.precision (auto resolved by the caller): fp32 everything; autocast (fp32
     weights, bf16 matmuls with per-micro-batch casts); bf16 (bf16 weights and gradients, fp32 master
-    weights and moments in the optimizer); fp8 predicted as bf16 (its GEMM rate is not modelled).
-    overlap_communication: parallel.overlap_communication, and DeepSpeed's overlap_comm set from
-    the plan (train/plan/zero_buckets.py); fused_loss: train.fused_loss."""
+    weights and moments in the optimizer); fp8 (bf16, and the blocks' linears in float8 by
+    `fp8_recipe`). overlap_communication: parallel.overlap_communication, and DeepSpeed's overlap_comm
+    set from the plan (train/plan/zero_buckets.py); fused_loss: train.fused_loss; compiled: model.compile."""
     if precision not in PRECISIONS:
         raise ValueError(f"train.precision={precision!r}: must be one of {['auto', *PRECISIONS]}")
     return Implementation(
         fp32_weights=precision in ("fp32", "autocast"), autocast=precision != "fp32",
         overlap_tp=overlap_communication, overlap_dp=overlap_communication, fused_loss=fused_loss,
+        fp8=fp8_recipe if precision == "fp8" else None, compiled=compiled,
     )
 
 
@@ -283,6 +307,20 @@ def _gemm_time(hw: Hardware, impl: Implementation, n: int, k: int, m: int, elem:
     return max(2 * n * k * m / rate, (n * k + k * m + n * m) * elem / hw.memory_bandwidth)
 
 
+def _fp8_gemm_time(hw: Hardware, n: int, k: int, m: int) -> float:
+    """(n×k)·(k×m) in float8: twice bf16's rate, 1-byte inputs, a bf16 output."""
+    return max(2 * n * k * m / (2 * hw.flops), (n * k + k * m + 2 * n * m) / hw.memory_bandwidth)
+
+
+def _linear_time(hw: Hardware, impl: Implementation, n: int, k: int, m: int) -> float:
+    """One block linear's product (n×k)·(k×m): in the compute dtype, or in float8 with its share of the
+    casts (a third of the layer's: FP8_CAST_BYTES covers its three products)."""
+    if impl.fp8 is None:
+        return _gemm_time(hw, impl, n, k, m, _matmul_bytes(impl))
+    casts = FP8_CAST_BYTES[impl.fp8] * (n * k + k * m + n * m) / 3
+    return _fp8_gemm_time(hw, n, k, m) + casts / hw.memory_bandwidth
+
+
 def _blocks_compute(model_cfg, layout: Layout, impl: Implementation, hw: Hardware, blocks: list[int],
                     recomputed: int) -> tuple[float, float, float]:
     """(seconds, hardware FLOPs, host kernels) of `blocks`' forward + backward of one micro batch on
@@ -290,9 +328,8 @@ def _blocks_compute(model_cfg, layout: Layout, impl: Implementation, hw: Hardwar
     traffic and selective recomputation (not the weights' casts and gradient accumulation)."""
     tp, sigma = layout.tp, layout.tp if layout.sequence_parallel else 1
     d, f, n = model_cfg.d_model, model_cfg.d_ff, layout.micro_batch * model_cfg.seq_len
-    a = _matmul_bytes(impl)
     gemms = [(n, d, 3 * d // tp), (n, d // tp, d), (n, d, f // tp), (n, f // tp, d)]
-    fwd_gemm_t = sum(_gemm_time(hw, impl, *g, a) for g in gemms)
+    fwd_gemm_t = sum(_linear_time(hw, impl, *g) for g in gemms)
     fwd_gemm_f = sum(2 * x * y * z for x, y, z in gemms)
     attn_f = [4 * n * d / tp * _visible_keys(model_cfg, i) for i in blocks]  # QKᵀ and PV
     attn_rate = hw.peak_tflops * 1e12 * impl.attention_efficiency
@@ -306,6 +343,11 @@ def _blocks_compute(model_cfg, layout: Layout, impl: Implementation, hw: Hardwar
         kept = len(blocks) - recomputed
         time += kept * _selective_recompute_per_token(d, f, tp, layout.sequence_parallel, impl) * n / hw.memory_bandwidth
         kernels += SELECTIVE_KERNELS * kept
+    if impl.fp8 is not None:
+        if not impl.compiled:
+            kernels += 4 * FP8_KERNELS_PER_LINEAR[impl.fp8] * (len(blocks) + recomputed)
+        if tp > 1:
+            time += len(blocks) * FP8_AMAX_REDUCTIONS[impl.fp8] * COLLECTIVE_LATENCY_S
     flops = len(blocks) * 3 * fwd_gemm_f + sum(3.5 * x for x in attn_f) + recomputed * fwd_gemm_f + attn_recomputed
     return time, flops, kernels
 
@@ -475,8 +517,7 @@ def _exposed_behind_weight_gradients(model_cfg, layout: Layout, impl: Implementa
     GEMMs do not hide: each block's attn.qkv and mlp.fc collective against that layer's GEMM
     (n×d)ᵀ·(n×3d/p), (n×d)ᵀ·(n×f/p)."""
     tp, n, d = layout.tp, layout.micro_batch * model_cfg.seq_len, model_cfg.d_model
-    a = _matmul_bytes(impl)
-    gemms = (_gemm_time(hw, impl, d, n, 3 * d // tp, a), _gemm_time(hw, impl, d, n, model_cfg.d_ff // tp, a))
+    gemms = (_linear_time(hw, impl, d, n, 3 * d // tp), _linear_time(hw, impl, d, n, model_cfg.d_ff // tp))
     exposed = 0.0
     for t in transfers:  # count: 2 per block and micro batch, one for each column layer
         each = _comm_time([t], hw, inter_node) / t.count

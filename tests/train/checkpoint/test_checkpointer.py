@@ -23,6 +23,9 @@ class Guard:
     def before_saving(self, step: int, device) -> None:
         self.calls.append(f"finite at {step}")
 
+    def watch_writes(self, failed) -> None:
+        self.calls.append("watching writes")
+
 
 def saved_steps(tmp_path, interval: int, calls: list[tuple[int, bool]], guard: Guard | None = None) -> list[int]:
     """The steps of `calls` ((step, last) each, as the loop makes them) that wrote a checkpoint."""
@@ -42,7 +45,7 @@ def saved_steps(tmp_path, interval: int, calls: list[tuple[int, bool]], guard: G
 def test_saves_every_interval_and_at_the_last_step(tmp_path):
     guard = Guard()
     assert saved_steps(tmp_path, 3, [(step, step == 7) for step in range(1, 8)], guard) == [3, 6, 7]
-    assert guard.calls[:2] == ["checkpoint at step 3", "finite at 3"]
+    assert guard.calls[:3] == ["watching writes", "checkpoint at step 3", "finite at 3"]
 
 
 def test_a_stop_after_a_saved_step_saves_it_once(tmp_path):

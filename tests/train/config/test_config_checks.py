@@ -30,7 +30,7 @@ def corpus(tmp_path_factory):
         ("+data.encodng=latin-1", "data.encodng is not a setting"),
         ("+logging.wandb.tag=[a]", "did you mean logging.wandb.tags?"),
         ("+seed=3", "seed is not a setting ('+' adds only keys that configs/ defines); valid keys of the top level: "
-                    "['data', 'deepspeed', 'logging', 'model', 'optim', 'parallel', 'train']"),
+                    "['data', 'deepspeed', 'evaluate', 'logging', 'model', 'optim', 'parallel', 'train']"),
     ],
 )
 def test_keys_added_with_plus_must_exist(tmp_path, corpus, override, message):

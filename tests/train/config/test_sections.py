@@ -82,7 +82,7 @@ def test_a_resolved_section_is_read_only_and_a_changed_copy_is_checked_again():
     train = TrainConfig(max_steps=3)
     with pytest.raises(AttributeError, match="train.max_steps is read-only"):
         train.max_steps = 4
-    sections = Sections(train, *(None,) * 4, deepspeed={})
+    sections = Sections(train, *(None,) * 5, deepspeed={})
     assert sections.replaced({"train.batch_ramp.start": 16}).train.batch_ramp.start == 16
     assert train.batch_ramp.start is None
     with pytest.raises(ConfigError, match=r"train.max_steps=0: must be a positive integer"):

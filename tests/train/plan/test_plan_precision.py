@@ -69,13 +69,37 @@ def test_precision_from_the_config():
     from train.plan.config import implementation_from_config, plan_from_config
 
     base = ["model=gpt3-1.3b", "plan.gpus=8", "train.global_batch_size=64", "train.micro_batch_size=4"]
-    sections, _, _ = load(base)
-    assert implementation_from_config(sections.train, sections.parallel).precision == "bf16"  # auto: as on a GPU
-    for precision in ("fp32", "autocast", "bf16"):
+    sections, _, model_cfg = load(base)
+    assert implementation_from_config(sections.train, sections.parallel, model_cfg.compile).precision == "bf16"  # auto: as on a GPU
+    for precision in ("fp32", "autocast", "bf16", "fp8"):
         assert plan_from_config(*load([*base, f"++train.precision={precision}"])).implementation.precision == precision
+    sections, _, model_cfg = load([*base, "train.precision=fp8", "train.fp8_recipe=rowwise", "model.compile=true"])
+    fp8 = implementation_from_config(sections.train, sections.parallel, model_cfg.compile)
+    assert (fp8.fp8, fp8.compiled, fp8.bf16_weights) == ("rowwise", True, True)
     assert for_precision("autocast", overlap_communication=False) == Implementation()  # today's model
     with pytest.raises(ValueError, match="train.precision='fp16'.*auto"):
         load([*base, "++train.precision=fp16"])
+
+
+@pytest.mark.parametrize("recipe, cast_bytes", [("tensorwise", 10), ("rowwise", 12)])
+def test_fp8_runs_the_block_gemms_at_twice_the_rate_and_adds_the_casts_traffic(recipe, cast_bytes):
+    """Compiled (no launch bound): per block and micro batch, the four linears' three products each take
+    half their bf16 time (compute-bound at these shapes), and their casts move cast_bytes per element of
+    x, W and g at HBM bandwidth; nothing else changes. Eager, the casts' kernels bound the micro batch:
+    30 µs of host time for each of the block's 100 kernels and 4 × 72 (tensorwise) more."""
+    cfg = GPTConfig(name="1.3b", n_layer=24, n_head=16, d_model=2048, seq_len=2048)
+    hw, layout = preset("h100-80g"), Layout(1, 1, 1, 4, 4)
+    bf16 = build_plan(cfg, layout, hw, implementation=for_precision("bf16"))
+    fp8 = build_plan(cfg, layout, hw, implementation=for_precision("fp8", fp8_recipe=recipe, compiled=True))
+    n, d, f = 4 * 2048, 2048, 8192
+    linears = [(n, d, 3 * d), (n, d, d), (n, d, f), (n, f, d)]
+    gemms = sum(3 * n * k * m / hw.flops for n, k, m in linears)  # bf16: 3 products of 2nkm FLOPs; fp8: half
+    casts = sum(cast_bytes * (n * k + k * m + n * m) for n, k, m in linears) / hw.memory_bandwidth
+    difference = fp8.ranks[0].time["compute_s"] - bf16.ranks[0].time["compute_s"]
+    assert difference == pytest.approx(24 * (casts - gemms), rel=1e-9)
+    if recipe == "tensorwise":
+        eager = build_plan(cfg, layout, hw, implementation=for_precision("fp8"))
+        assert eager.ranks[0].time["compute_s"] == pytest.approx(24 * (100 + 4 * 72) * 30e-6, rel=1e-9)
 
 
 def test_fused_loss_from_the_config():

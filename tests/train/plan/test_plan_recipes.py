@@ -5,6 +5,8 @@ the same tp × pp shards with fewer blocks, seconds instead of minutes); 13B's b
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from train.plan.__main__ import load
@@ -29,9 +31,11 @@ def test_recipe_fits_passes_preflight_and_its_shards_cover_the_model(recipe):
     assert plan.predicted_mfu >= 0.40
     shrunk = load([f"+recipe={recipe}", f"model.n_layer={blocks}"])[2] if blocks else model_cfg
     tp, pp = sections.parallel.tp, sections.parallel.pp
+    before = dict(os.environ)
     report = dry_run(shrunk, tp, pp)
     assert report.ok, report.problems[:5]
     assert report.shards == tp * pp
+    assert dict(os.environ) == before  # no LOCAL_RANK left behind: lm-eval's model would take it for a launch
 
 
 def test_the_13b_recipe_gives_deepspeed_one_block_per_bucket_and_overlapped_reduction():

@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 from train.config.sections.data import KINDS as DATA_KINDS
 from train.config.sections.data import DataConfig
+from train.config.sections.evaluate import EvaluateConfig
 from train.config.sections.generate import GenerateConfig
 from train.config.sections.logging import LoggingConfig, WandbConfig
 from train.config.sections.optim import OptimConfig
@@ -32,6 +33,7 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: Any = None  # the data group's file, on its kind's schema (train/config/sections/data.py)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     deepspeed: Any = field(default_factory=dict)
     plan: Optional[PlanConfig] = None
     generate: Optional[GenerateConfig] = None
@@ -47,6 +49,7 @@ class Sections:
     parallel: ParallelConfig
     data: DataConfig
     logging: LoggingConfig
+    evaluate: EvaluateConfig
     deepspeed: dict  # DeepSpeed's pass-through (the deepspeed group), checked against DeepSpeed's settings
 
     @classmethod
@@ -54,7 +57,7 @@ class Sections:
         """Each section of a composed config built, its checks run (ConfigError at the first bad value)."""
         from omegaconf import OmegaConf
 
-        built = {name: _built(cfg, name) for name in ("train", "optim", "parallel", "data", "logging")}
+        built = {name: _built(cfg, name) for name in ("train", "optim", "parallel", "data", "logging", "evaluate")}
         extras = OmegaConf.to_container(cfg.deepspeed, resolve=True) if cfg.get("deepspeed") else {}
         return cls(**built, deepspeed=extras)
 
@@ -102,9 +105,10 @@ def _plain(value):
 
 # Each section of the key table (train/config/key_table.py), in the table's order.
 SECTIONS = (TrainConfig, BatchRampConfig, OptimConfig, ParallelConfig, DataConfig, *DATA_KINDS.values(),
-            LoggingConfig, WandbConfig, GenerateConfig, PlanConfig, DeviceFigures)
+            LoggingConfig, WandbConfig, EvaluateConfig, GenerateConfig, PlanConfig, DeviceFigures)
 
 __all__ = [
-    "SCHEMA_NAME", "SECTIONS", "BatchRampConfig", "DataConfig", "DeviceFigures", "GenerateConfig", "LoggingConfig",
+    "SCHEMA_NAME", "SECTIONS", "BatchRampConfig", "DataConfig", "DeviceFigures", "EvaluateConfig", "GenerateConfig",
+    "LoggingConfig",
     "OptimConfig", "ParallelConfig", "PlanConfig", "RunConfig", "TrainConfig", "WandbConfig",
 ]

@@ -26,6 +26,10 @@ class DataConfig(Section):
     shuffle_buffer: Any = setting(1024, "windows shuffled together, over all streams (a multiple of streams)")
     workers: Any = setting(0, "background processes per rank that tokenize and pack ahead (GPU runs: 1-4)")
     prefetch: Any = setting(2, "chunks per stream that workers keep ready ahead of training")
+    read_retries: Any = setting(5, "a data file that cannot be read (gone, a network file system's hiccup) is tried "
+                                   "again this many times, each retry a warning; then the run saves a checkpoint "
+                                   "and stops (docs/faults.md)")
+    read_retry_s: Any = setting(1.0, "seconds before the first retry of a data file, doubling after each")
 
 
 def _on_bad_record():

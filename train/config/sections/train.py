@@ -20,6 +20,7 @@ from train.config.settings import (
 
 DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("auto", "fp32", "autocast", "bf16", "fp8")
+FP8_RECIPES = ("tensorwise", "rowwise")  # model/float8.py
 OVERWRITE = "overwrite"  # train.resume: move an earlier run in the run folder aside (train/config/run_folder.py)
 SEED = Check(lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**31, "must be an integer in [0, 2^31)")
 
@@ -53,6 +54,10 @@ class TrainConfig(Section):
     eval_interval: int = setting(100, "steps between validation passes (and at the end); 0 disables", NON_NEGATIVE_INT)
     eval_batches: int = setting(4, "global batches of held-out windows per validation pass (a small corpus: as many "
                                    "as 10% of it holds, with a note)", NON_NEGATIVE_INT)
+    eval_tasks: Any = setting(doc="GPT-3's tasks scored during training, e.g. [lambada,piqa] (their files, shots and "
+                                  "batch: evaluate.*; docs/evaluation.md); []: none", factory=list)
+    eval_tasks_interval: int = setting(0, "steps between scores of train.eval_tasks (and at the end), at logged steps; "
+                                          "0: with each validation pass (train.eval_interval)", NON_NEGATIVE_INT)
     checkpoint_interval: int = setting(100, "steps between checkpoints (and at the end); 0 keeps only the final one",
                                        NON_NEGATIVE_INT)
     resume: Optional[str] = setting(
@@ -72,8 +77,10 @@ class TrainConfig(Section):
     device: str = setting("auto", "`auto` (cuda if available, else cpu), `cpu`, `cuda`", one_of(*DEVICES))
     precision: str = setting(
         "auto", "`auto` (bf16 on CUDA, fp32 on CPU), `fp32`, `autocast` (fp32 weights under bf16 autocast), `bf16` "
-                "(bf16 weights, fp32 masters and moments in the optimizer); `fp8` is refused with its reason "
-                "(train/precision.py)", one_of(*PRECISIONS))
+                "(bf16 weights, fp32 masters and moments in the optimizer), `fp8` (bf16, and the blocks' linears in float8; "
+                "GPUs of compute capability ≥ 8.9; train/precision.py)", one_of(*PRECISIONS))
+    fp8_recipe: str = setting("tensorwise", "with fp8: `tensorwise` (one scale per tensor, gradients e5m2) or "
+                                            "`rowwise` (one scale per row, all e4m3)", one_of(*FP8_RECIPES))
     sample_tokens: int = setting(64, "tokens sampled after training (0 to skip)", NON_NEGATIVE_INT)
     sample_prompt: str = setting("def ", "the prompt of the end-of-run sample")
     max_consecutive_skips: int = setting(5, "stop after this many steps in a row skipped for a non-finite loss or "
@@ -87,3 +94,8 @@ class TrainConfig(Section):
     fused_loss: bool = setting(True, "the loss unembeds the final hidden states chunk by chunk (model/fused_loss.py), "
                                      "never holding the (B, T, vocabulary) logits; false: full logits, then "
                                      "cross-entropy", BOOLEAN)
+
+    def check(self) -> None:
+        from train.config.sections.evaluate import check_tasks
+
+        check_tasks("train.eval_tasks", self.eval_tasks, empty_ok=True)
