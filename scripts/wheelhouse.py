@@ -44,11 +44,9 @@ import zipfile
 from pathlib import Path
 
 try:
-    from packaging.markers import Marker
     from packaging.requirements import InvalidRequirement, Requirement
     from packaging.utils import canonicalize_name
 except ImportError:  # pip always carries a copy
-    from pip._vendor.packaging.markers import Marker
     from pip._vendor.packaging.requirements import InvalidRequirement, Requirement
     from pip._vendor.packaging.utils import canonicalize_name
 
