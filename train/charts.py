@@ -48,6 +48,7 @@ def draw(run_dirs: list[Path], out: Path) -> Path:
         raise CurvesError(f"drawing curves {MISSING}") from None
     matplotlib.use("Agg")  # files only, no window
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import EngFormatter
 
     runs = [{"run": str(run_dir), "series": series(run_dir)} for run_dir in run_dirs]
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
@@ -64,6 +65,7 @@ def draw(run_dirs: list[Path], out: Path) -> Path:
             ax.set_title(title)
     for ax, (keys, _) in zip(axes.flat, PANELS):
         ax.set_xlabel("tokens")
+        ax.xaxis.set_major_formatter(EngFormatter(sep=""))  # 200k, 1.5M, 300G: tick labels that fit
         ax.grid(alpha=0.3)
         if len(keys) > 1 or len(runs) > 1:
             ax.legend(fontsize="small")
