@@ -20,14 +20,13 @@ def test_mfu_uses_all_devices_and_is_none_without_a_peak():
 def test_resuming_drops_records_logged_after_the_checkpoint(tmp_path):
     import json
 
-    from omegaconf import OmegaConf
-
+    from train.config.sections.logging import LoggingConfig, WandbConfig
     from train.metrics import MetricsLogger
 
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "train/loss": 1.0 / s}) + "\n" for s in range(1, 6)))
-    cfg = OmegaConf.create({"wandb": {"mode": "disabled", "project": "p", "entity": None, "name": None}})
-    logger = MetricsLogger(tmp_path, cfg, {}, active=True, resumed_step=3)
+    settings = LoggingConfig(wandb=WandbConfig(mode="disabled", project="p"), curves=False)
+    logger = MetricsLogger(tmp_path, settings, {}, active=True, resumed_step=3)
     logger.log({"step": 4, "train/loss": 0.5})
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4]
     assert not (tmp_path / "metrics.jsonl.tmp").exists()

@@ -4,14 +4,13 @@ closes."""
 
 import json
 
-from omegaconf import OmegaConf
-
+from train.config.sections.logging import LoggingConfig, WandbConfig
 from train.metrics import MetricsLogger
 
 
 def logger(run_dir) -> MetricsLogger:
-    cfg = OmegaConf.create({"wandb": {"mode": "disabled"}})
-    return MetricsLogger(run_dir, cfg, {}, active=True, resumed_step=None)
+    settings = LoggingConfig(wandb=WandbConfig(mode="disabled"), curves=False)
+    return MetricsLogger(run_dir, settings, {}, active=True, resumed_step=None)
 
 
 def warnings(capsys) -> list[str]:
