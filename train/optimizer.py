@@ -17,7 +17,7 @@ from torch import nn
 
 # Peak learning rates of Table 2.1 of the GPT-3 paper, by config name; the toy's is ours.
 PAPER_PEAK_LR = {
-    "toy": 1e-3,
+    "toy": 3e-3,
     "gpt3-125m": 6.0e-4,
     "gpt3-350m": 3.0e-4,
     "gpt3-760m": 2.5e-4,

@@ -142,5 +142,5 @@ def test_an_undecodable_file_and_a_corpus_too_small_to_validate_name_the_setting
 def test_help_speaks_of_gpt3d_groups_and_settings():
     proc = run("--help")
     assert proc.returncode == 0 and proc.stdout.startswith("usage: python -m train")
-    assert "data=files|gpt3_mixture|hub|mixture|prepared|stdlib" in proc.stdout and "docs/configuration.md" in proc.stdout
+    assert "data=docstrings|files|gpt3_mixture|hub|mixture|prepared|stdlib" in proc.stdout and "docs/configuration.md" in proc.stdout
     assert "Hydra" not in proc.stdout and "generate:" not in proc.stdout and "plan:" not in proc.stdout

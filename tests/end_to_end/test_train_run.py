@@ -197,7 +197,7 @@ def test_a_used_run_folder_is_refused_or_moved_aside_and_wandb_records_each_run(
     assert sample["_step"] == 4 and sample["samples/_type"] == "table-file" and sample["samples/nrows"] == 1
     table = json.loads((wandb_file.parent / "files" / sample["samples/path"]).read_text())
     printed = first.stdout.split("sample:\n", 1)[1].rstrip("\n")
-    assert table["columns"] == ["step", "prompt", "sample"] and table["data"] == [[4, "def ", printed]]
+    assert table["columns"] == ["step", "prompt", "sample"] and table["data"] == [[4, "The", printed]]
 
     # a fresh start in the used folder: one line, exit 2, nothing touched
     refused = train(run_dir, corpus, "train.max_steps=2", "train.resume=none", check=False)

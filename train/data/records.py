@@ -39,7 +39,7 @@ from typing import Iterator
 import numpy as np
 
 from train import report
-from train.data import pieces
+from train.data import docstrings, pieces
 from train.data.reading import Reader
 from train.data.sources import DataError, SourceSpec, hub_offline
 from train.data.tokenizer import EOT, gpt2
@@ -52,7 +52,7 @@ ENCODING_HINT = "; if the corpus uses another encoding, set data.encoding (e.g. 
 class Bad:
     """Why a record was skipped: reason is a short key for the counts, detail a sentence for people."""
 
-    reason: str  # undecodable | binary | not_json | no_text
+    reason: str  # undecodable | binary | not_json | not_python | no_text
     detail: str
 
 
@@ -133,7 +133,8 @@ def records(src: SourceSpec, stream: int, streams: int, pos: dict | None = None,
             reader: Reader | None = None) -> Iterator[Record]:
     """The records of `stream` (of `streams`) from position `pos` on (None: the start), in reading order.
     Files are opened through `reader` (train/data/reading.py: retries; None: no retry)."""
-    read = {"text": _text_records, "json": _json_records, "parquet": _parquet_records, "hub": _hub_records}
+    read = {"text": _text_records, "docstrings": _docstring_records, "json": _json_records,
+            "parquet": _parquet_records, "hub": _hub_records}
     if src.reader not in read:
         raise ValueError(f"records: {src.reader} sources hold tokens, not records")
     return read[src.reader](src, stream, streams, pos, reader or Reader())
@@ -162,6 +163,22 @@ def _text_records(src, stream, streams, pos, reader):
                 held = validation_from <= k if len(texts) > 1 else None
                 yield Record({"file": f, "piece": k}, f + k, src.files[f], f"piece {k + 1} of {len(texts)}",
                              checked_text(piece, "text"), held)
+
+
+def _docstring_records(src, stream, streams, pos, reader):
+    """One document per .py file, the prose of its docstrings (train/data/docstrings.py): file f is record
+    f; only this stream's files are opened. A file that is not Python is a bad record (not_python)."""
+    for f in range(pos["file"] if pos else 0, len(src.files)):
+        if f % streams != stream:
+            continue
+        text = decode(reader.read_bytes(src.files[f]), src.encoding)
+        if not isinstance(text, Bad):
+            try:
+                text = docstrings.prose(text)
+            except (SyntaxError, ValueError) as err:  # ValueError: a NUL byte in the source
+                text = Bad("not_python", f"not Python source ({err})")
+        yield Record({"file": f, "piece": 0}, f, src.files[f], "the file",
+                     text if isinstance(text, Bad) else checked_text(text, "text"))
 
 
 def _json_records(src, stream, streams, pos, reader):

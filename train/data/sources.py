@@ -3,6 +3,8 @@
 Five kinds of source (``data.source``):
 
 - ``stdlib``: the running Python's standard-library ``.py`` files, one document per file (no setup);
+- ``docstrings``: the English prose of the same files' docstrings (train/data/docstrings.py), test
+  packages left out, one document per file (no setup): the quickstart's corpus;
 - ``files``: local files or globs, ``.txt`` (one document per file), ``.jsonl``/``.json`` or
   ``.parquet`` (one document per record, its ``text_field``);
 - ``hub``: a dataset streamed by `datasets` (``name``, ``config_name``, ``split``): ``name`` is what
@@ -34,13 +36,15 @@ import zlib
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
-KINDS = ("stdlib", "files", "hub", "prepared")  # what a single source (or a mixture entry) can be
+KINDS = ("stdlib", "docstrings", "files", "hub", "prepared")  # what a single source (or a mixture entry) can be
 SOURCES = (*KINDS, "mixture")
 PIPELINE_KEYS = ("streams", "shuffle_buffer", "workers", "prefetch", "on_bad_record", "read_retries", "read_retry_s")
 RECORD_KEYS = ("text_field", "encoding", "val_permille", "piece_chars")
-KIND_KEYS = {"stdlib": (), "files": ("paths",), "hub": ("name", "config_name", "split"), "prepared": ("path",)}
+KIND_KEYS = {"stdlib": (), "docstrings": (), "files": ("paths",), "hub": ("name", "config_name", "split"),
+             "prepared": ("path",)}
 ENTRY_KEYS = ("label", "weight", "source", *RECORD_KEYS, *(k for keys in KIND_KEYS.values() for k in keys))
 KEYS = ("source", *PIPELINE_KEYS, *RECORD_KEYS, *(k for keys in KIND_KEYS.values() for k in keys), "sources")
+TEST_FOLDERS = ("test", "tests", "idle_test")  # the standard library's test packages (data=docstrings leaves them out)
 READERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # extension → reader
 BAD_RECORD_POLICIES = ("skip", "error")
 PREPARED_MARK = "gpt3d-prepared"  # in the description of a prepared dataset's splits
@@ -55,10 +59,10 @@ class DataError(ValueError):
 class SourceSpec:
     """One checked source of documents."""
 
-    kind: str  # stdlib | files | hub | prepared
+    kind: str  # stdlib | docstrings | files | hub | prepared
     label: str  # how messages and shares name it (a mixture entry's label, else the kind)
-    reader: str  # text (a document per file) | json | parquet | hub | prepared
-    files: tuple[str, ...] = ()  # stdlib/files: every document file, in reading order
+    reader: str  # text (a document per file) | docstrings (a file's docstring prose) | json | parquet | hub | prepared
+    files: tuple[str, ...] = ()  # stdlib/docstrings/files: every document file, in reading order
     name: str | None = None  # hub: the dataset
     config_name: str | None = None
     split: str = "train"
@@ -212,6 +216,8 @@ def _source(cfg: dict, kind: str, label: str, where: str, record: dict) -> Sourc
     """One source's spec from its keys (`where` names it in messages)."""
     if kind == "stdlib":
         return SourceSpec("stdlib", label, "text", files=_stdlib_files(), **record)
+    if kind == "docstrings":
+        return SourceSpec("docstrings", label, "docstrings", files=_stdlib_files(tests=False), **record)
     if kind == "files":
         files = _expand(cfg.get("paths"), where)
         reader = _reader_of(files, where)
@@ -296,18 +302,21 @@ def _record_keys(cfg: dict, where: str, defaults: dict) -> dict:
     return dict(text_field=str(text_field), encoding=encoding, val_permille=val_permille, piece_chars=piece_chars)
 
 
-def _stdlib_files() -> tuple[str, ...]:
-    """Every .py file of the running Python's standard library (installed packages excluded), in a fixed
-    scrambled order (by crc32 of the path), so that one package's or test folder's files don't arrive
-    as one long run, which a shuffle buffer of a few hundred windows cannot break up."""
+def _stdlib_files(tests: bool = True) -> tuple[str, ...]:
+    """Every .py file of the running Python's standard library (installed packages excluded; tests=False:
+    its test packages and test_*.py files too), in a fixed scrambled order (by crc32 of the path), so that
+    one package's or test folder's files don't arrive as one long run, which a shuffle buffer of a few
+    hundred windows cannot break up."""
     root = sysconfig.get_paths()["stdlib"]
+    skipped = ("site-packages", "dist-packages") + (() if tests else TEST_FOLDERS)
     files = []
     for folder, subfolders, names in os.walk(root):
-        subfolders[:] = [d for d in subfolders if d not in ("site-packages", "dist-packages")]
-        files += [os.path.join(folder, n) for n in names if n.endswith(".py")]
+        subfolders[:] = [d for d in subfolders if d not in skipped]
+        files += [os.path.join(folder, n) for n in names
+                  if n.endswith(".py") and (tests or not n.startswith("test_"))]
     files.sort(key=lambda path: (zlib.crc32(os.path.relpath(path, root).encode()), path))
     if not files:
-        raise DataError(f"data.source=stdlib: no .py files under {root}; use data=files")
+        raise DataError(f"the standard library has no .py files under {root}; use data=files")
     return tuple(files)
 
 

@@ -227,7 +227,8 @@ def test_stdlib_source_is_the_standard_library_in_order():
         ({"source": "files", "paths": ["/nonexistent/corpus.txt"]}, "no such file '/nonexistent/corpus.txt'"),
         ({"source": "files", "paths": ["/nonexistent/*.jsonl"]}, "glob '/nonexistent/\\*.jsonl' matches no files"),
         ({"source": "files", "paths": []}, "needs data.paths"),
-        ({"source": "web"}, "data.source='web' is not one of \\['stdlib', 'files', 'hub', 'prepared', 'mixture'\\]"),
+        ({"source": "web"},
+         "data.source='web' is not one of \\['stdlib', 'docstrings', 'files', 'hub', 'prepared', 'mixture'\\]"),
         ({"source": "stdlib", "shufle_buffer": 3}, "unknown key\\(s\\) \\['shufle_buffer'\\]"),
         ({"source": "stdlib", "val_permille": 1000}, "val_permille=1000"),
         ({"source": "hub"}, "needs data.name"),
@@ -242,6 +243,7 @@ def test_bad_configs_fail_clearly(cfg, message):
     "name, error",
     [
         ("stdlib", None),
+        ("docstrings", None),
         ("files", "needs data.paths"),
         ("hub", "needs data.name"),
         ("prepared", "needs data.path"),
@@ -257,7 +259,8 @@ def test_shipped_data_configs(name, error):
     from train.config.entry import CONFIG_DIR, register_config
 
     folder = CONFIG_DIR / "data"
-    assert {p.stem for p in folder.glob("*.yaml")} == {"stdlib", "files", "hub", "prepared", "mixture", "gpt3_mixture"}
+    shipped = {"docstrings", "stdlib", "files", "hub", "prepared", "mixture", "gpt3_mixture"}
+    assert {p.stem for p in folder.glob("*.yaml")} == shipped
     assert {"streams", "shuffle_buffer", "workers", "prefetch"} <= set(OmegaConf.load(folder / f"{name}.yaml"))
     register_config()
     with initialize_config_dir(str(CONFIG_DIR), version_base=None):

@@ -1,7 +1,7 @@
 """`data.*`: where the training text comes from and how it becomes batches (docs/data.md).
 
 Each kind of source has its own section, with the keys it reads: the group files in configs/data/
-(`data=stdlib`, `files`, `hub`, `prepared`, `mixture`, `gpt3_mixture`) each start from their kind's
+(`data=docstrings`, `stdlib`, `files`, `hub`, `prepared`, `mixture`, `gpt3_mixture`) each start from their kind's
 schema, so a key of another kind (`data.paths` with `data=stdlib`) is refused when the config is
 composed. The data component checks the values beside its own code, where each key is used
 (train/data/sources.py: resolve; the probe of the corpus, train/data/probe.py)."""
@@ -19,8 +19,9 @@ class DataConfig(Section):
     """The keys every kind of source has: which kind, and the pipeline from documents to batches."""
 
     PREFIX: ClassVar[str] = "data"
-    source: Any = setting("stdlib", "the kind of source: `stdlib` (Python's standard library: the quickstart), "
-                                    "`files`, `hub`, `prepared` or `mixture`")
+    source: Any = setting("docstrings", "the kind of source: `docstrings` (the prose of Python's standard-library "
+                                        "docstrings: the quickstart), `stdlib` (its source code), `files`, `hub`, "
+                                        "`prepared` or `mixture`")
     streams: Any = setting(4, "record i goes to stream i mod streams; use (a multiple of) the largest data-parallel "
                               "size you will run; changing it changes the order")
     shuffle_buffer: Any = setting(1024, "windows shuffled together, over all streams (a multiple of streams)")
@@ -33,8 +34,8 @@ class DataConfig(Section):
 
 
 def _on_bad_record():
-    return setting("skip", "`skip`: skip bad records (undecodable, binary, not JSON, no text), count them per file "
-                           "and warn once per file; `error`: stop at the first one")
+    return setting("skip", "`skip`: skip bad records (undecodable, binary, not JSON, not Python, no text), count "
+                           "them per file and warn once per file; `error`: stop at the first one")
 
 
 def _val_permille(default: int):
@@ -54,6 +55,16 @@ def _text_field():
 @dataclass
 class StdlibData(DataConfig):
     """`data=stdlib`: the Python standard library's source files, one document each."""
+
+    encoding: Any = _encoding()
+    on_bad_record: Any = _on_bad_record()
+    val_permille: Any = _val_permille(10)
+
+
+@dataclass
+class DocstringsData(DataConfig):
+    """`data=docstrings`: the English prose of the standard library's docstrings, one document per file
+    (train/data/docstrings.py)."""
 
     encoding: Any = _encoding()
     on_bad_record: Any = _on_bad_record()
@@ -109,4 +120,5 @@ class MixtureData(DataConfig):
 
 
 # The schema each group file in configs/data/ starts from (its defaults list names it).
-KINDS = {"stdlib": StdlibData, "files": FilesData, "hub": HubData, "prepared": PreparedData, "mixture": MixtureData}
+KINDS = {"docstrings": DocstringsData, "stdlib": StdlibData, "files": FilesData, "hub": HubData,
+         "prepared": PreparedData, "mixture": MixtureData}

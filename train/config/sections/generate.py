@@ -15,7 +15,7 @@ class GenerateConfig(Section):
     PREFIX: ClassVar[str] = "generate"
     checkpoint: Optional[str] = setting(None, "a run directory, its checkpoints/ folder (the latest checkpoint) or one "
                                               "step folder")
-    prompt: Any = setting("def ", "the text to continue", Check(lambda v: isinstance(v, str),
+    prompt: Any = setting("The", "the text to continue", Check(lambda v: isinstance(v, str),
                                                                  "must be a string (quote it on the command line)"))
     max_new_tokens: int = setting(64, "tokens to generate", POSITIVE_INT)
     temperature: Any = setting(0.8, "0: greedy (argmax); otherwise sample from softmax(logits / temperature)",

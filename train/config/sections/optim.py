@@ -18,7 +18,7 @@ class OptimConfig(Section):
     """`optim.*` (see the module docstring)."""
 
     PREFIX: ClassVar[str] = "optim"
-    lr: Any = setting(None, "peak learning rate; null: the GPT-3 paper's for the model size (toy: 1e-3)",
+    lr: Any = setting(None, "peak learning rate; null: the GPT-3 paper's for the model size (toy: 3e-3)",
                       Check(lambda v: v is None or (is_number(v) and v > 0), "must be null or > 0"))
     betas: Any = setting(doc="AdamW's β₁, β₂", check=BETAS, factory=lambda: [0.9, 0.95])
     eps: Any = setting(1.0e-8, "AdamW's ε", number(0, low_open=True, text="> 0"))

@@ -50,7 +50,7 @@ class TrainConfig(Section):
     batch_ramp: BatchRampConfig = setting(doc="GPT-3's batch-size ramp: the global batch grows from `start` by "
                                               "`increment` to train.global_batch_size over the first `tokens` tokens",
                                           factory=BatchRampConfig)
-    max_steps: int = setting(200, "optimizer steps to run", POSITIVE_INT)
+    max_steps: int = setting(300, "optimizer steps to run", POSITIVE_INT)
     eval_interval: int = setting(100, "steps between validation passes (and at the end); 0 disables", NON_NEGATIVE_INT)
     eval_batches: int = setting(4, "global batches of held-out windows per validation pass (a small corpus: as many "
                                    "as 10% of it holds, with a note)", NON_NEGATIVE_INT)
@@ -82,7 +82,7 @@ class TrainConfig(Section):
     fp8_recipe: str = setting("tensorwise", "with fp8: `tensorwise` (one scale per tensor, gradients e5m2) or "
                                             "`rowwise` (one scale per row, all e4m3)", one_of(*FP8_RECIPES))
     sample_tokens: int = setting(64, "tokens sampled after training (0 to skip)", NON_NEGATIVE_INT)
-    sample_prompt: str = setting("def ", "the prompt of the end-of-run sample")
+    sample_prompt: str = setting("The", "the prompt of the end-of-run sample")
     max_consecutive_skips: int = setting(5, "stop after this many steps in a row skipped for a non-finite loss or "
                                             "gradient", POSITIVE_INT)
     step_timeout_s: Any = setting(1800, "a step (or evaluation, or checkpoint) running longer is a hang: write stacks, "
