@@ -36,9 +36,9 @@ from train.metrics import write_atomically
 from train.weights import checkpoint_weights
 
 
-def check(cfg) -> tuple[Sections, GPTConfig, EvaluateConfig, Path]:
-    """Every value of the config; returns the sections, the model config, the evaluate section and the
-    checkpoint folder."""
+def resolve(cfg: DictConfig) -> tuple[Sections, GPTConfig, EvaluateConfig, Path]:
+    """The evaluate command's resolve: every value of the config checked; returns the sections, the model config,
+    the evaluate section and the checkpoint folder."""
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
@@ -124,7 +124,7 @@ def main(cfg: DictConfig) -> None:
     from train.config.settings import ConfigError
 
     try:
-        sections, model_cfg, settings, folder = check(cfg)
+        sections, model_cfg, settings, folder = resolve(cfg)
         tasks = prepare_tasks(settings, model_cfg.seq_len)
         weights = checkpoint_weights(folder, model_cfg)
     except (ConfigError, TaskError) as err:
