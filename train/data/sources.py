@@ -1,6 +1,6 @@
 """The `data` config, checked cheaply: which documents a run reads and how its pipeline is shaped.
 
-Five kinds of source (``data.source``):
+Six kinds of source (``data.source``):
 
 - ``stdlib``: the running Python's standard-library ``.py`` files, one document per file (no setup);
 - ``docstrings``: the English prose of the same files' docstrings (train/data/docstrings.py), test
@@ -156,7 +156,7 @@ def resolve(data_cfg) -> DataSpec:
         return data_cfg
     cfg = plain_config(data_cfg)
     _refuse_unknown(cfg, KEYS, "data")
-    source = cfg.get("source", "stdlib")
+    source = cfg.get("source", "docstrings")
     if source not in SOURCES:
         raise DataError(f"data.source={source!r} is not one of {list(SOURCES)}")
     streams = _int_at_least(cfg, "streams", 1, 1)
