@@ -42,7 +42,8 @@ def rows_logged(run_dir: Path) -> int:
 
 
 def wait_for_rows(run_dir: Path, n: int, proc: subprocess.Popen, timeout: float = 300) -> int:
-    """Wait until metrics.jsonl has at least n rows (rank 0 logs a step after it is done); return how many."""
+    """Wait until metrics.jsonl has at least n rows (rank 0 logs a step once it has trained it, before the
+    step's agreement with the other ranks); return how many."""
     deadline = time.monotonic() + timeout
     while (seen := rows_logged(run_dir)) < n:
         assert proc.poll() is None, f"the run ended (code {proc.returncode}) before step {n}"
@@ -199,7 +200,7 @@ def test_a_hung_rank_makes_the_live_one_write_its_stacks_and_exit(tmp_path, corp
         procs.append(start(tmp_path / f"rank{rank}", [*launcher("python", 1), *arguments(run_dir, corpus, *overrides)],
                            env=env))
     try:
-        wait_for_rows(run_dir, 3, procs[0])
+        seen = wait_for_rows(run_dir, 3, procs[0])
         os.kill(procs[1].pid, signal.SIGSTOP)
         stopped_at = time.monotonic()
         assert procs[0].wait(timeout=120) == 3
@@ -212,7 +213,9 @@ def test_a_hung_rank_makes_the_live_one_write_its_stacks_and_exit(tmp_path, corp
     stacks = (run_dir / "stacks" / "rank0.txt").read_text()
     match = re.search(r"gpt3d: rank 0: step (\d+) ran past its 3 s limit", stacks)
     assert match, stacks[:2000]
-    assert int(match[1]) >= 4 and waited < 60
+    # a step's row is logged before the step's agreement (its one collective): rank 0 may hang in the step
+    # whose row was seen (CI once saw it hang in step 3 after 3 rows), or in a later one
+    assert int(match[1]) >= seen and waited < 60
     assert "Thread 0x" in stacks or "Current thread" in stacks  # faulthandler's dump, every thread
     assert 'File "' in stacks and "train/loop.py" in stacks  # the main thread, inside the training loop
     assert f"stacks in {run_dir / 'stacks' / 'rank0.txt'}; exiting with code 3" in err
