@@ -21,18 +21,27 @@ import ast
 
 MIN_WORDS = 8  # shorter paragraphs are headings, one-line summaries of arguments, "Return x." stubs
 DOCUMENTED = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+STATEMENT_LISTS = ("body", "handlers", "orelse", "finalbody", "cases")  # a statement's statements, in source order
 
 
 def prose(source: str) -> str:
     """The prose paragraphs of every docstring of `source` (the text of a .py file), in source order;
     raises SyntaxError when it is not Python."""
-    tree = ast.parse(source)
-    nodes = sorted((n for n in ast.walk(tree) if isinstance(n, DOCUMENTED)), key=lambda n: getattr(n, "lineno", 0))
     paragraphs = []
-    for node in nodes:
+    for node in _documented(ast.parse(source)):
         doc = ast.get_docstring(node, clean=True)
         paragraphs += [p for p in (_prose_paragraph(block) for block in (doc or "").split("\n\n")) if p]
     return "\n\n".join(paragraphs)
+
+
+def _documented(node: ast.AST):
+    """`node` and every module, class and function under it, in source order (a preorder walk of the
+    statements only: a docstring's owner is a statement, so expressions, most of the tree, are not entered)."""
+    if isinstance(node, DOCUMENTED):
+        yield node
+    for field in STATEMENT_LISTS:
+        for child in getattr(node, field, ()):
+            yield from _documented(child)
 
 
 def _prose_paragraph(block: str) -> str | None:
