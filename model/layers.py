@@ -25,6 +25,7 @@ from model.config import GPTConfig
 from model.modes import Fixed, Float8
 from model.recompute import Linear, Recompute
 from model.vocab import PaddedEmbedding, PaddedUnembedding
+from model.weight_grads import WeightGradStore
 
 
 class Embedding(nn.Module):
@@ -49,15 +50,16 @@ class SelfAttention(nn.Module):
     whole heads holds those heads' q, k and v together: that is what column parallelism cuts.
     """
 
-    def __init__(self, config: GPTConfig, layer_index: int, fp8: Float8 | None = None):
+    def __init__(self, config: GPTConfig, layer_index: int, fp8: Float8 | None = None,
+                 weight_grads: WeightGradStore | None = None):
         super().__init__()
         self.layer_index = layer_index  # the block's index: its entry in a KVCache
         self.d_head = config.d_head
         self.window = config.window_of(layer_index)
         self.impl = config.attention_impl
         self.deterministic = config.deterministic_attention  # a backward whose bits do not depend on timing
-        self.qkv = Linear(config.d_model, 3 * config.d_model, fp8=fp8)
-        self.proj = Linear(config.d_model, config.d_model, fp8=fp8)
+        self.qkv = Linear(config.d_model, 3 * config.d_model, fp8=fp8, weight_grads=weight_grads)
+        self.proj = Linear(config.d_model, config.d_model, fp8=fp8, weight_grads=weight_grads)
         self.drop = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor, cache=None, recompute: Recompute | None = None) -> torch.Tensor:
@@ -78,10 +80,10 @@ class SelfAttention(nn.Module):
 class MLP(nn.Module):
     """d → d_ff → d with GELU (tanh approximation, as GPT-2/3) or ReLU."""
 
-    def __init__(self, config: GPTConfig, fp8: Float8 | None = None):
+    def __init__(self, config: GPTConfig, fp8: Float8 | None = None, weight_grads: WeightGradStore | None = None):
         super().__init__()
-        self.fc = Linear(config.d_model, config.d_ff, fp8=fp8)
-        self.proj = Linear(config.d_ff, config.d_model, fp8=fp8)
+        self.fc = Linear(config.d_model, config.d_ff, fp8=fp8, weight_grads=weight_grads)
+        self.proj = Linear(config.d_ff, config.d_model, fp8=fp8, weight_grads=weight_grads)
         self.act = nn.GELU(approximate="tanh") if config.activation == "gelu" else nn.ReLU()
         self.drop = nn.Dropout(config.dropout)
 
@@ -115,17 +117,21 @@ class Block(nn.Module):
     Built with `fp8` (a Float8 mode, train.precision=fp8), the four linears (attn.qkv, attn.proj,
     mlp.fc, mlp.proj) compute their forward, input-gradient and weight-gradient products in float8
     (model/float8.py); the LayerNorms, the attention and the GELU stay in the compute dtype.
+
+    Built with `weight_grads` (a model.weight_grads.WeightGradStore, parallel.pipeline_schedule=zb-h1),
+    the same four linears leave their weight and bias gradients to the store, which the pipeline schedule
+    drains later; the LayerNorms' gradients are computed in the backward as always.
     """
 
     selective_recomputation = Fixed()
 
     def __init__(self, config: GPTConfig, layer_index: int, selective_recomputation: bool = False,
-                 fp8: Float8 | None = None):
+                 fp8: Float8 | None = None, weight_grads: WeightGradStore | None = None):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.d_model, eps=config.ln_eps)
-        self.attn = SelfAttention(config, layer_index, fp8)
+        self.attn = SelfAttention(config, layer_index, fp8, weight_grads)
         self.ln_2 = nn.LayerNorm(config.d_model, eps=config.ln_eps)
-        self.mlp = MLP(config, fp8)
+        self.mlp = MLP(config, fp8, weight_grads)
         self.selective_recomputation = selective_recomputation
 
     def forward(self, h: torch.Tensor, cache=None) -> torch.Tensor:

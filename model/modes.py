@@ -15,6 +15,9 @@ tensor-parallel ones):
   fp8                        a Float8: the blocks' four linears compute their three products each in
                              float8 (model/float8.py), by its recipe; None: in the compute dtype
                              (train.precision=fp8 sets it from train.fp8_recipe and the device)
+  weight_grads               a model.weight_grads.WeightGradStore: the blocks' four linears leave their
+                             weight gradients to it, for a zero-bubble pipeline schedule to run later
+                             (parallel.pipeline_schedule=zb-h1); None: computed in the backward
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ class LayerModes:
     fused_loss: bool = False
     activation_checkpointing: int | str = 0
     fp8: Float8 | None = None
+    weight_grads: object | None = None  # a model.weight_grads.WeightGradStore (this rank's own object)
 
     @property
     def selective(self) -> bool:

@@ -16,6 +16,9 @@ with two choices plain autograd does not offer:
   the weight and bias gradients' products to run meanwhile, so a collective (the tensor-parallel
   all-reduce or reduce-scatter of the input gradient, parallel/comm.py's overlapped_reduction) runs
   while gᵀ x computes; backward returns the reduced input gradient.
+- weight_grads=WeightGradStore: backward computes ∂L/∂x only (and reduces it, as above) and hands the
+  store the weight and bias gradients' products, which a zero-bubble pipeline schedule runs later
+  (model/weight_grads.py); every product still runs once.
 - gather_input(x) → the full input: the forward's all-gather of sequence-parallel pieces, done inside
   the layer so that its adjoint, the reduce-scatter of ∂L/∂x, is the reduction backward overlaps
   (then reduce_input_grad returns this rank's piece, and x is kept gathered: no recompute).
@@ -38,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from model.modes import Fixed, Float8
+from model.weight_grads import WeightGradStore
 
 
 class Recompute:
@@ -75,7 +79,7 @@ MATMULS = Matmuls()
 
 class _Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, recompute, reduce_input_grad, gather_input, matmuls):
+    def forward(ctx, x, weight, bias, recompute, reduce_input_grad, gather_input, matmuls, weight_grads):
         if gather_input is not None:
             x = gather_input(x)  # (…, k), from this rank's piece of the sequence
         dtype = _autocast_dtype(x)
@@ -84,6 +88,9 @@ class _Linear(torch.autograd.Function):
         kept = recompute.sources if recompute is not None else (x_cast,)
         ctx.save_for_backward(w_cast, *kept_by_matmuls, *kept)
         ctx.recompute, ctx.reduce_input_grad, ctx.matmuls = recompute, reduce_input_grad, matmuls
+        ctx.weight_grads = weight_grads
+        if weight_grads is not None:  # the leaves W's gradients go to (kept by reference: they live anyway)
+            ctx.parameters = (weight, bias)
         ctx.kept_by_matmuls = len(kept_by_matmuls)
         ctx.x_shape, ctx.x_dtype, ctx.has_bias = x.shape, dtype, bias is not None
         return y
@@ -103,11 +110,16 @@ class _Linear(torch.autograd.Function):
         def parameter_grads():
             return products.weight_grad(x), (g.sum(0) if ctx.has_bias else None)  # (n, k), (n,)
 
+        if ctx.weight_grads is not None:  # W later (model/weight_grads.py); the reduction of ∂L/∂x stays here
+            if ctx.reduce_input_grad is not None:
+                grad_x, _ = ctx.reduce_input_grad(grad_x, lambda: None)
+            ctx.weight_grads.defer(*ctx.parameters, parameter_grads)
+            return grad_x, None, None, None, None, None, None, None
         if ctx.reduce_input_grad is None:
             grad_w, grad_b = parameter_grads()
         else:
             grad_x, (grad_w, grad_b) = ctx.reduce_input_grad(grad_x, parameter_grads)
-        return grad_x, grad_w, grad_b, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
 def linear(
@@ -118,14 +130,18 @@ def linear(
     reduce_input_grad: Callable | None = None,
     gather_input: Callable | None = None,
     matmuls=MATMULS,
+    weight_grads: WeightGradStore | None = None,
 ) -> torch.Tensor:
     """F.linear(x, weight, bias) (…, k) → (…, n) through `matmuls`, with the backward choices of the
-    module docstring; with none of them and the plain products it is F.linear itself."""
-    if recompute is None and reduce_input_grad is None and gather_input is None and matmuls is MATMULS:
+    module docstring; with none of them and the plain products it is F.linear itself. With a
+    `weight_grads` store, backward returns ∂L/∂x only and hands the store the weight and bias
+    gradients' products, run later by the pipeline schedule (model/weight_grads.py)."""
+    plain = recompute is None and reduce_input_grad is None and gather_input is None and weight_grads is None
+    if plain and matmuls is MATMULS:
         return F.linear(x, weight, bias)
     if recompute is not None and gather_input is not None:
         raise ValueError("a gathered input is kept, not recomputed: recomputing it would repeat the all-gather")
-    return _Linear.apply(x, weight, bias, recompute, reduce_input_grad, gather_input, matmuls)
+    return _Linear.apply(x, weight, bias, recompute, reduce_input_grad, gather_input, matmuls, weight_grads)
 
 
 def _autocast_dtype(x: torch.Tensor) -> torch.dtype:
@@ -135,18 +151,22 @@ def _autocast_dtype(x: torch.Tensor) -> torch.dtype:
 
 class Linear(torch.nn.Linear):
     """nn.Linear whose forward takes an optional Recompute of its input (see `linear`), computing its
-    products in float8 (model/float8.py) when built with a Float8 mode `fp8` (None: the plain ones)."""
+    products in float8 (model/float8.py) when built with a Float8 mode `fp8` (None: the plain ones),
+    and deferring its weight gradients to `weight_grads` when built with a store (None: not deferred)."""
 
     fp8 = Fixed()
     matmuls = Fixed()
+    weight_grads = Fixed()
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
-                 fp8: Float8 | None = None):
+                 fp8: Float8 | None = None, weight_grads: WeightGradStore | None = None):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
-        self.fp8, self.matmuls = fp8, matmuls_for(fp8)
+        self.fp8, self.matmuls, self.weight_grads = fp8, matmuls_for(fp8), weight_grads
 
     def forward(self, x: torch.Tensor, recompute: Recompute | None = None) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, recompute, matmuls=self.matmuls)  # (…, out_features)
+        weight_grads = self.weight_grads if torch.is_grad_enabled() else None
+        return linear(x, self.weight, self.bias, recompute, matmuls=self.matmuls,
+                      weight_grads=weight_grads)  # (…, out_features)
 
 
 def matmuls_for(fp8: Float8 | None, split: str | None = None, reduce_max: Callable | None = None):

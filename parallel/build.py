@@ -32,6 +32,7 @@ from model.compile import compile_blocks
 from model.gpt import init_layers_, layer_list
 from model.init import materialize_
 from model.modes import Float8, LayerModes
+from model.weight_grads import WeightGradStore
 from parallel.pipeline import PipelineStages, stage_bounds
 from parallel.tensor import TP_PLAN, SequenceParallelLayerNorm, check_plan, full_plan, shard_layer
 from parallel.topology import check_layout
@@ -46,13 +47,16 @@ class BuildOptions:
     overlap_communication: bool = True  # with tp > 1: input-gradient all-reduces overlap the weight-gradient GEMMs
     fused_loss: bool = False  # the Head's loss unembeds its hidden states chunk by chunk (train.fused_loss)
     fp8: Float8 | None = None  # the blocks' linears compute in float8 (train.precision=fp8; model/float8.py)
+    # the blocks' linears defer their weight gradients to this store (parallel.pipeline_schedule=zb-h1;
+    # model/weight_grads.py), drained by the pipeline engine (parallel/zero_bubble_engine.py)
+    weight_grads: WeightGradStore | None = None
 
     @property
     def layer_modes(self) -> LayerModes:
         """The modes of the model's own layers (the rest are the tensor-parallel layers'; a tensor-parallel
         linear keeps the float8 recipe of the layer it replaces)."""
         return LayerModes(fused_loss=self.fused_loss, activation_checkpointing=self.activation_checkpointing,
-                          fp8=self.fp8)
+                          fp8=self.fp8, weight_grads=self.weight_grads)
 
 
 def build_model(

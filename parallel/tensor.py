@@ -120,21 +120,24 @@ class ColumnParallelLinear(nn.Module):
     Sequence parallelism without overlap: the LayerNorm before gathers, and its backward reduce-scatters.
     Built with `fp8` (a model.modes.Float8) the products run in float8 (model/float8.py), W's and g's amaxes
     reduced over the group (they are split by output features; x is whole on every rank).
+    Built with `weight_grads` (model/weight_grads.py) the weight-gradient product is deferred to that store;
+    the input gradient's reduction stays in the backward, then with nothing to overlap.
     """
 
     sequence_parallel = Fixed()
     overlap = Fixed()
     fp8 = Fixed()
     matmuls = Fixed()
+    weight_grads = Fixed()
 
     def __init__(
         self, in_features, out_features, group, bias=True, sequence_parallel=False, tag="", device=None, dtype=None,
-        overlap=False, fp8=None,
+        overlap=False, fp8=None, weight_grads=None,
     ):
         super().__init__()
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         self.group, self.tag = group, tag
-        self.sequence_parallel, self.overlap = sequence_parallel, overlap
+        self.sequence_parallel, self.overlap, self.weight_grads = sequence_parallel, overlap, weight_grads
         self.fp8, self.matmuls = fp8, matmuls_for(fp8, "out", _reduce_max(group, tag))
         local = _local(out_features, size, f"{tag or 'column-parallel'} out_features")
         self.weight = nn.Parameter(torch.empty(local, in_features, device=device, dtype=dtype))
@@ -154,9 +157,10 @@ class ColumnParallelLinear(nn.Module):
         backward gets x back instead of keeping it (model/recompute.py)."""
         if self.copy_input:
             x = copy_to_tp_region(x, self.group, self.tag)
-        reduce_input_grad = self.reduce_input_grad if torch.is_grad_enabled() else None
+        grad = torch.is_grad_enabled()
+        reduce_input_grad, weight_grads = (self.reduce_input_grad, self.weight_grads) if grad else (None, None)
         return linear(x, self.weight, self.bias, recompute, reduce_input_grad, self.gather_input,
-                      self.matmuls)  # (B, T, n/p)
+                      self.matmuls, weight_grads)  # (B, T, n/p)
 
 
 class RowParallelLinear(nn.Module):
@@ -168,19 +172,23 @@ class RowParallelLinear(nn.Module):
     with sequence parallelism each rank's b sees only its tokens, so its gradient is summed over ranks.
     Built with `fp8` (a model.modes.Float8) the products run in float8 (model/float8.py), x's and W's amaxes
     reduced over the group (both are split by input features; g is whole on every rank).
+    Built with `weight_grads` (model/weight_grads.py) the weight-gradient product is deferred to that store
+    (b's gradient, taken after the sum, is not).
     """
 
     sequence_parallel = Fixed()
     fp8 = Fixed()
     matmuls = Fixed()
+    weight_grads = Fixed()
 
     def __init__(
         self, in_features, out_features, group, bias=True, sequence_parallel=False, tag="", device=None, dtype=None,
-        fp8=None,
+        fp8=None, weight_grads=None,
     ):  # fmt: skip
         super().__init__()
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         self.group, self.sequence_parallel, self.tag = group, sequence_parallel, tag
+        self.weight_grads = weight_grads
         self.fp8, self.matmuls = fp8, matmuls_for(fp8, "in", _reduce_max(group, tag))
         local = _local(in_features, size, f"{tag or 'row-parallel'} in_features")
         self.weight = nn.Parameter(torch.empty(out_features, local, device=device, dtype=dtype))
@@ -189,7 +197,9 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, recompute: Recompute | None = None) -> torch.Tensor:  # x (B, T, k/p)
         """recompute: how backward gets x back instead of keeping it (model/recompute.py)."""
-        partial_sum = linear(x, self.weight, None, recompute, matmuls=self.matmuls)  # (B, T, n), this rank's term of Σ_i
+        weight_grads = self.weight_grads if torch.is_grad_enabled() else None
+        partial_sum = linear(x, self.weight, None, recompute, matmuls=self.matmuls,
+                             weight_grads=weight_grads)  # (B, T, n), this rank's term of Σ_i
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(partial_sum, self.group, dim=1, tag=self.tag)  # (B, T/p, n)
             bias = None if self.bias is None else copy_to_tp_region(self.bias, self.group, self.tag)
@@ -384,7 +394,7 @@ def _scatter_sequence(group, tag: str):
 def _build(style: str, name: str, module: nn.Module, group, sequence_parallel: bool, overlap: bool) -> nn.Module:
     """The tensor-parallel replacement for `module` (same shapes when unsharded, same parameter names),
     built in its modes: sequence parallelism, overlap, and those kept from `module` (the unembedding's loss,
-    a linear's float8 recipe)."""
+    a linear's float8 recipe and deferred weight gradients)."""
     kinds = {"column": Linear, "row": Linear, "vocab": (PaddedEmbedding, PaddedUnembedding), "sequence": nn.LayerNorm}
     if style not in kinds:
         raise ValueError(f"plan maps {name!r} to {style!r}; styles are {sorted(kinds)}")
@@ -402,9 +412,9 @@ def _build(style: str, name: str, module: nn.Module, group, sequence_parallel: b
     has_bias = module.bias is not None
     if style == "column":
         return ColumnParallelLinear(module.in_features, module.out_features, group, has_bias, sequence_parallel,
-                                    tag=name, overlap=overlap, fp8=module.fp8, **like)
+                                    tag=name, overlap=overlap, fp8=module.fp8, weight_grads=module.weight_grads, **like)
     return RowParallelLinear(module.in_features, module.out_features, group, has_bias, sequence_parallel, tag=name,
-                             fp8=module.fp8, **like)
+                             fp8=module.fp8, weight_grads=module.weight_grads, **like)
 
 
 def shard(

@@ -190,8 +190,11 @@ def loop(trainer: Trainer, progress: Progress, logger: metrics.MetricsLogger, me
 def build(spec: RunSpec) -> Trainer:
     """Device, process group, layout, this rank's model in a DeepSpeed engine, its data, and its
     checkpointer with the parts its checkpoints hold."""
+    from model.weight_grads import WeightGradStore
     from parallel.build import BuildOptions, build_model
     from parallel.topology import Topology
+    from parallel.zero_bubble_engine import ZeroBubbleEngine
+    from train.config.sections.parallel import ZB_H1
 
     settings, model_cfg, ramp = spec.sections, spec.model, spec.ramp
     device = engines.resolve_device(settings.train.device)
@@ -199,19 +202,22 @@ def build(spec: RunSpec) -> Trainer:
     topology = Topology.create(settings.parallel.tp, settings.parallel.pp)
 
     torch.manual_seed(settings.train.seed)
+    pipelined = topology.pp_size > 1
+    zero_bubble = pipelined and settings.parallel.pipeline_schedule == ZB_H1
+    weight_grads = WeightGradStore() if zero_bubble else None  # filled by the linears, drained by the engine
     options = BuildOptions(
         sequence_parallel=settings.parallel.sequence_parallel,
         activation_checkpointing=settings.parallel.activation_checkpointing,
         overlap_communication=settings.parallel.overlap_communication,
         fused_loss=settings.train.fused_loss,
         fp8=fp8_mode(resolve_precision(settings.train.precision, device), settings.train.fp8_recipe, device),
+        weight_grads=weight_grads,
     )
     model = build_model(model_cfg, topology, settings.train.seed, device, options)
     if settings.train.init_from is not None:  # a Hugging Face GPT-2 folder (train/checkpoint/hugging_face.py): its weights, sliced
         from parallel.naming import load_full_
 
         load_full_(model, read_init_weights(Path(settings.train.init_from), model_cfg), model_cfg, topology)
-    pipelined = topology.pp_size > 1
     # A PipelineModule brings its own grid (same topology) and DeepSpeed then wants no mpu of ours.
     mpu = model.mpu() if pipelined else topology.mpu
     schedule = spec.schedule.schedule  # a resume keeps its checkpoint's (train/checkpoint/resume_checks.py)
@@ -225,6 +231,8 @@ def build(spec: RunSpec) -> Trainer:
         engines.deepspeed_config(settings.train, settings.parallel, settings.optim, settings.deepspeed, topology.dp_size, device, spec.plan),
         mpu=None if pipelined else mpu,
     )
+    if zero_bubble:
+        engine = ZeroBubbleEngine.adopt(engine, weight_grads)
     if clip == GIVEN_NORM:
         optimizer.take_norm_from(engine.optimizer)  # DeepSpeed's bf16 optimizer, which computes the norm
     # Ranks of one data-parallel replica (its tp and pp ranks) read the same windows.
@@ -247,7 +255,8 @@ def build(spec: RunSpec) -> Trainer:
         trainer,
         f"model {model_cfg.name}: {count_parameters(full_shapes_model(model_cfg)) / 1e6:.2f}M parameters | "
         f"{topology.world_size} process(es) on {device} (tp={topology.tp_size} pp={topology.pp_size} "
-        f"dp={topology.dp_size} zero={settings.parallel.zero_stage}) | {_batch_line(ramp)} | run dir {spec.run_dir}",
+        f"dp={topology.dp_size} zero={settings.parallel.zero_stage}{' zb-h1' if zero_bubble else ''}) | {_batch_line(ramp)} | "
+        f"run dir {spec.run_dir}",
     )
     return trainer
 

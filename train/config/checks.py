@@ -17,7 +17,7 @@ from pathlib import Path
 
 from model import GPTConfig
 from train.config.sections import DataConfig, GenerateConfig, ParallelConfig, TrainConfig
-from train.config.sections.parallel import AUTO, AUTO_KEYS
+from train.config.sections.parallel import AUTO, AUTO_KEYS, ZB_H1
 from train.config.sections.train import OVERWRITE
 from train.config.settings import ConfigError
 
@@ -78,6 +78,9 @@ def check_parallel(parallel: ParallelConfig, model_cfg: GPTConfig, extras: dict)
         raise ConfigError(
             f"parallel.sequence_parallel=true needs model.seq_len={model_cfg.seq_len} divisible by parallel.tp={parallel.tp}"
         )
+    if parallel.pipeline_schedule == ZB_H1 and parallel.pp > 1 and model_cfg.compile:
+        raise ConfigError("parallel.pipeline_schedule=zb-h1 with model.compile=true: the compiled blocks would trace the "
+                          "linears' deferred weight gradients; set model.compile=false, or use pipeline_schedule=1f1b")
     check_deepspeed_extras(extras)
     return dp
 

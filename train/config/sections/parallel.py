@@ -10,6 +10,8 @@ from typing import Any, ClassVar
 from train.config.settings import BOOLEAN, Check, ConfigError, Section, one_of, setting
 
 MANUAL, AUTO = "manual", "auto"
+ONE_F_ONE_B, ZB_H1 = "1f1b", "zb-h1"
+PIPELINE_SCHEDULES = (ONE_F_ONE_B, ZB_H1)
 # parallel.layout=auto chooses these keys at each start (train/plan/elastic.py); they may then not be set
 AUTO_KEYS = (
     "parallel.tp", "parallel.pp", "parallel.zero_stage", "parallel.sequence_parallel",
@@ -43,6 +45,10 @@ class ParallelConfig(Section):
            "only LayerNorm and GELU outputs (no GEMM or collective repeated)", RECOMPUTATION)
     overlap_communication: bool = setting(True, "with tp > 1: each input-gradient all-reduce runs while the "
                                                 "weight-gradient GEMM computes", BOOLEAN)
+    pipeline_schedule: str = setting(
+        ONE_F_ONE_B, "with pp > 1: `1f1b` (DeepSpeed's schedule) or `zb-h1` (zero-bubble: the blocks' weight-gradient "
+                     "GEMMs deferred into the pipeline bubble, at 1F1B's activation memory; parallel/zero_bubble.py)",
+        one_of(*PIPELINE_SCHEDULES))
 
     def check(self) -> None:
         zero, pp = self.zero_stage, self.pp
@@ -50,6 +56,9 @@ class ParallelConfig(Section):
             raise ConfigError(
                 f"parallel.zero_stage={zero} with parallel.pp={pp}: DeepSpeed's pipeline engine shards at most the "
                 f"optimizer state; use zero_stage 0 or 1 with pp > 1, or pp=1 for ZeRO-{zero}")
+        if self.pipeline_schedule == ZB_H1 and self.layout == MANUAL and pp == 1:
+            raise ConfigError("parallel.pipeline_schedule=zb-h1 schedules pipeline stages: it needs parallel.pp > 1 "
+                              "(with pp=1 use the default, 1f1b)")
         if self.offload_optimizer and zero == 0:
             raise ConfigError("parallel.offload_optimizer=true needs parallel.zero_stage ≥ 1 (ZeRO-Offload moves "
                               "ZeRO's optimizer shards)")

@@ -1,0 +1,75 @@
+"""Deferred weight gradients: a linear layer's backward split in two passes, B now and W later.
+
+A linear layer y = x Wᵀ + b has three backward products (model/recompute.py):
+
+    B   ∂L/∂x = g W                      on the critical path: the previous layer needs it
+    W   ∂L/∂W = gᵀ x,  ∂L/∂b = Σ_rows g   needed only by the optimizer step
+
+A zero-bubble pipeline schedule (parallel/zero_bubble.py) runs B as soon as the next stage's gradient
+arrives and W later, in what would otherwise be the bubble. A layer built with a `WeightGradStore`
+(model.modes.LayerModes.weight_grads) does exactly that: its backward computes ∂L/∂x (and any
+tensor-parallel reduction of it, which stays on B's path) and hands the store a closure over g and x
+that computes the weight-gradient products later, once. Nothing is recomputed: W runs the very products
+that backward would have run, on the tensors backward would have used.
+
+The store groups the closures by backward pass (`seal` after each micro batch's B) and `run_oldest`
+runs one micro batch's W, first in, first out, so gradients accumulate in the order a plain backward
+accumulates them. The gradients enter `.grad` through autograd's own accumulation
+(torch.autograd.backward on the parameters themselves), so the gradient hooks an optimizer registers
+(DeepSpeed's ZeRO) fire as they would for a plain backward. A layer built without a store (None) runs
+its whole backward at once: nothing changes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+# one deferred layer: its parameters (weight, bias or None) and the closure giving their gradients
+Deferred = tuple[tuple[torch.Tensor, torch.Tensor | None], Callable[[], tuple[torch.Tensor, torch.Tensor | None]]]
+
+
+class WeightGradStore:
+    """The deferred weight-gradient work of one pipeline stage, a list per backward pass, oldest first."""
+
+    def __init__(self):
+        self._open: list[Deferred] = []  # the backward pass under way
+        self._sealed: deque[list[Deferred]] = deque()
+
+    def defer(self, weight: torch.Tensor, bias: torch.Tensor | None, grads: Callable) -> None:
+        """Called by a layer's backward: grads() → (∂L/∂W, ∂L/∂b or None), to be run by `run_oldest`."""
+        self._open.append(((weight, bias), grads))
+
+    def seal(self) -> None:
+        """Close the backward pass that just ran: its deferred work becomes one W pass."""
+        self._sealed.append(self._open)
+        self._open = []
+
+    @property
+    def pending(self) -> int:
+        """W passes sealed and not yet run."""
+        return len(self._sealed)
+
+    def run_oldest(self) -> None:
+        """Run the oldest sealed W pass: every deferred product of that backward, each once, accumulated
+        into the parameters' .grad by autograd (dtype cast as autograd casts a Function's gradients)."""
+        if not self._sealed:
+            raise RuntimeError("no deferred weight gradients to run: every W pass needs its B pass first")
+        params, grads = [], []
+        for (weight, bias), compute in self._sealed.popleft():
+            grad_w, grad_b = compute()  # (n, k), (n,) or None
+            params.append(weight)
+            grads.append(grad_w.to(weight.dtype))
+            if bias is not None:
+                params.append(bias)
+                grads.append(grad_b.to(bias.dtype))
+        if params:
+            torch.autograd.backward(params, grads)
+
+    def check_drained(self) -> None:
+        """Raise unless every deferred product has run (before an optimizer step reads the gradients)."""
+        if self._open or self._sealed:
+            raise RuntimeError(f"{len(self._sealed)} W pass(es) and {len(self._open)} unsealed layer(s) of deferred "
+                               f"weight gradients not run before the optimizer step")
