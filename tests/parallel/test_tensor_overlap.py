@@ -7,6 +7,11 @@ existed: loss and every local gradient equal bit for bit. The recorded steps sho
 column-parallel layer's input-gradient reduction (all-reduce; under sequence parallelism
 reduce-scatter) issued before its weight-gradient GEMM starts and waited on after it ends; the
 bytes kept for backward drop by exactly model.layers.Block's count.
+
+Built with a WeightGradStore (parallel.pipeline_schedule=zb-h1, model/weight_grads.py) the blocks'
+linears leave their weight gradients to the store: the backward then runs every collective it runs
+without the store (the input gradients' reductions stay on its path), W runs none, and after W every
+gradient equals the plain path's bit for bit.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import torch
 
 from model import GPT, GPTConfig
 from model.modes import LayerModes
+from model.weight_grads import WeightGradStore
 from parallel.comm import record_comm, record_overlap
 from parallel.tensor import shard
 from parallel.topology import Topology
@@ -55,6 +61,25 @@ def overlap_worker() -> dict:
                 "steps": steps,
                 "collectives": sorted((e.op, e.phase, e.nbytes) for e in events),
                 "saved": _saved_bytes(model),
+            }
+        for mode in (0, "selective"):
+            store = WeightGradStore()
+            with torch.device("meta"):
+                model = GPT(CONFIG, modes=LayerModes(activation_checkpointing=mode, weight_grads=store))
+            shard(model, topology, sequence_parallel=sequence_parallel, overlap=True).materialize("cpu", SEED)
+            with record_comm() as b_events:
+                loss = model(*_batch())
+                loss.backward()
+            store.seal()
+            deferred = sorted(name for name, p in model.named_parameters() if p.grad is None)
+            with record_comm() as w_events:
+                store.run_oldest()
+            result[sequence_parallel, "deferred", mode] = {
+                "loss": loss.detach(),
+                "grads": {name: p.grad for name, p in model.named_parameters()},
+                "deferred": deferred,
+                "collectives": sorted((e.op, e.phase, e.nbytes) for e in b_events),
+                "w_collectives": list(w_events),
             }
     return result
 
@@ -98,3 +123,20 @@ def test_selective_recomputation_keeps_exactly_the_hand_count_fewer_bytes(ranks,
     for rank, result in enumerate(ranks):
         plain, selective = result[sequence_parallel, True, 0], result[sequence_parallel, True, "selective"]
         assert plain["saved"] - selective["saved"] == CONFIG.n_layer * per_block * 4, rank
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+@pytest.mark.parametrize("mode", [0, "selective"], ids=["plain", "selective"])
+def test_deferred_weight_gradients_keep_the_collectives_in_backward_and_the_gradients_bit_for_bit(
+        ranks, sequence_parallel, mode):
+    linears = [f"layers.{i + 1}.{name}.weight" for i in range(CONFIG.n_layer)
+               for name in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")]
+    column_biases = [f"layers.{i + 1}.{name}.bias" for i in range(CONFIG.n_layer) for name in ("attn.qkv", "mlp.fc")]
+    for rank, result in enumerate(ranks):
+        plain, deferred = result[sequence_parallel, True, mode], result[sequence_parallel, "deferred", mode]
+        assert deferred["deferred"] == sorted(linears + column_biases), rank  # row layers add b after the sum
+        assert deferred["collectives"] == plain["collectives"], rank
+        assert deferred["w_collectives"] == [], rank
+        assert torch.equal(deferred["loss"], plain["loss"]), rank
+        for name, grad in deferred["grads"].items():
+            assert torch.equal(grad, plain["grads"][name]), f"rank {rank}: {name}"
