@@ -33,6 +33,13 @@ What either loss holds only while it runs is `loss_transient`.
 Under DeepSpeed's pipeline every stage but the last also keeps its output until backward (r·d, or
 with tp > 1 the 1/p piece it sent).
 
+Under ZB-H1 (parallel.pipeline_schedule=zb-h1) each block linear's backward defers its weight gradient
+gᵀ·x (model/weight_grads.py), keeping its input x (a matmul input, a bytes) and its output gradient g (cast
+to the matmul dtype) until the W pass runs: per token of a block, x of qkv and fc a·d each (gathered under
+σ), of attn.proj a·d/p and of mlp.proj a·f/p; g of qkv a·3d/p, of fc a·f/p, and of both row-parallel
+layers a·d (their output is whole on every rank before its sum): a·(4d + (4d + 2f)/p) bytes
+(`deferred_weight_grad_bytes`). After B these are all that is left of the micro batch's activations.
+
 Activation checkpointing keeps only each checkpointed segment's input (4d/σ a token) and recomputes
 the rest during backward, when one segment's full activations exist again (`recompute`). On a GPU,
 autocast casts every fp32 weight matrix to bf16 once per micro batch and the matmuls keep those
@@ -175,6 +182,15 @@ def loss_transient(config: GPTConfig, tp: int, n: int, a: int, r: int, fused_los
     forward = (a + copy + (FP32 if padded else 0)) * n * rows
     backward = (FP32 + cast) * n * rows
     return max(forward, backward)
+
+
+def deferred_weight_grad_bytes(config: GPTConfig, tp: int, pp: int, stage: int, micro_batch: int, a: int) -> int:
+    """Bytes one micro batch's deferred W pass holds on `stage` under ZB-H1: every block linear's input and
+    output gradient, a·(4d + (4d + 2f)/p) a token of each block (module docstring); a: the matmul dtype's
+    bytes. Whatever fp8's products keep of their own is not counted."""
+    d, f, n = config.d_model, config.d_ff, micro_batch * config.seq_len
+    per_token = a * (4 * d + (4 * d + 2 * f) // tp)
+    return StageShape.of(config, pp, stage).blocks * n * per_token
 
 
 def checkpointed_blocks(shape: StageShape, k: int) -> int:

@@ -18,6 +18,7 @@ import dataclasses
 
 from model import GPTConfig
 from train.config.sections import ParallelConfig, PlanConfig, Sections, TrainConfig
+from train.config.sections.parallel import ONE_F_ONE_B
 from train.config.settings import ConfigError
 from train.plan.estimate import Implementation, Layout, Plan, build_plan, for_precision
 from train.plan.hardware import Hardware, for_cuda_device, preset
@@ -27,7 +28,8 @@ HEADROOM_GIB = 2.0  # what pre-flight's alternatives leave free (plan.reserved_g
 
 
 def layout_from_config(train: TrainConfig, parallel: ParallelConfig, model_cfg: GPTConfig, gpus: int) -> Layout:
-    """The run's layout on `gpus` GPUs; ValueError naming the problem when the trainer would refuse it."""
+    """The run's layout on `gpus` GPUs, its parallel.pipeline_schedule with it (1f1b without a pipeline,
+    where the schedule means nothing); ValueError naming the problem when the trainer would refuse it."""
     par, tr = parallel, train
     tp, pp = par.tp, par.pp
     for key, value in (("parallel.tp", tp), ("parallel.pp", pp), ("plan.gpus", gpus),
@@ -41,7 +43,7 @@ def layout_from_config(train: TrainConfig, parallel: ParallelConfig, model_cfg: 
         tp=tp, pp=pp, dp=gpus // (tp * pp), global_batch=tr.global_batch_size, micro_batch=tr.micro_batch_size,
         zero_stage=par.zero_stage, offload_optimizer=bool(par.offload_optimizer),
         sequence_parallel=bool(par.sequence_parallel), checkpoint_every=0 if selective else par.activation_checkpointing,
-        selective_recompute=selective,
+        selective_recompute=selective, schedule=par.pipeline_schedule if pp > 1 else ONE_F_ONE_B,
     )
     problem = layout_problem(model_cfg, layout)
     if problem:
@@ -100,7 +102,7 @@ def layout_overrides(layout: Layout) -> str:
         f"parallel.tp={layout.tp}", f"parallel.pp={layout.pp}", f"parallel.zero_stage={layout.zero_stage}",
         f"parallel.sequence_parallel={str(layout.sequence_parallel).lower()}",
         f"parallel.activation_checkpointing={'selective' if layout.selective_recompute else layout.checkpoint_every}",
-        f"train.micro_batch_size={layout.micro_batch}",
+        f"train.micro_batch_size={layout.micro_batch}", f"parallel.pipeline_schedule={layout.schedule}",
     ])
 
 

@@ -15,11 +15,12 @@ world size and the device model: no collective):
   peak-memory count, train/plan/estimate.py), the one with the most predicted tokens/s;
 - on a CPU there is no hardware profile, neither for speed nor for memory: the simplest valid layout,
   i.e. the most data parallelism (smallest tp·pp), then tensor before pipeline parallelism (smaller
-  pp), ZeRO 0, no activation checkpointing, no sequence parallelism, and the largest micro batch
+  pp), 1F1B, ZeRO 0, no activation checkpointing, no sequence parallelism, and the largest micro batch
   (≤ 16 sequences, fewest accumulation steps). Memory is not checked on a CPU.
 
 It fills parallel.tp, parallel.pp, parallel.zero_stage, parallel.sequence_parallel,
-parallel.activation_checkpointing, parallel.offload_optimizer (false: the search does not model it) and
+parallel.activation_checkpointing, parallel.offload_optimizer (false: the search does not model it),
+parallel.pipeline_schedule (1f1b or zb-h1, ranked with the layouts; 1f1b without a pipeline) and
 train.micro_batch_size (AUTO_KEYS). A world size on which no layout is valid (or fits) is one ConfigError
 naming the world sizes that would do.
 """
@@ -30,7 +31,7 @@ import math
 from dataclasses import dataclass
 
 from model import GPTConfig
-from train.config.sections.parallel import AUTO
+from train.config.sections.parallel import AUTO, ONE_F_ONE_B
 from train.config.settings import ConfigError
 from train.plan.estimate import Layout, Plan
 from train.plan.hardware import Hardware
@@ -70,15 +71,17 @@ class LayoutChoice:
         lay = self.layout
         return {
             "parallel.tp": lay.tp, "parallel.pp": lay.pp, "parallel.zero_stage": lay.zero_stage,
-            "parallel.sequence_parallel": lay.sequence_parallel, "parallel.activation_checkpointing": lay.checkpoint_every,
-            "parallel.offload_optimizer": False, "train.micro_batch_size": lay.micro_batch,
+            "parallel.sequence_parallel": lay.sequence_parallel,
+            "parallel.activation_checkpointing": "selective" if lay.selective_recompute else lay.checkpoint_every,
+            "parallel.offload_optimizer": False, "parallel.pipeline_schedule": lay.schedule,
+            "train.micro_batch_size": lay.micro_batch,
         }
 
     @property
     def reason(self) -> str:
         if self.plan is None:
             return (f"the most data parallelism of {self.valid} valid layouts: a CPU has no speed or memory profile, "
-                    "so tp before pp, ZeRO 0, no checkpointing, the largest micro batch")
+                    "so tp before pp, 1F1B, ZeRO 0, no checkpointing, the largest micro batch")
         return (f"fastest of {self.fitting} that fit of {self.valid} valid: {self.plan.tokens_per_s:,.0f} tokens/s "
                 f"predicted, peak {self.plan.peak_memory_gib:.1f} GiB of {self.plan.hardware.memory_gib:.1f}")
 
@@ -91,7 +94,8 @@ class LayoutChoice:
         lay = self.layout
         return {
             "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "zero_stage": lay.zero_stage, "micro_batch": lay.micro_batch,
-            "activation_checkpointing": lay.checkpoint_every, "sequence_parallel": lay.sequence_parallel,
+            "activation_checkpointing": "selective" if lay.selective_recompute else lay.checkpoint_every,
+            "sequence_parallel": lay.sequence_parallel, "pipeline_schedule": lay.schedule,
             "processes": self.processes, "device": self.device, "valid": self.valid, "fitting": self.fitting,
             "reason": self.reason,
         }
@@ -136,8 +140,8 @@ def _choose(model_cfg: GPTConfig, processes: int, global_batch: int, order: Data
 
 def _simplicity(layout: Layout) -> tuple:
     """The CPU rule's order (module docstring): smaller is simpler."""
-    return (layout.tp * layout.pp, layout.pp, layout.zero_stage, layout.checkpoint_every, layout.sequence_parallel,
-            -layout.micro_batch)
+    return (layout.tp * layout.pp, layout.pp, layout.schedule != ONE_F_ONE_B, layout.zero_stage,
+            layout.checkpoint_every, layout.selective_recompute, layout.sequence_parallel, -layout.micro_batch)
 
 
 def _other_sizes(processes: int, per_node: int, hardware: Hardware | None) -> list[int]:

@@ -14,8 +14,29 @@ the step time is modelled"):
            their casts' traffic (fp8_cast_bytes) and the amax all-reduces' latency under tp
   attention the fused kernel's FLOPs (visible keys only) at peak·attention_efficiency
   traffic  LayerNorm, residual adds, GELU, casts, the loss, gradient accumulation, at HBM bandwidth
-  step     = (m + pp − 1)·max_s t_mb(s)   (1F1B: the slowest stage paces, bubble (pp−1)/(m+pp−1))
-             + the data-parallel collectives, tied-embedding all-reduce and optimizer (not overlapped)
+  passes   t_mb = t_F + t_B + t_W (`Passes`, parallel/zero_bubble.py): W is the blocks' deferrable
+           work, one weight-gradient product gᵀ·x per block linear (the model times a linear's three
+           products alike: the same FLOPs, matrices of the same three sizes) and the column layers'
+           bias sums (read g); under ZB-H1 with DeepSpeed's BF16_Optimizer also the W pass's own
+           clear_lp_grads and update_hp_grads over the stage's parameters (ZB_BF16_OPTIMIZER_BYTES).
+           F is the forward: one product per linear, the forward traffic, attention's forward, the
+           head's forward (with the fused loss all three unembedding products and the loss, which
+           it runs in the forward), the forward's collectives and send. B is the rest: the
+           input-gradient products, attention's backward, the backward traffic, recomputation, the
+           weights' per-micro-batch traffic, the backward's collectives and send
+  pipeline every stage timed as the slowest one (largest t_mb), by parallel.pipeline_schedule:
+             1f1b   (m + pp − 1)·t_mb                    bubble (pp − 1)/(m + pp − 1) of it
+             zb-h1  m·t_mb + (pp − 1)·(t_F + t_B − t_W)  when m ≥ pp and t_W ≤ min(t_F, t_B); the
+                    step of the order ZeroBubbleEngine runs, in closed form for any m and costs
+                    (`pipeline_seconds`)
+  step     = pipeline + the data-parallel collectives, tied-embedding all-reduce and optimizer (not overlapped)
+
+Activation memory at a stage's peak: under 1F1B, min(pp − s, m) micro batches' saved activations;
+under ZB-H1 also the deferred W passes, each holding every block linear's input x and output
+gradient g (activations.deferred_weight_grad_bytes), at the larger of two moments: just after a
+forward, i = min(pp − s, m) micro batches and min(s, m − i) W passes, and just after a B, i − 1 and
+min(s + 1, m − i + 1) (`held_at_peak`: exact for the engine's order at every pp and m). ZB-H1 sends
+the same messages as 1F1B: its communication is 1F1B's.
 
 Collectives run at the achieved link bandwidth (NVLink inside a node, the network between nodes)
 plus a fixed latency each. Only what the code overlaps is hidden:
@@ -23,6 +44,8 @@ plus a fixed latency each. Only what the code overlaps is hidden:
     input-gradient all-reduce runs while the same layer's weight-gradient GEMM computes: each is
     exposed by max(0, collective − that GEMM). Under sequence parallelism the code does not overlap
     (the reduce-scatter of those gradients runs after the layer's backward) and neither does the plan;
+    under ZB-H1 that GEMM is deferred to W and the all-reduce runs in B with nothing beside it
+    (parallel/tensor.py): exposed whole;
   - with `Implementation.overlap_dp` (DeepSpeed's zero_optimization.overlap_comm; its ZeRO optimizer
     at ZeRO 1 and 2, not bf16's BF16_Optimizer, which reduces after the backward; pp = 1), the gradient
     reduction runs in buckets during the backward that produces the gradients:
@@ -32,10 +55,13 @@ plus a fixed latency each. Only what the code overlaps is hidden:
     DeepSpeed's pipeline engine the reduction waits for the end of the last backward
     (PipeEngine._exec_reduce_grads is the only gradient-accumulation boundary), so nothing hides;
 Nothing else overlaps: not the other tensor-parallel collectives (the next matmul needs their
-result), not the pipeline's (DeepSpeed's sends block), not ZeRO 1's all-gather of the updated
-parameters, and not ZeRO-3's parameter gathers (its prefetching hides little: Narayanan et al.'s
-ZeRO-3 runs match the model only without overlap).
-A micro batch also takes at least the host time that launching its kernels costs.
+result), not the pipeline's (DeepSpeed's 1F1B sends block; ZB-H1's are asynchronous, but the plan
+counts them on the critical path all the same, the conservative choice: at GPT-3 175B's layout they
+are under 0.5% of the step), not ZeRO 1's all-gather of the updated parameters, and not ZeRO-3's parameter
+gathers (its prefetching hides little: Narayanan et al.'s ZeRO-3 runs match the model only without
+overlap).
+A micro batch also takes at least the host time that launching its kernels costs (when that bounds
+it, F, B and W each take their share of it).
 """
 
 from __future__ import annotations
@@ -49,6 +75,7 @@ from train.plan.activations import (
     ActivationBytes,
     StageShape,
     checkpointed_blocks,
+    deferred_weight_grad_bytes,
     micro_batch_activations,
     unembedding_rows,
 )
@@ -63,6 +90,7 @@ from train.plan.counts import (
     stage_blocks,
     state_bytes,
 )
+from train.config.sections.parallel import ONE_F_ONE_B, ZB_H1
 from train.plan.hardware import Hardware
 
 GIB = 2**30
@@ -71,6 +99,11 @@ OPTIMIZER_BYTES = 64  # memory traffic per updated element: AdamW (p, g, m, v re
 #                       foreach temporaries) plus the gradient-norm and clipping passes
 SELECTIVE_KERNELS = 3  # kernels selective recomputation adds per block: two LayerNorms and a GELU
 LOSS_BYTES = 32  # memory traffic per logit: float copy, log-softmax, its backward, cast back
+# Memory traffic per parameter element and micro batch that ZB-H1's W pass adds under DeepSpeed's
+# BF16_Optimizer (parallel/zero_bubble_engine.py): its own clear_lp_grads (write the bf16 gradient, 2) and
+# update_hp_grads (read the bf16 gradient 2, write and read its fp32 copy 4 + 4, read and write the fp32
+# gradient 4 + 4), over every parameter of the stage, beside the pair DeepSpeed's backward (B) runs as in 1F1B
+ZB_BF16_OPTIMIZER_BYTES = 20
 
 
 @dataclass(frozen=True)
@@ -87,10 +120,16 @@ class Layout:
     sequence_parallel: bool = False
     checkpoint_every: int = 0
     selective_recompute: bool = False  # parallel.activation_checkpointing=selective
+    schedule: str = ONE_F_ONE_B  # parallel.pipeline_schedule: 1f1b or zb-h1 (only with pp > 1)
 
     @property
     def gpus(self) -> int:
         return self.tp * self.pp * self.dp
+
+    @property
+    def zero_bubble(self) -> bool:
+        """The pipeline runs ZB-H1: pp > 1 and parallel.pipeline_schedule=zb-h1."""
+        return self.pp > 1 and self.schedule == ZB_H1
 
     @property
     def micro_batches(self) -> int:
@@ -107,6 +146,8 @@ class Layout:
             parts.append("sp")
         if self.offload_optimizer:
             parts.append("offload")
+        if self.schedule != ONE_F_ONE_B:
+            parts.append(self.schedule)
         return " ".join(parts)
 
 
@@ -181,6 +222,73 @@ def for_precision(precision: str, overlap_communication: bool = True, fused_loss
     )
 
 
+@dataclass(frozen=True)
+class Passes:
+    """Seconds of one micro batch on a stage in the passes ZB-H1 schedules apart (parallel/zero_bubble.py):
+    the forward F, the input gradient B (the whole backward but W) and the weight gradients W."""
+
+    forward: float
+    input_grad: float
+    weight_grad: float
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.input_grad + self.weight_grad
+
+    def scaled_to(self, seconds: float) -> "Passes":
+        """The same shares of `seconds` (a micro batch bound by its host time)."""
+        ratio = seconds / self.total
+        return Passes(self.forward * ratio, self.input_grad * ratio, self.weight_grad * ratio)
+
+
+def pipeline_seconds(schedule: str, stages: int, micro_batches: int, passes: Passes) -> float:
+    """Seconds from the first forward to the last pass of m micro batches through p stages that each take
+    `passes` (F, B, W) per micro batch, T = F + B + W:
+
+      1f1b          (m + p − 1)·T
+      zb-h1, m ≥ p  m·T + (p − 1)·(F + B − min(W, F, B))      (W ≤ min(F, B): Qi et al.'s (p − 1)(F + B − W))
+      zb-h1, m < p  max(p·(F + B) + (m − 1)·(max(F, W) + B) + W,  (p − 1)·F + m·T)
+
+    For m < p the first stage waits p·(F + B) for its first B, then each later one F + B after the one before,
+    or max(F, W) + B when its W (which stage 0 runs right after each B) is longer than F; the last stage starts
+    after (p − 1)·F and then runs all its work, its W passes last. Each form is the step of the order
+    ZeroBubbleEngine runs (parallel.zero_bubble.stage_orders with equal costs) as parallel.zero_bubble.timeline
+    times it under these costs, exactly (tests/train/plan/test_plan_schedules.py); with p = 1 both schedules
+    take m·T."""
+    p, m, whole = stages, micro_batches, passes.total
+    f, b, w = passes.forward, passes.input_grad, passes.weight_grad
+    if schedule == ONE_F_ONE_B or p == 1:
+        return (m + p - 1) * whole
+    if m >= p:
+        return m * whole + (p - 1) * (f + b - min(w, f, b))
+    return max(p * (f + b) + (m - 1) * (max(f, w) + b) + w, (p - 1) * f + m * whole)
+
+
+@dataclass(frozen=True)
+class PipelineTime:
+    """The pipeline part of a step: m micro batches through the layout's stages under its schedule, every
+    stage timed as `slowest`, the stage with the largest F + B + W."""
+
+    micro_batches: int
+    slowest: "RankPlan"
+    seconds: float  # pipeline_seconds
+
+    @property
+    def passes(self) -> Passes:
+        return self.slowest.passes
+
+    @property
+    def bubble_s(self) -> float:
+        """The slowest stage's idle time: the pipeline's seconds less its m micro batches."""
+        return self.seconds - self.micro_batches * self.passes.total
+
+    @property
+    def bubble(self) -> float:
+        """The bubble's share of the pipeline's seconds: 1F1B (pp − 1)/(m + pp − 1), ZB-H1
+        (pp − 1)(F + B − W) / [m(F + B + W) + (pp − 1)(F + B − W)] (pipeline_seconds)."""
+        return self.bubble_s / self.seconds
+
+
 @dataclass
 class RankPlan:
     """One rank of a pipeline stage (every tp and dp rank of a stage predicts the same)."""
@@ -189,12 +297,20 @@ class RankPlan:
     parameters: int
     state: StateBytes
     activations: ActivationBytes
-    in_flight: int
+    in_flight: int  # micro batches whose activations the rank holds at its peak
+    deferred: int  # ZB-H1's W passes whose inputs and output gradients it holds then (held_at_peak)
+    deferred_bytes: int  # what one such W pass holds (activations.deferred_weight_grad_bytes; 0 under 1F1B)
     memory: dict  # kind → bytes at this rank's peak
     peak_bytes: int
     hardware_flops: float  # per step, this rank
     transfers: list
-    time: dict  # per micro batch: compute_s, tp_s, pp_s; per step: dp_s, optimizer_s
+    time: dict  # per micro batch: compute_s, tp_s, pp_s and its passes forward_s, input_grad_s,
+    #             weight_grad_s; per step: dp_s, optimizer_s
+
+    @property
+    def passes(self) -> Passes:
+        """One micro batch on this rank by pass, its communication included."""
+        return Passes(*(self.time[k] for k in ("forward_s", "input_grad_s", "weight_grad_s")))
 
     def to_json(self) -> dict:
         comm = {}
@@ -208,6 +324,8 @@ class RankPlan:
             "peak_memory_gib": self.peak_bytes / GIB,
             "activations_per_micro_batch": self.activations.saved,
             "micro_batches_in_flight": self.in_flight,
+            "deferred_weight_grad_passes_held": self.deferred,
+            "deferred_weight_grad_bytes_per_micro_batch": self.deferred_bytes,
             "hardware_flops_per_step": self.hardware_flops,
             "communication_bytes_per_step": comm,
             "time_s": self.time,
@@ -223,6 +341,7 @@ class Plan:
     hardware: Hardware
     implementation: Implementation
     ranks: list[RankPlan]
+    pipeline: PipelineTime
     step_time_s: float
     model_flops_per_step: float
     hardware_flops_per_step: float
@@ -270,8 +389,8 @@ class Plan:
 
     @property
     def bubble(self) -> float:
-        pp, m = self.layout.pp, self.layout.micro_batches
-        return (pp - 1) / (m + pp - 1)
+        """The pipeline bubble's share of the pipeline's time (PipelineTime.bubble)."""
+        return self.pipeline.bubble
 
     def to_json(self) -> dict:
         return {
@@ -281,7 +400,9 @@ class Plan:
             "reserved_gib": self.reserved_gib, "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
             "model_flops_per_step": self.model_flops_per_step, "hardware_flops_per_step": self.hardware_flops_per_step,
             "model_tflops_per_gpu": self.model_tflops_per_gpu, "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu,
-            "mfu": self.predicted_mfu, "bubble": self.bubble, "tokens": self.tokens, "days": self.days,
+            "mfu": self.predicted_mfu, "bubble": self.bubble, "pipeline_s": self.pipeline.seconds,
+            "pipeline_stage": self.pipeline.slowest.stage, "pipeline_passes_s": dataclasses.asdict(self.pipeline.passes),
+            "tokens": self.tokens, "days": self.days,
             "ranks": [r.to_json() for r in self.ranks], "notes": self.notes,
         }
 
@@ -322,34 +443,44 @@ def _linear_time(hw: Hardware, impl: Implementation, n: int, k: int, m: int) -> 
 
 
 def _blocks_compute(model_cfg, layout: Layout, impl: Implementation, hw: Hardware, blocks: list[int],
-                    recomputed: int) -> tuple[float, float, float]:
-    """(seconds, hardware FLOPs, host kernels) of `blocks`' forward + backward of one micro batch on
-    a rank, `recomputed` of them inside checkpointed segments: GEMMs, attention, memory-bound
-    traffic and selective recomputation (not the weights' casts and gradient accumulation)."""
+                    recomputed: int) -> tuple[Passes, float, float]:
+    """(seconds by pass, hardware FLOPs, host kernels) of `blocks`' forward + backward of one micro batch
+    on a rank, `recomputed` of them inside checkpointed segments: GEMMs, attention, memory-bound traffic
+    and selective recomputation (not the weights' casts and gradient accumulation).
+
+    Per block, with G the time of one product of each of its four linears (a linear's three products
+    have the same FLOPs and matrices of the same three sizes, so the model times them alike), X its
+    forward traffic and A its attention's forward (QKᵀ and PV): F = G + X + A; W = G + the column
+    layers' bias sums (read g, a·n·(3d + f)/p bytes); B = G + 2X + 2.5A − the bias sums, plus
+    recomputation and the fp8 amax reductions. F + B + W is the block's whole micro batch as before."""
     tp, sigma = layout.tp, layout.tp if layout.sequence_parallel else 1
     d, f, n = model_cfg.d_model, model_cfg.d_ff, layout.micro_batch * model_cfg.seq_len
+    bandwidth = hw.memory_bandwidth
     gemms = [(n, d, 3 * d // tp), (n, d // tp, d), (n, d, f // tp), (n, f // tp, d)]
     fwd_gemm_t = sum(_linear_time(hw, impl, *g) for g in gemms)
     fwd_gemm_f = sum(2 * x * y * z for x, y, z in gemms)
     attn_f = [4 * n * d / tp * _visible_keys(model_cfg, i) for i in blocks]  # QKᵀ and PV
     attn_rate = hw.peak_tflops * 1e12 * impl.attention_efficiency
     block_traffic = _block_traffic_per_token(d, f, tp, sigma, impl) * n
-    time = len(blocks) * (3 * fwd_gemm_t + 3 * block_traffic / hw.memory_bandwidth)
-    time += sum(3.5 * x for x in attn_f) / attn_rate
+    bias_sums = _matmul_bytes(impl) * n * (3 * d + f) / tp / bandwidth
+    forward = len(blocks) * (fwd_gemm_t + block_traffic / bandwidth) + sum(attn_f) / attn_rate
+    weight_grad = len(blocks) * (fwd_gemm_t + bias_sums)
+    input_grad = len(blocks) * (fwd_gemm_t + 2 * block_traffic / bandwidth - bias_sums)
+    input_grad += sum(2.5 * x for x in attn_f) / attn_rate
     attn_recomputed = recomputed * sum(attn_f) / max(len(blocks), 1)
-    time += recomputed * (fwd_gemm_t + block_traffic / hw.memory_bandwidth) + attn_recomputed / attn_rate
+    input_grad += recomputed * (fwd_gemm_t + block_traffic / bandwidth) + attn_recomputed / attn_rate
     kernels = impl.kernels_per_block * (len(blocks) + 0.35 * recomputed)
     if layout.selective_recompute:
         kept = len(blocks) - recomputed
-        time += kept * _selective_recompute_per_token(d, f, tp, layout.sequence_parallel, impl) * n / hw.memory_bandwidth
+        input_grad += kept * _selective_recompute_per_token(d, f, tp, layout.sequence_parallel, impl) * n / bandwidth
         kernels += SELECTIVE_KERNELS * kept
     if impl.fp8 is not None:
         if not impl.compiled:
             kernels += 4 * FP8_KERNELS_PER_LINEAR[impl.fp8] * (len(blocks) + recomputed)
         if tp > 1:
-            time += len(blocks) * FP8_AMAX_REDUCTIONS[impl.fp8] * COLLECTIVE_LATENCY_S
+            input_grad += len(blocks) * FP8_AMAX_REDUCTIONS[impl.fp8] * COLLECTIVE_LATENCY_S
     flops = len(blocks) * 3 * fwd_gemm_f + sum(3.5 * x for x in attn_f) + recomputed * fwd_gemm_f + attn_recomputed
-    return time, flops, kernels
+    return Passes(forward, input_grad, weight_grad), flops, kernels
 
 
 def _per_weight_bytes(impl: Implementation) -> int:
@@ -357,30 +488,54 @@ def _per_weight_bytes(impl: Implementation) -> int:
     return (20 if impl.fp32_weights else 10) if impl.autocast else 8
 
 
+def uses_bf16_optimizer(zero_stage: int, impl: Implementation) -> bool:
+    """DeepSpeed wraps the optimizer in BF16_Optimizer: bf16 weights at ZeRO 0 and 1 (train/plan/counts.py)."""
+    return impl.bf16_weights and zero_stage <= 1
+
+
 def block_seconds(model_cfg, layout: Layout, impl: Implementation, hw: Hardware, block: int = 0) -> float:
     """Predicted time of transformer block `block`'s forward + backward for one micro batch on one
     tensor-parallel rank, communication left out: what bench/shard.py measures."""
-    time, _, kernels = _blocks_compute(model_cfg, layout, impl, hw, [block], 0)
-    time += block_elements(model_cfg, layout.tp) * _per_weight_bytes(impl) / hw.memory_bandwidth
+    passes, _, kernels = _blocks_compute(model_cfg, layout, impl, hw, [block], 0)
+    time = passes.total + block_elements(model_cfg, layout.tp) * _per_weight_bytes(impl) / hw.memory_bandwidth
     return max(time, kernels * impl.host_seconds_per_kernel)
 
 
-def _stage_compute(model_cfg, layout: Layout, impl: Implementation, hw: Hardware, stage: int, shape: StageShape):
-    """(seconds, hardware FLOPs) of one micro batch's forward + backward (+ recompute) on a rank."""
+def _stage_compute(model_cfg, layout: Layout, impl: Implementation, hw: Hardware, stage: int,
+                   shape: StageShape) -> tuple[Passes, float]:
+    """(seconds by pass, hardware FLOPs) of one micro batch's forward + backward (+ recompute) on a rank.
+    Beyond the blocks (_blocks_compute): the weights' traffic in B; the head's three unembedding products
+    and its loss traffic, all in F with the fused loss (it makes both gradients in its forward), else one
+    product and half the traffic in F; the embedding's traffic, half in F; under ZB-H1 with BF16_Optimizer
+    the W pass's own gradient clearing and fp32 update (ZB_BF16_OPTIMIZER_BYTES, two kernels a parameter)."""
     tp, d, n = layout.tp, model_cfg.d_model, layout.micro_batch * model_cfg.seq_len
-    a = _matmul_bytes(impl)
+    a, bandwidth = _matmul_bytes(impl), hw.memory_bandwidth
     blocks = list(stage_blocks(model_cfg.n_layer, layout.pp, stage))
     recomputed = checkpointed_blocks(shape, layout.checkpoint_every)
-    time, flops, host_kernels = _blocks_compute(model_cfg, layout, impl, hw, blocks, recomputed)
-    weights = sum(p.numel for p in rank_parameters(model_cfg, tp, layout.pp, stage))
-    time += weights * _per_weight_bytes(impl) / hw.memory_bandwidth
+    passes, flops, host_kernels = _blocks_compute(model_cfg, layout, impl, hw, blocks, recomputed)
+    forward, input_grad, weight_grad = passes.forward, passes.input_grad, passes.weight_grad
+    params = rank_parameters(model_cfg, tp, layout.pp, stage)
+    weights = sum(p.numel for p in params)
+    input_grad += weights * _per_weight_bytes(impl) / bandwidth
+    if layout.zero_bubble and uses_bf16_optimizer(layout.zero_stage, impl):
+        weight_grad += weights * ZB_BF16_OPTIMIZER_BYTES / bandwidth
+        host_kernels += 2 * len(params)
     if shape.head:  # the unembedding's GEMMs run over the padded vocabulary, Vp/p rows a rank
         vocab = unembedding_rows(model_cfg, tp)
-        time += 3 * _gemm_time(hw, impl, n, d, vocab, a) + LOSS_BYTES * n * vocab / hw.memory_bandwidth
+        product = _gemm_time(hw, impl, n, d, vocab, a)
+        loss = LOSS_BYTES * n * vocab / bandwidth
+        if impl.fused_loss:
+            forward += 3 * product + loss
+        else:
+            forward += product + loss / 2
+            input_grad += 2 * product + loss / 2
         flops += 6 * n * d * vocab
     if shape.embedding:
-        time += 4 * FP32 * n * d / hw.memory_bandwidth
-    return max(time, host_kernels * impl.host_seconds_per_kernel), flops
+        forward += 2 * FP32 * n * d / bandwidth
+        input_grad += 2 * FP32 * n * d / bandwidth
+    passes = Passes(forward, input_grad, weight_grad)
+    host_s = host_kernels * impl.host_seconds_per_kernel
+    return (passes.scaled_to(host_s) if host_s > passes.total else passes), flops
 
 
 def _matmul_bytes(impl: Implementation) -> int:
@@ -423,21 +578,39 @@ def _comm_time(transfers, hw: Hardware, inter_node: dict) -> float:
     return sum(t.sent / hw.link_bandwidth(inter_node[t.group]) + t.count * COLLECTIVE_LATENCY_S for t in transfers)
 
 
+def held_at_peak(layout: Layout, stage: int, saved: int, deferred: int) -> tuple[int, int]:
+    """(micro batches whose activations, W passes whose inputs and output gradients) `stage` holds at its
+    activation peak, each micro batch `saved` bytes and each W pass `deferred`. 1F1B and DeepSpeed's
+    engine keep i = min(pp − s, m) micro batches in flight (1 without a pipeline) and defer nothing. ZB-H1
+    keeps the same i, and its stage s runs a W once it holds more than s (parallel/zero_bubble.py), so the
+    peak is the larger of just after a forward, (i, min(s, m − i)), and just after a B, (i − 1,
+    min(s + 1, m − i + 1)): exact for the order the engine runs, at every pp and m."""
+    pp, m = layout.pp, layout.micro_batches
+    if pp == 1:
+        return 1, 0
+    in_flight = min(pp - stage, m)
+    if not layout.zero_bubble:
+        return in_flight, 0
+    after_forward = (in_flight, min(stage, m - in_flight))
+    after_input_grad = (in_flight - 1, min(stage + 1, m - in_flight + 1))
+    return max(after_forward, after_input_grad, key=lambda held: held[0] * saved + held[1] * deferred)
+
+
 def _memory(layout: Layout, impl: Implementation, params, state: StateBytes, acts: ActivationBytes,
-            in_flight: int, reduce_bucket: int) -> dict:
+            in_flight: int, deferred: int, deferred_bytes: int, reduce_bucket: int) -> dict:
     """Bytes by kind at the rank's peak: the larger of the backward phase (activations of the micro
-    batches in flight, gradients as they accumulate) and the optimizer step (gradients as ZeRO
-    hands them over, AdamW's foreach temporaries, DeepSpeed's flattened buffers)."""
+    batches in flight, ZB-H1's deferred W passes, gradients as they accumulate) and the optimizer step
+    (gradients as ZeRO hands them over, AdamW's foreach temporaries, DeepSpeed's flattened buffers)."""
     dp, zero = layout.dp, layout.zero_stage
     n_local = sum(p.numel for p in params)
     common = {"weights": state.weights, "master": state.master, "moments": state.moments, "buffers": state.buffers}
     g = 2 if impl.bf16_weights else FP32  # a gradient element
-    bf16_optimizer = impl.bf16_weights and zero <= 1  # its gradients are all there from the start
+    bf16_optimizer = uses_bf16_optimizer(zero, impl)  # its gradients are all there from the start
     grads_backward = {0: state.gradients, 1: state.gradients if bf16_optimizer else g * n_local,
                       2: state.gradients + g * min(reduce_bucket, n_local),
                       3: state.gradients}[zero]
     backward = {**common, "gradients": grads_backward, "activations": in_flight * acts.activations,
-                "weight_copies": in_flight * acts.weight_copies,
+                "weight_copies": in_flight * acts.weight_copies, "deferred_weight_grads": deferred * deferred_bytes,
                 "transient": max(acts.recompute, acts.cast_transient - acts.weight_copies, acts.loss_transient)}
     largest_group = max(sum(p.numel for p in params if p.decay), sum(p.numel for p in params if not p.decay))
     partitioned = zero > 0 or bf16_optimizer
@@ -450,8 +623,12 @@ def _memory(layout: Layout, impl: Implementation, params, state: StateBytes, act
     return backward if sum(backward.values()) >= sum(step.values()) else step
 
 
-def _rank(model_cfg, layout: Layout, impl: Implementation, hw: Hardware, stage: int, inter_node: dict) -> RankPlan:
+def _stage_ranks(model_cfg, layout: Layout, impl: Implementation, hw: Hardware, stages: list[int],
+                 inter_node: dict) -> list[RankPlan]:
+    """The RankPlans of `stages`, which hold the same layers: their state, activations, communication and
+    time are one stage's, computed once; what each holds at its peak depends on the stage (held_at_peak)."""
     tp, pp, dp, m = layout.tp, layout.pp, layout.dp, layout.micro_batches
+    stage = stages[0]
     params = rank_parameters(model_cfg, tp, pp, stage)
     shape = StageShape.of(model_cfg, pp, stage)
     bf16_weights, r = impl.bf16_weights, _residual_bytes(impl)
@@ -464,8 +641,8 @@ def _rank(model_cfg, layout: Layout, impl: Implementation, hw: Hardware, stage: 
         checkpoint_every=layout.checkpoint_every, autocast=impl.autocast, bf16_weights=bf16_weights,
         selective=layout.selective_recompute, fused_loss=impl.fused_loss,
     )
-    in_flight = min(pp - stage, m) if pp > 1 else 1
-    memory = _memory(layout, impl, params, state, acts, in_flight, bucket)
+    a = _matmul_bytes(impl)
+    deferred_bytes = deferred_weight_grad_bytes(model_cfg, tp, pp, stage, layout.micro_batch, a) if layout.zero_bubble else 0
 
     if impl.grad_reduce_bytes is not None:
         grad_bytes = lambda p: impl.grad_reduce_bytes  # noqa: E731
@@ -485,14 +662,20 @@ def _rank(model_cfg, layout: Layout, impl: Implementation, hw: Hardware, stage: 
                                   m, flat_elements=state.details.get("flat", 0),
                                   grad_bytes=grad_bytes, weight_bytes=FP32 if impl.fp32_weights else 2)
     )
-    compute_s, flops = _stage_compute(model_cfg, layout, impl, hw, stage, shape)
+    passes, flops = _stage_compute(model_cfg, layout, impl, hw, stage, shape)
+    compute_s = passes.total
     tp_transfers = [t for t in transfers if t.group == "tp"]
-    overlapped = [t for t in tp_transfers if impl.overlap_tp and t.overlaps == plan_comm.WEIGHT_GRADIENT]
+    # under ZB-H1 the weight-gradient GEMM is deferred to W: nothing runs beside the input-gradient all-reduce
+    overlap_tp = impl.overlap_tp and not layout.zero_bubble
+    overlapped = [t for t in tp_transfers if overlap_tp and t.overlaps == plan_comm.WEIGHT_GRADIENT]
     tp_s = _comm_time([t for t in tp_transfers if t not in overlapped], hw, inter_node) / m
     tp_s += _exposed_behind_weight_gradients(model_cfg, layout, impl, hw, overlapped, inter_node) / m
-    pp_s = _comm_time([t for t in transfers if t.group == "pp" and t.op == "send"], hw, inter_node) / m
+    sends = [t for t in transfers if t.group == "pp" and t.op == "send"]
+    pp_s = _comm_time(sends, hw, inter_node) / m
     gathers = [t for t in transfers if t.group == "dp" and t.phase == "forward"]
     gather_s = _comm_time(gathers, hw, inter_node) / m
+    forward_comm_s = gather_s + (_comm_time([t for t in tp_transfers if t.phase == "forward"], hw, inter_node)
+                                 + _comm_time([t for t in sends if t.phase == "forward"], hw, inter_node)) / m
     exposed = [t for t in transfers if t not in gathers and (t.group == "dp" or (t.group == "pp" and t.op != "send"))]
     overlap_dp = impl.overlap_dp and pp == 1 and zero_optimizer_reduces(layout.zero_stage, impl)
     hidden = [t for t in exposed if overlap_dp and t.overlaps == plan_comm.BACKWARD]
@@ -501,14 +684,24 @@ def _rank(model_cfg, layout: Layout, impl: Implementation, hw: Hardware, stage: 
     for t in hidden:  # ZeRO 2: each micro batch's reduction behind its backward; ZeRO 1: the last one's
         dp_s += t.count * max(0.0, _comm_time([t], hw, inter_node) / t.count - backward_s)
     updated = sum(p.numel for p in params) if layout.zero_stage == 0 else state.partition
+    micro_batch_s = compute_s + gather_s + tp_s + pp_s
+    forward_s = passes.forward + forward_comm_s
     time = {
         "compute_s": compute_s, "tp_comm_s": tp_s, "pp_comm_s": pp_s, "zero3_gather_s": gather_s,
-        "micro_batch_s": compute_s + gather_s + tp_s + pp_s,
+        "micro_batch_s": micro_batch_s,
+        "forward_s": forward_s, "input_grad_s": micro_batch_s - forward_s - passes.weight_grad,
+        "weight_grad_s": passes.weight_grad,
         "dp_comm_s": dp_s,
         "optimizer_s": 0.0 if layout.offload_optimizer else OPTIMIZER_BYTES * updated / hw.memory_bandwidth,
     }
     parameters = sum(p.numel for p in params)
-    return RankPlan(stage, parameters, state, acts, in_flight, memory, sum(memory.values()), flops * m, transfers, time)
+    ranks = []
+    for s in stages:
+        in_flight, deferred = held_at_peak(layout, s, acts.saved, deferred_bytes)
+        memory = _memory(layout, impl, params, state, acts, in_flight, deferred, deferred_bytes, bucket)
+        ranks.append(RankPlan(s, parameters, state, acts, in_flight, deferred, deferred_bytes, memory,
+                              sum(memory.values()), flops * m, transfers, time))
+    return ranks
 
 
 def _exposed_behind_weight_gradients(model_cfg, layout: Layout, impl: Implementation, hw: Hardware, transfers,
@@ -530,22 +723,22 @@ def build_plan(
     gpus_per_node: int = 8, reserved_gib: float = 0.0, tokens: float = 300e9,
 ) -> Plan:
     """The prediction for `layout` (see module docstring); ranks: first, middle and last stage."""
-    tp, dp = layout.tp, layout.dp
+    tp, dp, m = layout.tp, layout.dp, layout.micro_batches
     inter_node = {"tp": tp > gpus_per_node, "pp": tp * dp >= gpus_per_node, "dp": tp * dp > gpus_per_node}
-    stages, seen = [], {}
-    for s in range(layout.pp):  # stages with the same layers predict the same; compute each kind once
+    alike = {}  # stages with the same layers predict the same time: each kind computed once
+    for s in range(layout.pp):
         blocks = stage_blocks(model_cfg.n_layer, layout.pp, s)
-        key = (StageShape.of(model_cfg, layout.pp, s), len(blocks), blocks.start % 2, min(layout.pp - s, layout.micro_batches))
-        if key not in seen:
-            seen[key] = _rank(model_cfg, layout, implementation, hardware, s, inter_node)
-        stages.append(dataclasses.replace(seen[key], stage=s))
-    m = layout.micro_batches
-    pipeline_s = (m + layout.pp - 1) * max(r.time["micro_batch_s"] for r in stages)
-    step_s = pipeline_s + max(r.time["dp_comm_s"] + r.time["optimizer_s"] for r in stages)
+        alike.setdefault((StageShape.of(model_cfg, layout.pp, s), len(blocks), blocks.start % 2), []).append(s)
+    stages = sorted((rank for members in alike.values()
+                     for rank in _stage_ranks(model_cfg, layout, implementation, hardware, members, inter_node)),
+                    key=lambda rank: rank.stage)
+    slowest = max(stages, key=lambda r: r.time["micro_batch_s"])
+    pipeline = PipelineTime(m, slowest, pipeline_seconds(layout.schedule, layout.pp, m, slowest.passes))
+    step_s = pipeline.seconds + max(r.time["dp_comm_s"] + r.time["optimizer_s"] for r in stages)
     shown = sorted({0, layout.pp // 2, layout.pp - 1})
     return Plan(
         model=model_cfg, layout=layout, hardware=hardware, implementation=implementation,
-        ranks=[stages[s] for s in shown], step_time_s=step_s,
+        ranks=[stages[s] for s in shown], pipeline=pipeline, step_time_s=step_s,
         model_flops_per_step=model_flops_per_token(model_cfg) * layout.global_batch * model_cfg.seq_len,
         hardware_flops_per_step=sum(r.hardware_flops for r in stages) * tp * dp,
         reserved_gib=reserved_gib, tokens=tokens, gpus_per_node=gpus_per_node, notes=_notes(layout),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from train.plan.estimate import GIB, Plan, zero_optimizer_reduces
 
 STAGE_NAMES = {1: ["every stage"], 2: ["first stage", "last stage"], 3: ["first stage", "middle stage", "last stage"]}
@@ -56,7 +58,9 @@ def format_plan(plan: Plan) -> str:
         ("host memory (offload)", [_gib(r.state.host) for r in ranks]),
         ("activations / micro batch", [_gib(r.activations.activations) for r in ranks]),
         ("autocast weight copies / micro batch", [_gib(r.activations.weight_copies) for r in ranks]),
-        ("micro batches in flight (1F1B)", [str(r.in_flight) for r in ranks]),
+        ("micro batches in flight", [str(r.in_flight) for r in ranks]),
+        *([("deferred W inputs and gradients / micro batch", [_gib(r.deferred_bytes) for r in ranks]),
+           ("deferred W passes held (ZB-H1)", [str(r.deferred) for r in ranks])] if lay.zero_bubble else []),
         ("peak memory", [_gib(peak_total[r.stage]) for r in ranks]),
         ("peak memory by kind, GiB", [", ".join(f"{k} {v / GIB:.1f}" for k, v in r.memory.items() if v) for r in ranks]),
         ("hardware FLOPs / step", [f"{r.hardware_flops:.3g}" for r in ranks]),
@@ -65,6 +69,8 @@ def format_plan(plan: Plan) -> str:
         ("data-parallel bytes / step", [_comm(r, "dp") for r in ranks]),
         ("micro batch: compute", [_ms(r.time["compute_s"]) for r in ranks]),
         ("micro batch: tp / pp / ZeRO-3 comm", [" / ".join(_ms(r.time[k]) for k in ("tp_comm_s", "pp_comm_s", "zero3_gather_s")) for r in ranks]),
+        *([("micro batch: F / B / W passes", [" / ".join(_ms(p) for p in dataclasses.astuple(r.passes)) for r in ranks])]
+          if lay.pp > 1 else []),
         ("step: dp comm + optimizer", [_ms(r.time["dp_comm_s"] + r.time["optimizer_s"]) for r in ranks]),
     ]
     label = max(len(name) for name, _ in rows) + 2
@@ -101,20 +107,21 @@ def format_plan(plan: Plan) -> str:
 
 def _overlaps(plan: Plan) -> str:
     impl, parts = plan.implementation, []
-    if impl.overlap_tp and plan.layout.tp > 1:
-        parts.append("tensor-parallel input gradients behind weight gradients")
     lay = plan.layout
+    if impl.overlap_tp and lay.tp > 1 and not lay.sequence_parallel and not lay.zero_bubble:
+        parts.append("tensor-parallel input gradients behind weight gradients")
     if impl.overlap_dp and lay.dp > 1 and lay.pp == 1 and zero_optimizer_reduces(lay.zero_stage, impl) and lay.zero_stage < 3:
         parts.append("ZeRO gradient reduction behind the backward")
     return ", ".join(parts)
 
 
 def format_breakdown(plan: Plan) -> list[str]:
-    """Where the step goes: the pipeline's slots of the slowest stage's micro batch by part, the
-    bubble's share of them, and what follows the last micro batch."""
-    lay = plan.layout
-    slots = lay.micro_batches + lay.pp - 1
-    slowest = max(plan.ranks, key=lambda r: r.time["micro_batch_s"])
+    """Where the step goes: the pipeline's time by part of the slowest stage's micro batch (each part
+    times the pipeline's seconds over the micro batch's: 1F1B's m + pp − 1 slots, ZB-H1's m micro
+    batches and its bubble), the bubble's share of it, and what follows the last micro batch."""
+    lay, pipeline = plan.layout, plan.pipeline
+    slowest, micro_batch_s = pipeline.slowest, pipeline.passes.total
+    slots = pipeline.seconds / micro_batch_s
     last = max(plan.ranks, key=lambda r: r.time["dp_comm_s"] + r.time["optimizer_s"])
     parts = [("compute (GEMMs, attention, memory-bound kernels)", slowest.time["compute_s"] * slots),
              ("tensor-parallel communication, exposed", slowest.time["tp_comm_s"] * slots),
@@ -122,11 +129,17 @@ def format_breakdown(plan: Plan) -> list[str]:
              ("ZeRO-3 parameter gathers", slowest.time["zero3_gather_s"] * slots),
              ("data-parallel communication, exposed", last.time["dp_comm_s"]),
              ("optimizer step", last.time["optimizer_s"])]
-    lines = [f"step time {plan.step_time_s:.3f} s: {slots} slots of stage {slowest.stage}'s micro batch "
-             f"({_ms(slowest.time['micro_batch_s'])}, {lay.pp - 1} of them the bubble), then the step"]
+    if lay.zero_bubble:
+        f, b, w = (_ms(x) for x in dataclasses.astuple(pipeline.passes))
+        lines = [f"step time {plan.step_time_s:.3f} s: {lay.micro_batches} of stage {slowest.stage}'s micro batch "
+                 f"({_ms(micro_batch_s)}: F {f}, B {b}, W {w}) and the ZB-H1 bubble, worth "
+                 f"{slots - lay.micro_batches:.2f} of them, then the step"]
+    else:
+        lines = [f"step time {plan.step_time_s:.3f} s: {slots:.0f} slots of stage {slowest.stage}'s micro batch "
+                 f"({_ms(micro_batch_s)}, {lay.pp - 1} of them the bubble), then the step"]
     lines += [f"  {name:<52}{seconds:>9.3f} s {100 * seconds / plan.step_time_s:>6.1f}%" for name, seconds in parts if seconds]
-    bubble = (lay.pp - 1) * slowest.time["micro_batch_s"]
-    if bubble:
+    if pipeline.bubble_s:
+        bubble = pipeline.bubble_s
         lines.append(f"  {'of the above, the pipeline bubble':<52}{bubble:>9.3f} s {100 * bubble / plan.step_time_s:>6.1f}%")
     return lines
 

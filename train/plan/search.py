@@ -5,7 +5,9 @@ train/config/checks.py): tp divides the heads and d_ff, pp ≤ layers, tp·pp·d
 pp > 1, sequence parallelism only with tp > 1 and a sequence length divisible by tp, and the global
 batch divisible by micro batch × dp. The search keeps tensor parallelism inside a node (tp ≤ GPUs
 per node: across nodes it is never faster) and tries micro batches up to 16 sequences, sequence
-parallelism on and off (at any pp), and activation checkpointing off, every block, or selective.
+parallelism on and off (at any pp), activation checkpointing off, every block, or selective, and with
+pp > 1 both pipeline schedules, 1F1B and ZB-H1 (not ZB-H1 with model.compile, which the trainer refuses:
+compiled blocks would trace the deferred weight gradients).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import itertools
 
 from model import GPTConfig
 from parallel.topology import check_layout, divisors
+from train.config.sections.parallel import ONE_F_ONE_B, PIPELINE_SCHEDULES, ZB_H1
 from train.plan.hardware import Hardware
 from train.plan.estimate import Implementation, Layout, Plan, build_plan
 
@@ -38,6 +41,13 @@ def layout_problem(model_cfg: GPTConfig, layout: Layout) -> str | None:
     if layout.checkpoint_every < 0 or (layout.selective_recompute and layout.checkpoint_every):
         return (f"parallel.activation_checkpointing={layout.checkpoint_every}: must be 0 (off), a positive block "
                 f"count, or selective")
+    if layout.schedule not in PIPELINE_SCHEDULES:
+        return f"parallel.pipeline_schedule={layout.schedule!r}: must be one of {list(PIPELINE_SCHEDULES)}"
+    if layout.schedule == ZB_H1 and layout.pp == 1:
+        return "parallel.pipeline_schedule=zb-h1 schedules pipeline stages: it needs parallel.pp > 1"
+    if layout.schedule == ZB_H1 and model_cfg.compile:
+        return ("parallel.pipeline_schedule=zb-h1 with model.compile=true: the compiled blocks would trace the deferred "
+                "weight gradients")
     if layout.micro_batch < 1 or layout.global_batch % (layout.micro_batch * layout.dp):
         return (
             f"train.global_batch_size={layout.global_batch} is not divisible by train.micro_batch_size="
@@ -59,10 +69,12 @@ def candidate_layouts(model_cfg: GPTConfig, gpus: int, global_batch: int, gpus_p
             micro = [b for b in divisors(global_batch // dp) if b <= MAX_MICRO_BATCH]
             zero = (0, 1) if pp > 1 else (0, 1, 2, 3)
             sequence = (False, True) if tp > 1 and model_cfg.seq_len % tp == 0 else (False,)
-            for z, b, (ckpt, selective), sp in itertools.product(zero, micro, RECOMPUTATION, sequence):
+            schedules = PIPELINE_SCHEDULES if pp > 1 else (ONE_F_ONE_B,)
+            for z, b, (ckpt, selective), sp, schedule in itertools.product(zero, micro, RECOMPUTATION, sequence,
+                                                                           schedules):
                 if dp == 1 and z > 0:
                     continue  # ZeRO over one replica partitions nothing
-                layout = Layout(tp, pp, dp, global_batch, b, z, False, sp, ckpt, selective)
+                layout = Layout(tp, pp, dp, global_batch, b, z, False, sp, ckpt, selective, schedule)
                 if layout_problem(model_cfg, layout) is None:
                     out.append(layout)
     return out

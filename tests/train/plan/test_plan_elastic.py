@@ -4,8 +4,9 @@ On a CPU, against layouts worked out by hand from the rule in docs/parallelism.m
 parallelism, then tp before pp, ZeRO 0, no checkpointing, the largest micro batch; dp and data.streams
 divide one another; a batch ramp's steps split over micro batch × dp). On a GPU profile: the choice
 fits memory and no valid layout that fits is predicted faster (each candidate's prediction from the
-planner's build_plan, the choice from elastic.py). Through the run specification: the chosen values are
-what the run follows, the caller's config is untouched, and bad input is one ConfigError.
+planner's build_plan, the choice from elastic.py), the pipeline schedule ranked with the layouts. Through the
+run specification: the chosen values are what the run follows, the caller's config is untouched, and bad
+input is one ConfigError.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from omegaconf import OmegaConf
 from model import GPTConfig
 from train.config.sections.parallel import AUTO_KEYS
 from train.config.settings import ConfigError
-from train.plan.elastic import HEADROOM_GIB, DataOrder, choose_layout
-from train.plan.estimate import build_plan
+from train.plan.elastic import HEADROOM_GIB, DataOrder, LayoutChoice, choose_layout
+from train.plan.estimate import Layout, build_plan
 from train.plan.hardware import preset
 from train.plan.search import candidate_layouts
 
@@ -83,6 +84,29 @@ def test_gpu_rule_takes_the_fastest_layout_that_fits_and_says_which_sizes_fit():
     assert str(err.value).endswith("world sizes up to 4 that would: [3, 4]")
 
 
+def test_gpu_rule_chooses_the_pipeline_schedule_with_the_layout_and_the_run_takes_it():
+    """GPT-3 1.3B on 16 H100s, batch 32: the fastest is ZB-H1 over 2 stages (test_plan_schedules.py); the
+    choice's values are exactly AUTO_KEYS, and the run's sections (train/config/spec.py: replaced) take them."""
+    from train.plan.__main__ import load
+
+    choice = choose_layout(gpt3_1_3b(), 16, 32, DataOrder(8), preset("h100-80g"), 8)
+    values = choice.values()
+    assert set(values) == set(AUTO_KEYS)
+    assert choice.layout.pp == 2 and values["parallel.pipeline_schedule"] == choice.to_json()["pipeline_schedule"] == "zb-h1"
+    sections = load(["model=gpt3-1.3b", "train.global_batch_size=32", "parallel.layout=auto"])[0]
+    assert sections.parallel.pipeline_schedule == "1f1b"
+    run = sections.replaced(values)
+    assert (run.parallel.pp, run.parallel.pipeline_schedule, run.train.micro_batch_size) == (2, "zb-h1", 2)
+    cpu = choose_layout(TOY, 6, 24, DataOrder(4), None, 6)  # pp = 3 (test_cpu_rule_gives_the_hand_computed_layout)
+    assert cpu.layout.pp == 3 and cpu.values()["parallel.pipeline_schedule"] == "1f1b"
+
+
+def test_a_choice_of_selective_recomputation_sets_it():
+    choice = LayoutChoice(Layout(1, 1, 8, 64, 2, selective_recompute=True), 8, "h100-80g", 1, 1, None)
+    assert choice.values()["parallel.activation_checkpointing"] == "selective"
+    assert choice.to_json()["activation_checkpointing"] == "selective"
+
+
 def compose(corpus, overrides):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
@@ -115,6 +139,7 @@ def test_the_run_specification_follows_the_choice_and_leaves_the_config_alone(co
 @pytest.mark.parametrize("world, overrides, message", [
     ("5", ["parallel.layout=auto"], "no layout of 5 processes is valid"),
     ("2", ["parallel.layout=auto", "train.micro_batch_size=4"], "drop train.micro_batch_size from the command line"),
+    ("2", ["parallel.layout=auto", "parallel.pipeline_schedule=zb-h1"], "drop parallel.pipeline_schedule from the command line"),
     ("2", ["parallel.layout=fast"], "parallel.layout='fast': must be one of ['manual', 'auto']"),
 ])
 def test_bad_layout_settings_are_one_config_error(corpus, tmp_path, monkeypatch, world, overrides, message):
@@ -123,4 +148,4 @@ def test_bad_layout_settings_are_one_config_error(corpus, tmp_path, monkeypatch,
     monkeypatch.setenv("WORLD_SIZE", world)
     with pytest.raises(ConfigError, match=re.escape(message)):
         resolve(compose(corpus, overrides), tmp_path / "run", overrides)
-    assert "train.micro_batch_size" in AUTO_KEYS
+    assert "train.micro_batch_size" in AUTO_KEYS and "parallel.pipeline_schedule" in AUTO_KEYS

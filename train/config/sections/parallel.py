@@ -15,7 +15,8 @@ PIPELINE_SCHEDULES = (ONE_F_ONE_B, ZB_H1)
 # parallel.layout=auto chooses these keys at each start (train/plan/elastic.py); they may then not be set
 AUTO_KEYS = (
     "parallel.tp", "parallel.pp", "parallel.zero_stage", "parallel.sequence_parallel",
-    "parallel.activation_checkpointing", "parallel.offload_optimizer", "train.micro_batch_size",
+    "parallel.activation_checkpointing", "parallel.offload_optimizer", "parallel.pipeline_schedule",
+    "train.micro_batch_size",
 )
 RECOMPUTATION = Check(lambda v: v == "selective" or (isinstance(v, int) and not isinstance(v, bool) and v >= 0),
                       "must be 0 (off), a positive block count or 'selective'")
