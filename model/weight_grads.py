@@ -52,9 +52,16 @@ class WeightGradStore:
         """W passes sealed and not yet run."""
         return len(self._sealed)
 
-    def run_oldest(self) -> None:
+    def oldest_parameters(self) -> list[torch.Tensor]:
+        """The parameters the oldest sealed W pass will accumulate into."""
+        if not self._sealed:
+            raise RuntimeError("no deferred weight gradients to run: every W pass needs its B pass first")
+        return [p for (weight, bias), _ in self._sealed[0] for p in (weight, bias) if p is not None]
+
+    def run_oldest(self) -> list[torch.Tensor]:
         """Run the oldest sealed W pass: every deferred product of that backward, each once, accumulated
-        into the parameters' .grad by autograd (dtype cast as autograd casts a Function's gradients)."""
+        into the parameters' .grad by autograd (dtype cast as autograd casts a Function's gradients).
+        Returns the parameters it accumulated into."""
         if not self._sealed:
             raise RuntimeError("no deferred weight gradients to run: every W pass needs its B pass first")
         params, grads = [], []
@@ -67,6 +74,7 @@ class WeightGradStore:
                 grads.append(grad_b.to(bias.dtype))
         if params:
             torch.autograd.backward(params, grads)
+        return params
 
     def check_drained(self) -> None:
         """Raise unless every deferred product has run (before an optimizer step reads the gradients)."""

@@ -14,8 +14,11 @@ What the engine adds:
                            last stage it keeps each micro batch's loss for that micro batch's B
   InputGradPass (B)        DeepSpeed's backward of the micro batch, its gradient taken from the posted
                            receive; the block linears defer their weight gradients, sealed as one W
-  WeightGradPass (W)       the oldest W, through the bf16 optimizer as a backward would go: low-precision
-                           gradients cleared, W accumulated, added to the fp32 gradients
+  WeightGradPass (W)       the oldest W; under DeepSpeed's bf16 optimizer its parameters' bf16 gradients
+                           are added to their fp32 gradients at once and dropped (set to None), so B's
+                           clearing and update, which skip gradients that are None, pass over them:
+                           each parameter's gradient goes through the optimizer's update once per micro
+                           batch, as under 1F1B, in B or in W
   SendActivation/SendGrad  isend (DeepSpeed's are blocking), the tensors kept until sent
   PostRecv*                irecv into fresh buffers, waited on by the pass that uses them
   WaitSends                every send done, every W run, before ReduceTiedGrads, ReduceGrads, OptimizerStep
@@ -61,9 +64,15 @@ class ZeroBubbleEngine(PipelineEngine):
                              "to be equal")
         if engine.has_attention_mask or engine.has_bool_tensors:
             raise ValueError("ZB-H1 sends no boolean tensors between stages")
+        if engine.using_bf16_optimizer and engine.optimizer.immediate_grad_update:
+            raise ValueError("ZB-H1 adds W's gradients to the fp32 ones itself: bf16.immediate_grad_update must be off")
         engine.__class__ = cls
         engine.weight_grads, engine.zb_costs = store, costs
         engine._recvs, engine._sends, engine._losses = {}, [], {}
+        engine._fp32_index = {}  # bf16 parameter → (group, index) of its fp32 gradient in the bf16 optimizer
+        if engine.using_bf16_optimizer:
+            engine._fp32_index = {p: (i, j) for i, group in enumerate(engine.optimizer.bf16_groups)
+                                  for j, p in enumerate(group)}
         return engine
 
     def _train_schedule(self):
@@ -168,15 +177,19 @@ class ZeroBubbleEngine(PipelineEngine):
         self.weight_grads.seal()
 
     def _exec_weight_grad_pass(self) -> None:
-        if self.using_bf16_optimizer:
-            self.optimizer.clear_lp_grads()  # already added to the fp32 gradients after each B
+        bf16 = self.using_bf16_optimizer
+        if bf16:
+            for param in self.weight_grads.oldest_parameters():
+                param.grad = None  # (already None: dropped by the previous W, or by the step's zero_grad)
         self._running_engine_backward = True
         try:
-            self.weight_grads.run_oldest()
+            params = self.weight_grads.run_oldest()
         finally:
             self._running_engine_backward = False
-        if self.using_bf16_optimizer:
-            self.optimizer.update_hp_grads(clear_lp_grads=False)
+        if bf16:
+            for param in params:
+                self.optimizer._update_hp_grad(param, *self._fp32_index[param], clear_lp_grads=False)
+                param.grad = None
 
     _ZB_INSTRUCTIONS = {
         PostRecvActivation: _exec_post_recv_activation,
