@@ -17,13 +17,14 @@ the step time is modelled"):
   passes   t_mb = t_F + t_B + t_W (`Passes`, parallel/zero_bubble.py): W is the blocks' deferrable
            work, one weight-gradient product gᵀ·x per block linear (the model times a linear's three
            products alike: the same FLOPs, matrices of the same three sizes) and the column layers'
-           bias sums (read g); under ZB-H1 with DeepSpeed's BF16_Optimizer also the W pass's own
-           clear_lp_grads and update_hp_grads over the stage's parameters (ZB_BF16_OPTIMIZER_BYTES).
+           bias sums (read g); under DeepSpeed's BF16_Optimizer the addition of those parameters' bf16
+           gradients to their fp32 ones (BF16_OPTIMIZER_UPDATE_BYTES), which ZB-H1's W does itself.
            F is the forward: one product per linear, the forward traffic, attention's forward, the
            head's forward (with the fused loss all three unembedding products and the loss, which
            it runs in the forward), the forward's collectives and send. B is the rest: the
            input-gradient products, attention's backward, the backward traffic, recomputation, the
-           weights' per-micro-batch traffic, the backward's collectives and send
+           other weights' per-micro-batch traffic (under 1F1B all of it), the backward's collectives
+           and send
   pipeline every stage timed as the slowest one (largest t_mb), by parallel.pipeline_schedule:
              1f1b   (m + pp − 1)·t_mb                    bubble (pp − 1)/(m + pp − 1) of it
              zb-h1  m·t_mb + (pp − 1)·(t_F + t_B − t_W)  when m ≥ pp and t_W ≤ min(t_F, t_B); the
@@ -99,11 +100,11 @@ OPTIMIZER_BYTES = 64  # memory traffic per updated element: AdamW (p, g, m, v re
 #                       foreach temporaries) plus the gradient-norm and clipping passes
 SELECTIVE_KERNELS = 3  # kernels selective recomputation adds per block: two LayerNorms and a GELU
 LOSS_BYTES = 32  # memory traffic per logit: float copy, log-softmax, its backward, cast back
-# Memory traffic per parameter element and micro batch that ZB-H1's W pass adds under DeepSpeed's
-# BF16_Optimizer (parallel/zero_bubble_engine.py): its own clear_lp_grads (write the bf16 gradient, 2) and
-# update_hp_grads (read the bf16 gradient 2, write and read its fp32 copy 4 + 4, read and write the fp32
-# gradient 4 + 4), over every parameter of the stage, beside the pair DeepSpeed's backward (B) runs as in 1F1B
-ZB_BF16_OPTIMIZER_BYTES = 20
+# Memory traffic per parameter element and micro batch of DeepSpeed's BF16_Optimizer (ZeRO ≤ 1 with bf16
+# weights) adding the micro batch's bf16 gradient to its fp32 one (update_hp_grads: the bf16 gradient read
+# 2 and cast to an fp32 temporary 4, then the fp32 gradient read 4, the temporary read 4, the sum written 4),
+# under either schedule; beside the clearing and accumulation of the bf16 gradient (_per_weight_bytes)
+BF16_OPTIMIZER_UPDATE_BYTES = 18
 
 
 @dataclass(frozen=True)
@@ -483,6 +484,14 @@ def _blocks_compute(model_cfg, layout: Layout, impl: Implementation, hw: Hardwar
     return Passes(forward, input_grad, weight_grad), flops, kernels
 
 
+def deferred_parameters_per_block(model_cfg: GPTConfig, tp: int) -> int:
+    """Elements of a block's parameters whose gradients ZB-H1's W computes on one tensor-parallel rank: the
+    four linears' weights (3d·d + d·d + f·d + d·f)/tp and the column layers' biases (3d + f)/tp
+    (model/weight_grads.py; a row layer adds its bias after the sum, so its gradient is B's)."""
+    d, f = model_cfg.d_model, model_cfg.d_ff
+    return (4 * d * d + 2 * d * f + 3 * d + f) // tp
+
+
 def _per_weight_bytes(impl: Implementation) -> int:
     """Memory traffic per weight element and micro batch: autocast's casts and gradient accumulation."""
     return (20 if impl.fp32_weights else 10) if impl.autocast else 8
@@ -507,7 +516,10 @@ def _stage_compute(model_cfg, layout: Layout, impl: Implementation, hw: Hardware
     Beyond the blocks (_blocks_compute): the weights' traffic in B; the head's three unembedding products
     and its loss traffic, all in F with the fused loss (it makes both gradients in its forward), else one
     product and half the traffic in F; the embedding's traffic, half in F; under ZB-H1 with BF16_Optimizer
-    the W pass's own gradient clearing and fp32 update (ZB_BF16_OPTIMIZER_BYTES, two kernels a parameter)."""
+    under DeepSpeed's BF16_Optimizer each gradient's addition to its fp32 copy (BF16_OPTIMIZER_UPDATE_BYTES, two
+    kernels a parameter), under ZB-H1 in W for the parameters W computes (the block linears' weights and the
+    column layers' biases, whose bf16 gradients W makes fresh: nothing to clear or accumulate,
+    parallel/zero_bubble_engine.py) and in B for the rest."""
     tp, d, n = layout.tp, model_cfg.d_model, layout.micro_batch * model_cfg.seq_len
     a, bandwidth = _matmul_bytes(impl), hw.memory_bandwidth
     blocks = list(stage_blocks(model_cfg.n_layer, layout.pp, stage))
@@ -516,10 +528,16 @@ def _stage_compute(model_cfg, layout: Layout, impl: Implementation, hw: Hardware
     forward, input_grad, weight_grad = passes.forward, passes.input_grad, passes.weight_grad
     params = rank_parameters(model_cfg, tp, layout.pp, stage)
     weights = sum(p.numel for p in params)
-    input_grad += weights * _per_weight_bytes(impl) / bandwidth
-    if layout.zero_bubble and uses_bf16_optimizer(layout.zero_stage, impl):
-        weight_grad += weights * ZB_BF16_OPTIMIZER_BYTES / bandwidth
-        host_kernels += 2 * len(params)
+    bf16_optimizer = uses_bf16_optimizer(layout.zero_stage, impl)
+    per_weight = _per_weight_bytes(impl) + (BF16_OPTIMIZER_UPDATE_BYTES if bf16_optimizer else 0)
+    if bf16_optimizer:
+        host_kernels += 2 * len(params)  # the update's cast and add, a parameter at a time
+    if layout.zero_bubble and bf16_optimizer:  # W's parameters get fresh bf16 gradients, added to the fp32 ones
+        deferred = len(blocks) * deferred_parameters_per_block(model_cfg, tp)  # in W (nothing cleared or +=)
+        input_grad += (weights - deferred) * per_weight / bandwidth
+        weight_grad += deferred * BF16_OPTIMIZER_UPDATE_BYTES / bandwidth
+    else:
+        input_grad += weights * per_weight / bandwidth
     if shape.head:  # the unembedding's GEMMs run over the padded vocabulary, Vp/p rows a rank
         vocab = unembedding_rows(model_cfg, tp)
         product = _gemm_time(hw, impl, n, d, vocab, a)

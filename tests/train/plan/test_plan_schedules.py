@@ -20,9 +20,9 @@ from train.config.sections.parallel import ONE_F_ONE_B, ZB_H1
 from train.plan.counts import rank_parameters, stage_blocks
 from train.plan.estimate import (
     COLLECTIVE_LATENCY_S,
-    ZB_BF16_OPTIMIZER_BYTES,
     Layout,
     Passes,
+    _per_weight_bytes,
     build_plan,
     for_precision,
     held_at_peak,
@@ -98,17 +98,23 @@ def test_zb_h1_exposes_the_whole_input_gradient_all_reduce():
     assert "communication overlapped: none" in zb_table and "layout: tp=2 pp=4 dp=1 zero=0 micro=2 ckpt=off zb-h1" in zb_table
 
 
-def test_the_w_pass_adds_the_bf16_optimizers_second_update_and_nothing_else():
-    """W: one product gᵀx per block linear and the column layers' bias sums, the same under both schedules,
-    plus under BF16_Optimizer the W pass's own clear_lp_grads and update_hp_grads, 20 bytes a parameter."""
-    for implementation, extra_bytes in ((BF16, ZB_BF16_OPTIMIZER_BYTES), (AUTOCAST, 0)):
+def test_each_gradient_passes_the_bf16_optimizers_update_once_in_b_or_in_w():
+    """Per micro batch under BF16_Optimizer every bf16 gradient is added to its fp32 copy once
+    (BF16_OPTIMIZER_UPDATE_BYTES, 18 bytes a parameter) after being cleared and accumulated
+    (_per_weight_bytes); under ZB-H1 the parameters W computes (the four linears' weights, the column layers'
+    biases) get fresh gradients in W, added there: 18 bytes in W, and 18 + _per_weight_bytes fewer in B.
+    Without BF16_Optimizer (autocast) the schedules' per-parameter traffic is the same."""
+    tp = 2
+    per_block = (3 * D * D + D * D + F * D + D * F + 3 * D + F) // tp  # counted here from the shapes
+    for implementation, bf16_optimizer in ((BF16, True), (AUTOCAST, False)):
         zb = build_plan(CFG, ZB, H100, implementation=implementation).ranks
         one_f = build_plan(CFG, ONE_F, H100, implementation=implementation).ranks
         for a, b in zip(zb, one_f):
-            parameters = sum(p.numel for p in rank_parameters(CFG, 2, 4, a.stage))
-            extra = parameters * extra_bytes / H100.memory_bandwidth
-            assert a.time["weight_grad_s"] - b.time["weight_grad_s"] == pytest.approx(extra, rel=1e-9, abs=1e-15)
-            assert a.time["compute_s"] - b.time["compute_s"] == pytest.approx(extra, rel=1e-9, abs=1e-15)
+            deferred = len(stage_blocks(CFG.n_layer, 4, a.stage)) * per_block
+            w_extra = deferred * 18 / H100.memory_bandwidth if bf16_optimizer else 0.0
+            saved = deferred * _per_weight_bytes(BF16) / H100.memory_bandwidth if bf16_optimizer else 0.0
+            assert a.time["weight_grad_s"] - b.time["weight_grad_s"] == pytest.approx(w_extra, rel=1e-9, abs=1e-15)
+            assert b.time["compute_s"] - a.time["compute_s"] == pytest.approx(saved, rel=1e-9, abs=1e-15)
     tp, blocks = 2, 2
     products = sum(2 * N * k * m / H100.flops for k, m in ((D, 3 * D // tp), (D // tp, D), (D, F // tp), (F // tp, D)))
     bias_sums = 2 * N * (3 * D + F) / tp / H100.memory_bandwidth  # read g of attn.qkv and mlp.fc, bf16
