@@ -31,7 +31,7 @@ class ParallelConfig(Section):
         MANUAL, "`manual`: the values below as given; `auto`: chosen for the world size and device of each start "
                 "(fastest predicted that fits on GPUs; on a CPU the most data parallelism), keeping "
                 "train.global_batch_size and the data order; it sets tp, pp, zero_stage, sequence_parallel, "
-                "activation_checkpointing, offload_optimizer and train.micro_batch_size",
+                "activation_checkpointing, offload_optimizer, pipeline_schedule and train.micro_batch_size",
         one_of(MANUAL, AUTO, note=" (manual: the parallel.* settings as given; auto: chosen for the world size and device)"))
     tp: int = setting(1, "tensor parallel: heads, MLP columns and the vocabulary split over tp ranks")
     pp: int = setting(1, "pipeline parallel: blocks split into pp stages (DeepSpeed's pipeline engine)")
