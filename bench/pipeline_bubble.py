@@ -1,89 +1,145 @@
-"""Pipeline bubble benchmark: DeepSpeed's 1F1B schedule, measured against its prediction.
+"""Pipeline bubble benchmark: DeepSpeed's 1F1B and gpt3d's ZB-H1 schedules, each measured against its prediction.
 
-  python -m bench.pipeline_bubble           # pp ∈ {2, 4}, m ∈ {1, 2, 4, 8}
-  python -m bench.pipeline_bubble --quick   # pp ∈ {2, 4}, m ∈ {1, 4}: under 90 s on CPU
+  python -m bench.pipeline_bubble                          # pp ∈ {2, 4} × m ∈ {4, 8}, both schedules, 5 steps
+  python -m bench.pipeline_bubble --quick                  # pp ∈ {2, 4} × m = 4, 2 steps: a smoke run (about 10 s)
+  python -m bench.pipeline_bubble --t-forward 50 --t-backward 50 --t-weight 50   # longer stage work
+  python -m bench.pipeline_bubble --pp 4 --m 8 --timeline  # one case, and where each stage's step goes
+  python -m bench.pipeline_bubble --results bench/results  # also pipeline_bubble-CPU-<date>.{json,md} there
 
-With pp equal stages, m micro batches per step, and no communication cost, 1F1B keeps each stage
-busy for m·(t_f + t_b) of a step that lasts (m + pp − 1)·(t_f + t_b), so
+A stage's backward splits into B (its input gradient, which the previous stage waits for) and W (its
+weight gradients, which only the optimizer step needs). With pp equal stages whose forward, B and W take
+t_F, t_B and t_W, m micro batches per step and free communication (parallel/zero_bubble.py):
 
-    predicted bubble = (pp − 1) / (m + pp − 1).
+    1F1B    step = (m + pp − 1)·(t_F + t_B + t_W)                 bubble (pp − 1)/(m + pp − 1)
+    ZB-H1   step = m·(t_F + t_B + t_W) + (pp − 1)·(t_F + t_B − t_W)
 
-Method. For each pp, pp forked CPU processes (gloo) run a deepspeed.pipe.PipelineModule of pp
-identical stages through deepspeed.initialize → PipelineEngine.train_batch, once per m
-(gradient_accumulation_steps = m). A stage's work is a wait, not compute: its forward sleeps t_f
-and its backward sleeps t_b (a custom autograd.Function). A sleeping process leaves the CPU free,
-so the stages overlap as they would on pp devices even on a 2-core machine. Each stage adds up the
-time it spends in those sleeps (busy) and each rank times train_batch after a barrier (step), so
+and the predicted bubble is the mean over stages of 1 − (a stage's work, m·(t_F + t_B + t_W)) / step:
+parallel.zero_bubble.predicted_bubble with the same costs (t_F = t_B = t_W at pp = 4, m = 8: 1F1B
+3/11 = 0.273, ZB-H1 3/27 = 0.111).
+
+Method. For each pp, pp forked CPU processes (gloo) run a deepspeed.pipe.PipelineModule of pp identical
+stages through deepspeed.initialize → PipelineEngine.train_batch, once per m and schedule
+(gradient_accumulation_steps = m), the two schedules of a case back to back in the same process group.
+A stage's work is a wait, not compute: its forward sleeps t_F. Under 1F1B (DeepSpeed's TrainSchedule) its
+backward sleeps t_B + t_W at once, the whole backward. Under ZB-H1 the engine is adopted with
+ZeroBubbleEngine.adopt(engine, store, Costs(t_F, t_B, t_W)); the backward sleeps t_B, returns the input
+gradient and defers W to the stage's WeightGradStore (store.defer) as a closure that sleeps t_W and
+returns the gradient of the stage's scalar parameter, which the engine's W pass accumulates. A sleeping
+process leaves the CPU free, so the stages overlap as they would on pp devices even on a 2-core machine.
+Each stage adds up the time it spends in its sleeps (F, B and W: busy) and each rank times train_batch
+after a barrier (step), so
 
     measured bubble of a stage = 1 − busy / step,
 
-averaged over stages and over the steps after a warm-up step. It includes everything that is not
-the stages' own work: DeepSpeed's schedule and Python overhead, p2p sends and receives, the loss
-broadcast and the optimizer step.
+the median over the measured steps (after one warm-up step; a shared machine's stalls hit single steps),
+averaged over the stages. It counts everything that is not the stages' own work: the engine's schedule
+and Python, p2p sends and receives (gloo over loopback) and the wake-ups they need, the gradient
+reductions, the optimizer step and the loss broadcast at the end of train_batch. These cost a roughly
+fixed time per step (tens of ms on a busy 2-core machine, more for more hand-offs), which weighs more
+against ZB-H1's shorter step than against 1F1B's: longer stage work (--t-forward, --t-backward,
+--t-weight; default 20 ms each, equal costs as in the issue) shrinks its share.
+
+Columns: predicted and measured bubbles, `worst stage` (the highest stage's bubble), `ratio` = measured /
+predicted, `step ms` (median step, mean over ranks), `ideal ms` (the predicted step: the stages' work /
+(1 − predicted)), and for ZB-H1 `zb/1f1b` = its measured bubble / 1F1B's measured bubble in the same run.
+--timeline adds, per stage (means over the steps): the time before its first pass, the gaps between its
+passes and the time after its last one (tail: gradient reductions, optimizer step, loss broadcast), each
+beside the predicted timeline's, and how much its sleeps overran (counted as busy). --results DIR writes
+the rows as pipeline_bubble-CPU-<date>.json (one object per row, every stage's bubble at every step
+included) and the printed output, with the command, commit, date and versions, as
+pipeline_bubble-CPU-<date>.md; a run with other costs adds them to the name (-F50-B50-W50), a --quick
+run adds -quick.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import io
 import itertools
+import json
 import os
+import platform
 import socket
+import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+REPO = Path(__file__).resolve().parents[1]
 SHAPE = (1, 8, 16)  # one micro batch of activations: (micro batch, tokens, hidden)
+SCHEDULES = ("1f1b", "zb-h1")
+DEVICE = "CPU (gloo, sleeping stages)"
 
 
-class _Sleep(torch.autograd.Function):
-    """Identity whose forward sleeps stage.t_f and backward stage.t_b, adding both to stage.busy."""
+class _SleepScale(torch.autograd.Function):
+    """y = x · scale. Forward sleeps t_F; backward sleeps t_B + t_W (1F1B) or t_B with W deferred (ZB-H1)."""
 
     @staticmethod
-    def forward(ctx, x, stage):
+    def forward(ctx, x, scale, stage):
         ctx.stage = stage
-        stage.wait(stage.t_f)
-        return x.clone()
+        ctx.save_for_backward(x, scale)
+        stage.wait("F", stage.t_f)
+        return x * scale
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.stage.wait(ctx.stage.t_b)
-        return grad, None
+        stage = ctx.stage
+        x, scale = ctx.saved_tensors
+        if stage.store is None:  # the whole backward at once
+            stage.wait("BW", stage.t_b + stage.t_w)
+            return grad * scale, (grad * x).sum().reshape(1), None
+        stage.wait("B", stage.t_b)
+
+        def weight_grad():
+            stage.wait("W", stage.t_w)
+            return (grad * x).sum().reshape(1), None
+
+        stage.store.defer(scale, None, weight_grad)
+        return grad * scale, None, None
 
 
 class SleepStage(torch.nn.Module):
-    """One pipeline stage: a scalar weight (so the optimizer has a parameter) and a timed wait."""
+    """One pipeline stage: a scalar weight (so the optimizer has a parameter) and timed waits."""
 
-    def __init__(self, t_f: float, t_b: float):
+    def __init__(self, t_f: float, t_b: float, t_w: float, store=None):
         super().__init__()
-        self.t_f, self.t_b, self.busy = t_f, t_b, 0.0
+        self.t_f, self.t_b, self.t_w, self.store = t_f, t_b, t_w, store
         self.scale = torch.nn.Parameter(torch.ones(1))
+        self.busy, self.passes = 0.0, []
 
-    def wait(self, seconds: float) -> None:
+    def wait(self, kind: str, seconds: float) -> None:
         start = time.perf_counter()
         time.sleep(seconds)
-        self.busy += time.perf_counter() - start
+        end = time.perf_counter()
+        self.busy += end - start
+        self.passes.append((kind, start, end))
 
     def forward(self, x):
-        return _Sleep.apply(x * self.scale, self)
+        return _SleepScale.apply(x, self.scale, self)
 
 
 def mse(outputs, labels):
     return ((outputs - labels) ** 2).mean()
 
 
-def predicted_bubble(pp: int, m: int) -> float:
-    return (pp - 1) / (m + pp - 1)
-
-
-def measure(pp: int, m: int, t_f: float, t_b: float, steps: int) -> list[tuple[float, float]]:
-    """This rank's (busy, step) seconds in each of `steps` train_batch calls, after one warm-up."""
+def measure(schedule: str, pp: int, m: int, t_f: float, t_b: float, t_w: float, steps: int) -> list[dict]:
+    """This rank's {busy, step, passes} in each of `steps` train_batch calls, after one warm-up."""
     import deepspeed
     from deepspeed.pipe import LayerSpec, PipelineModule
 
+    from model.weight_grads import WeightGradStore
+    from parallel.zero_bubble import Costs
+    from parallel.zero_bubble_engine import ZeroBubbleEngine
+
+    store = WeightGradStore() if schedule == "zb-h1" else None
     module = PipelineModule(
-        layers=[LayerSpec(SleepStage, t_f, t_b) for _ in range(pp)],
+        layers=[LayerSpec(SleepStage, t_f, t_b, t_w, store) for _ in range(pp)],
         num_stages=pp,
         loss_fn=mse,
         partition_method="uniform",
@@ -93,22 +149,27 @@ def measure(pp: int, m: int, t_f: float, t_b: float, steps: int) -> list[tuple[f
         "train_micro_batch_size_per_gpu": SHAPE[0],
         "gradient_accumulation_steps": m,
         "steps_per_print": 10**9,
+        "timers": {"throughput": {"enabled": False}},  # as training runs it (train/engine.py)
     }
     optimizer = torch.optim.SGD(module.parameters(), lr=1e-3)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config)
+    if store is not None:
+        engine = ZeroBubbleEngine.adopt(engine, store, Costs(t_f, t_b, t_w))
     (stage,) = [layer for layer in module.modules() if isinstance(layer, SleepStage)]
     data = itertools.repeat((torch.randn(SHAPE), torch.randn(SHAPE)))
     times = []
     for _ in range(steps + 1):
         dist.barrier()
-        stage.busy = 0.0
+        stage.busy, stage.passes = 0.0, []
         start = time.perf_counter()
         engine.train_batch(data)
-        times.append((stage.busy, time.perf_counter() - start))
+        step = time.perf_counter() - start
+        passes = [(kind, a - start, b - start) for kind, a, b in stage.passes]
+        times.append({"busy": stage.busy, "step": step, "passes": passes})
     return times[1:]
 
 
-def _rank_main(rank, pp, port, ms, t_f, t_b, steps, results):
+def _rank_main(rank, pp, port, cases, costs, steps, results):
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # DeepSpeed's banners; results go through `results`
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -118,20 +179,20 @@ def _rank_main(rank, pp, port, ms, t_f, t_b, steps, results):
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
-    for m in ms:
+    for m, schedule in cases:
         gathered = [None] * pp
-        dist.all_gather_object(gathered, measure(pp, m, t_f, t_b, steps))
+        dist.all_gather_object(gathered, measure(schedule, pp, m, *costs, steps))
         if rank == 0:
-            results.put((m, gathered))
+            results.put(((m, schedule), gathered))
     dist.destroy_process_group()
 
 
-def run(pp: int, ms: list[int], t_f: float, t_b: float, steps: int) -> dict[int, list]:
-    """{m: [[(busy, step) for each step] for each stage]} from pp forked ranks."""
+def run(pp: int, cases: list[tuple[int, str]], costs: tuple[float, float, float], steps: int) -> dict:
+    """{(m, schedule): [[{busy, step, passes} for each step] for each stage]} from pp forked ranks."""
     results = mp.get_context("fork").SimpleQueue()
-    args = (pp, _free_port(), ms, t_f, t_b, steps, results)
+    args = (pp, _free_port(), cases, costs, steps, results)
     mp.start_processes(_rank_main, args=args, nprocs=pp, start_method="fork")
-    return dict(results.get() for _ in ms)
+    return dict(results.get() for _ in cases)
 
 
 def _import_before_fork() -> None:
@@ -143,6 +204,7 @@ def _import_before_fork() -> None:
     import torch._dynamo  # noqa: F401
     from deepspeed.utils import logger
 
+    import parallel.zero_bubble_engine  # noqa: F401
     from train.engine import skip_shared_memory_op
 
     logger.setLevel("WARNING")
@@ -155,30 +217,202 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def summarize(schedule: str, pp: int, m: int, per_stage: list[list[dict]], costs) -> dict:
+    """One row: the predicted and measured bubbles of a case and its step time, medians over the steps."""
+    from parallel.zero_bubble import Costs, predicted_bubble
+
+    steps = len(per_stage[0])
+    step_bubbles = [[1 - t["busy"] / t["step"] for t in times] for times in per_stage]  # [stage][step]
+    stage_bubbles = [statistics.median(bubbles) for bubbles in step_bubbles]
+    predicted = predicted_bubble(schedule, pp, m, Costs(*costs))
+    return {
+        "schedule": schedule, "pp": pp, "m": m, "steps": steps,
+        "t_forward_ms": costs[0] * 1e3, "t_input_grad_ms": costs[1] * 1e3, "t_weight_grad_ms": costs[2] * 1e3,
+        "predicted": predicted, "measured": sum(stage_bubbles) / pp, "worst_stage": max(stage_bubbles),
+        "stage_bubbles": stage_bubbles, "stage_step_bubbles": step_bubbles,
+        "step_ms": statistics.median(sum(times[k]["step"] for times in per_stage) / pp for k in range(steps)) * 1e3,
+        "ideal_ms": m * sum(costs) / (1 - predicted) * 1e3,
+    }
+
+
+def _orders(schedule: str, pp: int, m: int, costs):
+    """Each stage's passes in the order the engine runs them, [(kind, micro batch)], and the predicted timeline
+    [(kind, micro batch, start, end)] (messages free, no overhead); 1F1B's backward is one pass, "B" here."""
+    from parallel.zero_bubble import Costs, one_f_one_b, stage_orders, timeline
+
+    if schedule == "1f1b":
+        orders = [one_f_one_b(pp, m, s) for s in range(pp)]
+        return orders, timeline(orders, Costs(costs.forward, costs.input_grad + costs.weight_grad, 0))
+    orders = stage_orders(pp, m, costs)
+    return orders, timeline(orders, costs)
+
+
+def critical_path(orders, step: dict, pp: int) -> tuple[list[float], list[float], float, float]:
+    """The chain of passes that set one measured step's length, walked back from the pass that ended last:
+    each pass started after either the previous pass on its stage (a gap on one stage: the engine's own work
+    between two passes) or the pass on the next or previous stage it needed (a hand-off: the message and the
+    wake-up), whichever ended later. Returns (hand-off gaps, same-stage gaps, time before the chain's first
+    pass, time after its last pass), in seconds."""
+    passes = {}
+    for s, (order, measured) in enumerate(zip(orders, step)):
+        for (kind, j), (_, start, end) in zip(order, measured["passes"]):
+            passes[(kind, s, j)] = (start, end)
+    last = max(passes, key=lambda key: passes[key][1])
+    tail = sum(t["step"] for t in step) / pp - passes[last][1]
+    handoffs, local, current = [], [], last
+    while True:
+        kind, s, j = current
+        start = passes[current][0]
+        index = orders[s].index((kind, j))
+        previous = (*orders[s][index - 1][:1], s, orders[s][index - 1][1]) if index else None
+        needed = None  # the pass on another stage this one waits for (W passes wait for none)
+        if kind == "F" and s > 0:
+            needed = ("F", s - 1, j)
+        elif kind == "B" and s < pp - 1:
+            needed = ("B", s + 1, j)
+        previous_end = passes[previous][1] if previous else 0.0
+        if needed is not None and passes[needed][1] > previous_end:
+            handoffs.append(start - passes[needed][1])
+            current = needed
+        elif previous is not None:
+            local.append(start - previous_end)
+            current = previous
+        else:
+            return handoffs, local, start, tail
+
+
+def timeline_lines(schedule: str, pp: int, m: int, per_stage: list[list[dict]], costs) -> list[str]:
+    """Per stage, mean over steps: time before the first pass, gaps between passes, the tail after the last
+    pass, and the same three of the predicted timeline; then the steps' critical path (`critical_path`)."""
+    from parallel.zero_bubble import Costs
+
+    c = Costs(*costs)
+    orders, predicted = _orders(schedule, pp, m, c)
+    end = max(p[-1][3] for p in predicted)
+    nominal = {"F": c.forward, "B": c.input_grad, "W": c.weight_grad, "BW": c.input_grad + c.weight_grad}
+    lines = []
+    for s, times in enumerate(per_stage):
+        n = len(times)
+        overrun = sum(b - a - nominal[kind] for t in times for kind, a, b in t["passes"]) / n
+        head = sum(t["passes"][0][1] for t in times) / n
+        gaps = sum(sum(b[1] - a[2] for a, b in zip(t["passes"], t["passes"][1:])) for t in times) / n
+        tail = sum(t["step"] - t["passes"][-1][2] for t in times) / n
+        p = predicted[s]
+        p_head, p_gaps, p_tail = p[0][2], sum(b[2] - a[3] for a, b in zip(p, p[1:])), end - p[-1][3]
+        lines.append(f"    stage {s}: before first pass {head * 1e3:6.1f} ms (predicted {p_head * 1e3:6.1f}), "
+                     f"gaps {gaps * 1e3:6.1f} ({p_gaps * 1e3:6.1f}), after last pass {tail * 1e3:6.1f} "
+                     f"({p_tail * 1e3:6.1f}); {len(times[0]['passes'])} passes, their sleeps overran by "
+                     f"{overrun * 1e3:.1f} ms in all")
+    paths = [critical_path(orders, [times[k] for times in per_stage], pp) for k in range(len(per_stage[0]))]
+    n = len(paths)
+    handoffs = sum(len(h) for h, _, _, _ in paths) / n
+    local = sum(len(g) for _, g, _, _ in paths) / n
+    lines.append(f"    critical path (mean over steps): {handoffs:.1f} hand-offs between stages of "
+                 f"{sum(sum(h) for h, _, _, _ in paths) / max(1, sum(len(h) for h, _, _, _ in paths)) * 1e3:.2f} ms "
+                 f"each, {local:.1f} gaps between passes on one stage of "
+                 f"{sum(sum(g) for _, g, _, _ in paths) / max(1, sum(len(g) for _, g, _, _ in paths)) * 1e3:.2f} ms each, "
+                 f"{sum(h for _, _, h, _ in paths) / n * 1e3:.1f} ms before its first pass, "
+                 f"{sum(t for _, _, _, t in paths) / n * 1e3:.1f} ms after its last")
+    return lines
+
+
+def header(costs_ms, steps: int) -> list[str]:
+    t_f, t_b, t_w = costs_ms
+    return [
+        f"pipeline bubble on CPU (gloo, sleeping stages): F {t_f:g} ms, B {t_b:g} ms, W {t_w:g} ms "
+        f"(1F1B's backward B+W {t_b + t_w:g} ms); {steps} steps after a warm-up; measured = 1 − stage busy / step "
+        f"(median over steps, mean over stages)",
+        f"{'schedule':<8} {'pp':>3} {'m':>3} {'predicted':>10} {'measured':>9} {'worst stage':>12} {'ratio':>6} "
+        f"{'step ms':>8} {'ideal ms':>9} {'zb/1f1b':>8}",
+    ]
+
+
+def row_line(row: dict, vs_1f1b: float | None) -> str:
+    ratio = f"{vs_1f1b:>8.2f}" if vs_1f1b is not None else f"{'':>8}"
+    return (f"{row['schedule']:<8} {row['pp']:>3} {row['m']:>3} {row['predicted']:>10.3f} {row['measured']:>9.3f} "
+            f"{row['worst_stage']:>12.3f} {row['measured'] / row['predicted']:>6.2f} {row['step_ms']:>8.1f} "
+            f"{row['ideal_ms']:>9.1f} {ratio}")
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return out.stdout.strip()
+
+
+def write_results(folder: Path, suffix: str, rows: list[dict], printed: str, command: str, seconds: float) -> list[Path]:
+    """pipeline_bubble-CPU-<date><suffix>.json (one object per row) and .md (the printed output) in `folder`."""
+    import deepspeed
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    date, commit = now.isoformat(timespec="seconds"), git_commit()
+    folder.mkdir(parents=True, exist_ok=True)
+    name = f"pipeline_bubble-CPU-{now.date().isoformat()}{suffix}"
+    records = [{**row, "device": DEVICE, "date": date, "commit": commit, "command": command} for row in rows]
+    json_path, md_path = folder / f"{name}.json", folder / f"{name}.md"
+    json_path.write_text(json.dumps(records, indent=1) + "\n")
+    versions = f"python {platform.python_version()} | torch {torch.__version__} | deepspeed {deepspeed.__version__}"
+    md_path.write_text(
+        f"# Pipeline bubble on {DEVICE}, {now:%Y-%m-%d %H:%M} UTC\n\n"
+        f"Command: `{command}` at commit {commit[:7] if commit else 'unknown'}, {seconds:.0f} s\n\n"
+        f"{versions}; {os.cpu_count()} CPU cores, load average {os.getloadavg()[0]:.1f} at the end\n\n"
+        f"```\n{printed.rstrip()}\n```\n")
+    return [json_path, md_path]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="m ∈ {1, 4} and 3 steps: a smoke run")
-    parser.add_argument("--t-forward", type=float, default=20.0, help="a stage's forward, ms (default 20)")
-    parser.add_argument("--t-backward", type=float, default=40.0, help="a stage's backward, ms (default 40)")
-    parser.add_argument("--steps", type=int, help="measured steps per case, after one warm-up (default 5; --quick 3)")
+    parser.add_argument("--quick", action="store_true", help="m = 4 only and 2 steps: a smoke run")
+    parser.add_argument("--t-forward", type=float, default=20.0, help="a stage's forward F, ms (default 20)")
+    parser.add_argument("--t-backward", type=float, default=20.0, help="a stage's input-gradient pass B, ms (default 20)")
+    parser.add_argument("--t-weight", type=float, default=20.0, help="a stage's weight-gradient pass W, ms (default 20)")
+    parser.add_argument("--steps", type=int, help="measured steps per case, after one warm-up (default 5; --quick 2)")
+    parser.add_argument("--pp", type=int, nargs="+", default=[2, 4], help="pipeline depths (default 2 4)")
+    parser.add_argument("--m", type=int, nargs="+", help="micro batches per step (default 4 8; --quick 4)")
+    parser.add_argument("--timeline", action="store_true", help="also where each stage's step goes (see above)")
+    parser.add_argument("--results", metavar="DIR", type=Path,
+                        help="also write pipeline_bubble-CPU-<date>.json and .md into DIR (e.g. bench/results)")
     args = parser.parse_args()
-    ms = [1, 4] if args.quick else [1, 2, 4, 8]
-    steps = args.steps or (3 if args.quick else 5)
-    t_f, t_b = args.t_forward / 1e3, args.t_backward / 1e3
+    ms = args.m or ([4] if args.quick else [4, 8])
+    steps = args.steps or (2 if args.quick else 5)
+    costs_ms = (args.t_forward, args.t_backward, args.t_weight)
+    costs = tuple(t / 1e3 for t in costs_ms)
+    started = time.perf_counter()
     _import_before_fork()
 
-    print(f"pipeline bubble, DeepSpeed 1F1B on CPU (gloo): stage forward {args.t_forward:g} ms, backward "
-          f"{args.t_backward:g} ms, {steps} steps after a warm-up; measured = 1 − stage busy / step")
-    print(f"{'pp':>3} {'m':>3} {'predicted':>10} {'measured':>9} {'worst stage':>12} {'ratio':>6} "
-          f"{'step ms':>8} {'ideal ms':>9}", flush=True)
-    for pp in (2, 4):
-        for m, per_stage in run(pp, ms, t_f, t_b, steps).items():
-            stage_bubbles = [sum(1 - busy / step for busy, step in times) / steps for times in per_stage]
-            measured, predicted = sum(stage_bubbles) / pp, predicted_bubble(pp, m)
-            step_ms = sum(step for times in per_stage for _, step in times) / (pp * steps) * 1e3
-            ideal_ms = (m + pp - 1) * (t_f + t_b) * 1e3
-            print(f"{pp:>3} {m:>3} {predicted:>10.3f} {measured:>9.3f} {max(stage_bubbles):>12.3f} "
-                  f"{measured / predicted:>6.2f} {step_ms:>8.1f} {ideal_ms:>9.1f}", flush=True)
+    printed = io.StringIO()
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+        printed.write(line + "\n")
+
+    for line in header(costs_ms, steps):
+        say(line)
+    rows = []
+    for pp in args.pp:
+        cases = [(m, schedule) for m in ms for schedule in SCHEDULES]
+        measured = run(pp, cases, costs, steps)
+        for m in ms:
+            baseline = None
+            for schedule in SCHEDULES:
+                row = summarize(schedule, pp, m, measured[(m, schedule)], costs)
+                vs = row["measured"] / baseline["measured"] if baseline is not None else None
+                row["zb_vs_1f1b"] = vs
+                rows.append(row)
+                say(row_line(row, vs))
+                if args.timeline:
+                    for line in timeline_lines(schedule, pp, m, measured[(m, schedule)], costs):
+                        say(line)
+                baseline = baseline or row
+    if args.results:
+        command = " ".join(["python -m bench.pipeline_bubble", *sys.argv[1:]])
+        # the default run as pipeline_bubble-CPU-<date>; others named by their costs, and quick runs as such
+        suffix = "" if costs_ms == (20.0, 20.0, 20.0) else "-F{:g}-B{:g}-W{:g}".format(*costs_ms)
+        suffix += "-quick" if args.quick else ""
+        for path in write_results(args.results, suffix, rows, printed.getvalue(), command, time.perf_counter() - started):
+            print(f"wrote {path}")
 
 
 if __name__ == "__main__":

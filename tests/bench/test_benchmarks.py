@@ -30,15 +30,54 @@ def test_attention_benchmark_quick_prints_ratios_against_its_baseline():
     assert any(" torch " in r for r in rows) and any("w=256" in r for r in rows), out
 
 
-def test_pipeline_bubble_benchmark_quick_measures_each_case_beside_the_1f1b_prediction():
-    out = run_bench("bench.pipeline_bubble", "--quick")
-    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
-    assert {(int(r[0]), int(r[1])) for r in rows} == {(2, 1), (2, 4), (4, 1), (4, 4)}, out
-    for pp, m, predicted, measured, *_ in rows:
+def test_pipeline_bubble_benchmark_quick_measures_both_schedules_beside_their_predictions(tmp_path):
+    import json
+
+    from parallel.zero_bubble import Costs, predicted_bubble
+
+    out = run_bench("bench.pipeline_bubble", "--quick", "--results", str(tmp_path))
+    rows = [line.split() for line in out.splitlines() if line.startswith(("1f1b ", "zb-h1 "))]
+    assert [(r[0], int(r[1]), int(r[2])) for r in rows] == [
+        (schedule, pp, 4) for pp in (2, 4) for schedule in ("1f1b", "zb-h1")], out
+    measured = {}
+    for schedule, pp, m, predicted, bubble, *rest in rows:
         pp, m = int(pp), int(m)
-        assert float(predicted) == round((pp - 1) / (m + pp - 1), 3)
+        assert float(predicted) == round(predicted_bubble(schedule, pp, m, Costs(20, 20, 20)), 3)
         # a real pipeline can only do worse than the ideal schedule, and sleeping stages keep it close
-        assert float(predicted) - 0.01 <= float(measured) < float(predicted) + 0.3, out
+        assert float(predicted) - 0.01 <= float(bubble) < float(predicted) + 0.3, out
+        measured[schedule, pp] = float(bubble)
+        assert len(rest) == (5 if schedule == "zb-h1" else 4), out  # zb/1f1b on the ZB-H1 rows only
+    for pp in (2, 4):  # predicted 0.077 vs 0.200 and 0.200 vs 0.429: far apart even on a busy machine
+        assert measured["zb-h1", pp] < measured["1f1b", pp], out
+    (json_file,) = tmp_path.glob("pipeline_bubble-CPU-*.json")
+    records = json.loads(json_file.read_text())
+    assert [(r["schedule"], r["pp"]) for r in records] == [(s, pp) for pp in (2, 4) for s in ("1f1b", "zb-h1")]
+    assert all(r["device"] == "CPU (gloo, sleeping stages)" and r["command"].endswith(str(tmp_path)) for r in records)
+    (markdown,) = tmp_path.glob("pipeline_bubble-CPU-*.md")
+    assert all(" ".join(r) in " ".join(markdown.read_text().split()) for r in rows)
+
+
+def test_pipeline_memory_benchmark_quick_measures_each_stage_under_both_schedules(tmp_path):
+    """The real pipeline at pp=2, m=4: each stage's activation peak under 1F1B and ZB-H1, from profiles that
+    account for every byte the passes allocate (the memory is back at the step's start before the optimizer)."""
+    import json
+
+    out = run_bench("bench.pipeline_memory", "--quick", "--results", str(tmp_path))
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.strip().split()[:1] in (["0"], ["1"], ["max"])}
+    assert set(rows) == {"0", "1", "max"}, out
+    one = [float(rows[s][1]) for s in "01"]
+    zb = [float(rows[s][3]) for s in "01"]
+    assert one[0] > one[1] > 0 and min(zb) > 0, out  # under 1F1B stage 0 holds the most micro batches
+    assert float(rows["max"][1]) == max(one) and float(rows["max"][2]) == max(zb), out
+    assert float(rows["max"][3]) == round(max(zb) / max(one), 3), out
+    assert rows["0"][2].startswith("BackwardPass(") and rows["0"][4].startswith(("InputGradPass(", "WeightGradPass")), out
+    assert float(rows["0"][5]) == round(zb[0] / one[0], 3), out
+    (check,) = [line for line in out.splitlines() if "back at the step's start" in line]
+    assert int(check.split("to within ")[1].split()[0]) <= 64, out
+    (json_file,) = tmp_path.glob("pipeline_memory-CPU-*.json")
+    (record,) = json.loads(json_file.read_text())
+    assert (record["pp"], record["m"], len(record["stages"])) == (2, 4, 2)
+    assert record["max_ratio"] == record["zb-h1_max_bytes"] / record["1f1b_max_bytes"]
 
 
 def test_train_speed_json_has_every_row_with_the_engine_rows_of_the_cpus_precisions(tmp_path):
