@@ -3,9 +3,8 @@
   python -m bench.pipeline_memory                          # pp=4 m=8 and pp=2 m=4, 8 blocks of d_model 128, T 256
   python -m bench.pipeline_memory --quick                  # pp=2 m=4, 4 blocks, T 128: a smoke run (about 5 s)
   python -m bench.pipeline_memory --micro-batch 2          # more activation per micro batch
-  python -m bench.pipeline_memory --release-sends          # diagnostic: ZB-H1 with each sent tensor dropped once sent
   python -m bench.pipeline_memory --results bench/results  # also pipeline_memory-CPU-<date>.{json,md} there
-                                                           # (other runs' names add -mb2, -release-sends, -quick)
+                                                           # (other runs' names add -mb2, -quick)
 
 ZB-H1 (parallel/zero_bubble.py) defers each micro batch's weight gradients (W) past its input-gradient pass
 (B), and a deferred W keeps its linears' inputs and output gradients alive until it runs. Stage s holds at
@@ -29,7 +28,7 @@ gradient reductions (ReduceTiedGrads) begin: all the passes allocated, released 
 gives the largest difference over stages, 0 to a few bytes). The gradients are made (zeros) before the
 measured step, as persistent buffers would be, so that the peak is activation memory and not the stage's
 gradients: everything the passes allocate and hold at once (saved activations, the tensors a deferred W
-keeps and the weight gradients it computes, pipeline buffers, posted receives, sent tensors kept).
+keeps and the weight gradients it computes, pipeline buffers, posted receives, sent tensors not yet received).
 
 Printed per case and stage, for both schedules: the peak over the passes (MiB above the step's start)
 and the pipeline instruction it falls in (each instruction runs under a profiler range named after it
@@ -38,12 +37,6 @@ maximum over stages of each, whose ratio is the claim's test. The step's end, th
 and the optimizer step, is left out: it holds no activations, and DeepSpeed's gradient all-reduce
 flattens the stage's gradients into a buffer whose release gloo's thread sometimes performs, where the
 profiler does not see it.
-
---release-sends is a diagnostic, not what training runs: the ZB-H1 engine keeps each sent tensor until
-`work.is_completed()`, which on gloo stays False until wait() is called, so on the CPU every activation and
-input gradient a stage sends lives until WaitSends at the end of the step (on NCCL is_completed() turns
-True once a send is done). With the flag the ranks' engine waits for its earlier sends before each new
-one and drops them, which shows how much of the difference that retention makes.
 """
 
 from __future__ import annotations
@@ -82,24 +75,6 @@ def _quiet_stderr():
     finally:
         os.dup2(saved, 2)
         os.close(saved)
-
-
-def _release_finished_sends() -> None:
-    """--release-sends (a diagnostic, not what training runs): before each send the ZB-H1 engine waits for its
-    earlier sends and drops them. The engine itself keeps a sent tensor until `work.is_completed()`, which on
-    gloo stays False until wait() is called, so there every sent activation and input gradient lives until
-    WaitSends at the step's end (on NCCL is_completed() turns True once the send is done)."""
-    from parallel.zero_bubble_engine import ZeroBubbleEngine
-
-    send = ZeroBubbleEngine._send
-
-    def released(self, tensors, stage):
-        for work, _ in self._sends:
-            work.wait()
-        self._sends = []
-        send(self, tensors, stage)
-
-    ZeroBubbleEngine._send = released
 
 
 def _annotate_instructions() -> None:
@@ -199,7 +174,7 @@ def measure(schedule: str, config, pp: int, m: int, micro_batch: int, seed: int)
             "param_bytes": sum(p.numel() * p.element_size() for p in params)}
 
 
-def _rank_main(rank, pp, port, cases, config, micro_batch, seed, release_sends, results):
+def _rank_main(rank, pp, port, cases, config, micro_batch, seed, results):
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # DeepSpeed's banners; results go through `results`
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -210,8 +185,6 @@ def _rank_main(rank, pp, port, cases, config, micro_batch, seed, release_sends, 
 
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     _annotate_instructions()
-    if release_sends:
-        _release_finished_sends()
     for m, schedule in cases:
         gathered = [None] * pp
         dist.all_gather_object(gathered, measure(schedule, config, pp, m, micro_batch, seed))
@@ -221,10 +194,10 @@ def _rank_main(rank, pp, port, cases, config, micro_batch, seed, release_sends, 
     dist.destroy_process_group()
 
 
-def run(pp: int, cases: list[tuple[int, str]], config, micro_batch: int, seed: int, release_sends: bool = False) -> dict:
+def run(pp: int, cases: list[tuple[int, str]], config, micro_batch: int, seed: int) -> dict:
     """{(m, schedule): [this stage's measure() for each stage]} from pp forked ranks."""
     results = mp.get_context("fork").SimpleQueue()
-    args = (pp, _free_port(), cases, config, micro_batch, seed, release_sends, results)
+    args = (pp, _free_port(), cases, config, micro_batch, seed, results)
     mp.start_processes(_rank_main, args=args, nprocs=pp, start_method="fork")
     return dict(results.get() for _ in cases)
 
@@ -315,8 +288,6 @@ def main() -> None:
     parser.add_argument("--layers", type=int, help="transformer blocks (default 8; --quick 4)")
     parser.add_argument("--d-model", type=int, default=128, help="hidden width (default 128)")
     parser.add_argument("--seq-len", type=int, help="tokens per sequence (default 256; --quick 128)")
-    parser.add_argument("--release-sends", action="store_true",
-                        help="diagnostic: the ZB-H1 engine drops each sent tensor once sent (see above)")
     parser.add_argument("--results", metavar="DIR", type=Path,
                         help="also write pipeline_memory-CPU-<date>.json and .md into DIR (e.g. bench/results)")
     args = parser.parse_args()
@@ -337,11 +308,10 @@ def main() -> None:
 
     say(f"pipeline activation memory on CPU (gloo), fp32: {layers} blocks, d_model {args.d_model}, n_head 4, "
         f"seq_len {seq_len}, vocab 512, micro batch {args.micro_batch}; peak live tensor memory of one train_batch's "
-        f"passes above the step's start (torch.profiler [memory] events), after a warm-up step"
-        + ("; DIAGNOSTIC --release-sends: the ZB-H1 engine drops each sent tensor once sent" if args.release_sends else ""))
+        f"passes above the step's start (torch.profiler [memory] events), after a warm-up step")
     records = []
     for pp, m in layouts:
-        measured = run(pp, [(m, s) for s in SCHEDULES], config, args.micro_batch, 1234, args.release_sends)
+        measured = run(pp, [(m, s) for s in SCHEDULES], config, args.micro_batch, 1234)
         lines, record = case_lines(pp, m, {s: measured[(m, s)] for s in SCHEDULES})
         for line in lines:
             say(line)
@@ -349,7 +319,7 @@ def main() -> None:
     if args.results:
         command = " ".join(["python -m bench.pipeline_memory", *sys.argv[1:]])
         # the default run as pipeline_memory-CPU-<date>; others named by what differs
-        suffix = (f"-mb{args.micro_batch}" if args.micro_batch != 1 else "") + ("-release-sends" if args.release_sends else "")
+        suffix = f"-mb{args.micro_batch}" if args.micro_batch != 1 else ""
         suffix += "-quick" if args.quick else ""
         for path in write_results(args.results, suffix, records, printed.getvalue(), command, time.perf_counter() - started):
             print(f"wrote {path}")

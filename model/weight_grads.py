@@ -58,23 +58,23 @@ class WeightGradStore:
             raise RuntimeError("no deferred weight gradients to run: every W pass needs its B pass first")
         return [p for (weight, bias), _ in self._sealed[0] for p in (weight, bias) if p is not None]
 
-    def run_oldest(self) -> list[torch.Tensor]:
-        """Run the oldest sealed W pass: every deferred product of that backward, each once, accumulated
-        into the parameters' .grad by autograd (dtype cast as autograd casts a Function's gradients).
-        Returns the parameters it accumulated into."""
+    def run_oldest(self, after_each: Callable[[list[torch.Tensor]], None] | None = None) -> None:
+        """Run the oldest sealed W pass: every deferred product of that backward, each once, layer by layer,
+        accumulated into the layer's parameters' .grad by autograd (dtype cast as autograd casts a Function's
+        gradients), then after_each(those parameters) if given, before the next layer's products run, so no
+        more than one layer's fresh gradients are alive at once."""
         if not self._sealed:
             raise RuntimeError("no deferred weight gradients to run: every W pass needs its B pass first")
-        params, grads = [], []
         for (weight, bias), compute in self._sealed.popleft():
             grad_w, grad_b = compute()  # (n, k), (n,) or None
-            params.append(weight)
-            grads.append(grad_w.to(weight.dtype))
+            params, grads = [weight], [grad_w.to(weight.dtype)]
             if bias is not None:
                 params.append(bias)
                 grads.append(grad_b.to(bias.dtype))
-        if params:
             torch.autograd.backward(params, grads)
-        return params
+            del grads, grad_w, grad_b
+            if after_each is not None:
+                after_each(params)
 
     def check_drained(self) -> None:
         """Raise unless every deferred product has run (before an optimizer step reads the gradients)."""

@@ -9,9 +9,10 @@ With p stages, m micro batches and a stage's forward, B and W taking t_F, t_B, t
     1F1B    step = (m + p − 1)·(t_F + t_B + t_W)            bubble (p − 1)/(m + p − 1) of the step
     ZB-H1   step = m·(t_F + t_B + t_W) + (p − 1)·(t_F + t_B − t_W)
 
-(t_F = t_B = t_W: the bubble falls to a third), with the activation memory of 1F1B: stage s keeps at
-most p − s micro batches' activations, as in 1F1B, plus the inputs and output gradients of the W passes
-it defers, at most s of them, so no stage holds more than stage 0 does under 1F1B (p micro batches).
+(t_F = t_B = t_W: the bubble falls to a third), at about the activation memory of 1F1B: stage s keeps
+at most p − s micro batches' activations, as in 1F1B, plus the inputs and output gradients of the W
+passes it defers, at most s of them, so a later stage holds about what stage 0 holds under 1F1B (p micro
+batches; bench.pipeline_memory measures the peak over stages).
 
 The order (`stage_orders`) comes from a list schedule of the whole pipeline under the costs given:
 forwards and B passes in 1F1B's order (p − s − 1 warm-up forwards on stage s, then one forward and one

@@ -19,7 +19,7 @@ What the engine adds:
                            clearing and update, which skip gradients that are None, pass over them:
                            each parameter's gradient goes through the optimizer's update once per micro
                            batch, as under 1F1B, in B or in W
-  SendActivation/SendGrad  isend (DeepSpeed's are blocking), the tensors kept until sent
+  SendActivation/SendGrad  isend (DeepSpeed's are blocking), waited on at the start of the stage's next pass
   PostRecv*                irecv into fresh buffers, waited on by the pass that uses them
   WaitSends                every send done, every W run, before ReduceTiedGrads, ReduceGrads, OptimizerStep
 
@@ -126,9 +126,17 @@ class ZeroBubbleEngine(PipelineEngine):
     # ---- sends ----
 
     def _send(self, tensors, stage: int) -> None:
-        self._sends = [(work, kept) for work, kept in self._sends if not work.is_completed()]
         destination = self.grid.stage_to_global(stage_id=stage)
         self._sends += [(dist.isend(tensor, destination), tensor) for tensor in tensors]
+
+    def _release_sends(self) -> None:
+        """Wait for the sends issued so far, so their tensors can be freed (gloo reports a send complete only
+        once waited on). Each has its receive posted by now: a stage posts a link's receive right after its
+        previous message on that link, which the predicted timeline puts no later than the send, and so on
+        no pass that follows this one."""
+        for work, _ in self._sends:
+            work.wait()
+        self._sends = []
 
     def _exec_send_activations_async(self, buffer_id: int) -> None:
         outputs = self.pipe_buffers["outputs"][buffer_id]
@@ -149,9 +157,7 @@ class ZeroBubbleEngine(PipelineEngine):
         self._send(grads, self.prev_stage)
 
     def _exec_wait_sends(self) -> None:
-        for work, _ in self._sends:
-            work.wait()
-        self._sends = []
+        self._release_sends()
         if self._recvs:
             raise RuntimeError(f"receives posted and never used: {sorted(self._recvs)}")
         self.weight_grads.check_drained()
@@ -159,6 +165,7 @@ class ZeroBubbleEngine(PipelineEngine):
     # ---- passes ----
 
     def _exec_forward(self, buffer_id: int) -> None:
+        self._release_sends()
         if not self.is_first_stage():
             received = self._received("act", buffer_id)
             for tensor in received:
@@ -169,6 +176,7 @@ class ZeroBubbleEngine(PipelineEngine):
             self._losses[buffer_id] = self.loss
 
     def _exec_input_grad_pass(self, buffer_id: int) -> None:
+        self._release_sends()
         if self.is_last_stage():
             self.loss = self._losses.pop(buffer_id)
         else:
@@ -177,19 +185,24 @@ class ZeroBubbleEngine(PipelineEngine):
         self.weight_grads.seal()
 
     def _exec_weight_grad_pass(self) -> None:
-        bf16 = self.using_bf16_optimizer
-        if bf16:
+        self._release_sends()
+        after_each = None
+        if self.using_bf16_optimizer:
             for param in self.weight_grads.oldest_parameters():
                 param.grad = None  # (already None: dropped by the previous W, or by the step's zero_grad)
+            after_each = self._add_to_fp32_grads
         self._running_engine_backward = True
         try:
-            params = self.weight_grads.run_oldest()
+            self.weight_grads.run_oldest(after_each)
         finally:
             self._running_engine_backward = False
-        if bf16:
-            for param in params:
-                self.optimizer._update_hp_grad(param, *self._fp32_index[param], clear_lp_grads=False)
-                param.grad = None
+
+    def _add_to_fp32_grads(self, params: list) -> None:
+        """BF16_Optimizer's update of these parameters' fp32 gradients from their bf16 ones, which are then
+        dropped (B's clearing and update skip gradients that are None)."""
+        for param in params:
+            self.optimizer._update_hp_grad(param, *self._fp32_index[param], clear_lp_grads=False)
+            param.grad = None
 
     _ZB_INSTRUCTIONS = {
         PostRecvActivation: _exec_post_recv_activation,
