@@ -1,8 +1,8 @@
 """Pipeline bubble benchmark: DeepSpeed's 1F1B and gpt3d's ZB-H1 schedules, each measured against its prediction.
 
   python -m bench.pipeline_bubble                          # pp ∈ {2, 4} × m ∈ {4, 8}, both schedules, 5 steps
-  python -m bench.pipeline_bubble --quick                  # pp ∈ {2, 4} × m = 4, 2 steps: a smoke run (about 10 s)
-  python -m bench.pipeline_bubble --t-forward 50 --t-backward 50 --t-weight 50   # longer stage work
+  python -m bench.pipeline_bubble --quick                  # pp ∈ {2, 4} × m = 4, 2 steps, 20 ms passes: a smoke run
+  python -m bench.pipeline_bubble --t-forward 20 --t-backward 20 --t-weight 20   # shorter stage work
   python -m bench.pipeline_bubble --pp 4 --m 8 --timeline  # one case, and where each stage's step goes
   python -m bench.pipeline_bubble --results bench/results  # also pipeline_bubble-CPU-<date>.{json,md} there
 
@@ -35,9 +35,11 @@ the median over the measured steps (after one warm-up step; a shared machine's s
 averaged over the stages. It counts everything that is not the stages' own work: the engine's schedule
 and Python, p2p sends and receives (gloo over loopback) and the wake-ups they need, the gradient
 reductions, the optimizer step and the loss broadcast at the end of train_batch. These cost a roughly
-fixed time per step (tens of ms on a busy 2-core machine, more for more hand-offs), which weighs more
-against ZB-H1's shorter step than against 1F1B's: longer stage work (--t-forward, --t-backward,
---t-weight; default 20 ms each, equal costs as in the issue) shrinks its share.
+fixed time per step (about 35 ms at pp = 4 on a busy 2-core machine, more for more hand-offs), which
+weighs more against ZB-H1's shorter step than against 1F1B's. The stage work (--t-forward, --t-backward,
+--t-weight) is 100 ms a pass by default, equal costs as in the issue, so that this overhead, which a GPU
+run overlaps with its kernels, stays a few percent of a step (at 20 ms passes it is a quarter of ZB-H1's
+bubble at pp = 4, m = 8; --quick runs at 20 ms).
 
 Columns: predicted and measured bubbles, `worst stage` (the highest stage's bubble), `ratio` = measured /
 predicted, `step ms` (median step, mean over ranks), `ideal ms` (the predicted step: the stages' work /
@@ -47,7 +49,7 @@ passes and the time after its last one (tail: gradient reductions, optimizer ste
 beside the predicted timeline's, and how much its sleeps overran (counted as busy). --results DIR writes
 the rows as pipeline_bubble-CPU-<date>.json (one object per row, every stage's bubble at every step
 included) and the printed output, with the command, commit, date and versions, as
-pipeline_bubble-CPU-<date>.md; a run with other costs adds them to the name (-F50-B50-W50), a --quick
+pipeline_bubble-CPU-<date>.md; a run with other costs adds them to the name (-F20-B20-W20), a --quick
 run adds -quick.
 """
 
@@ -73,6 +75,7 @@ import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPE = (1, 8, 16)  # one micro batch of activations: (micro batch, tokens, hidden)
+DEFAULT_PASS_MS = 100.0  # F, B and W each: the per-step overhead (about 35 ms here) stays a few % of a step
 SCHEDULES = ("1f1b", "zb-h1")
 DEVICE = "CPU (gloo, sleeping stages)"
 
@@ -365,9 +368,9 @@ def write_results(folder: Path, suffix: str, rows: list[dict], printed: str, com
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="m = 4 only and 2 steps: a smoke run")
-    parser.add_argument("--t-forward", type=float, default=20.0, help="a stage's forward F, ms (default 20)")
-    parser.add_argument("--t-backward", type=float, default=20.0, help="a stage's input-gradient pass B, ms (default 20)")
-    parser.add_argument("--t-weight", type=float, default=20.0, help="a stage's weight-gradient pass W, ms (default 20)")
+    parser.add_argument("--t-forward", type=float, help="a stage's forward F, ms (default 100; --quick 20)")
+    parser.add_argument("--t-backward", type=float, help="a stage's input-gradient pass B, ms (default 100; --quick 20)")
+    parser.add_argument("--t-weight", type=float, help="a stage's weight-gradient pass W, ms (default 100; --quick 20)")
     parser.add_argument("--steps", type=int, help="measured steps per case, after one warm-up (default 5; --quick 2)")
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4], help="pipeline depths (default 2 4)")
     parser.add_argument("--m", type=int, nargs="+", help="micro batches per step (default 4 8; --quick 4)")
@@ -377,7 +380,8 @@ def main() -> None:
     args = parser.parse_args()
     ms = args.m or ([4] if args.quick else [4, 8])
     steps = args.steps or (2 if args.quick else 5)
-    costs_ms = (args.t_forward, args.t_backward, args.t_weight)
+    default_ms = 20.0 if args.quick else DEFAULT_PASS_MS
+    costs_ms = tuple(default_ms if t is None else t for t in (args.t_forward, args.t_backward, args.t_weight))
     costs = tuple(t / 1e3 for t in costs_ms)
     started = time.perf_counter()
     _import_before_fork()
@@ -409,7 +413,7 @@ def main() -> None:
     if args.results:
         command = " ".join(["python -m bench.pipeline_bubble", *sys.argv[1:]])
         # the default run as pipeline_bubble-CPU-<date>; others named by their costs, and quick runs as such
-        suffix = "" if costs_ms == (20.0, 20.0, 20.0) else "-F{:g}-B{:g}-W{:g}".format(*costs_ms)
+        suffix = "" if costs_ms == (default_ms,) * 3 else "-F{:g}-B{:g}-W{:g}".format(*costs_ms)
         suffix += "-quick" if args.quick else ""
         for path in write_results(args.results, suffix, rows, printed.getvalue(), command, time.perf_counter() - started):
             print(f"wrote {path}")
