@@ -69,7 +69,8 @@ def test_pipeline_memory_benchmark_quick_measures_each_stage_under_both_schedule
     zb = [float(rows[s][3]) for s in "01"]
     assert one[0] > one[1] > 0 and min(zb) > 0, out  # under 1F1B stage 0 holds the most micro batches
     assert float(rows["max"][1]) == max(one) and float(rows["max"][2]) == max(zb), out
-    assert float(rows["max"][3]) == round(max(zb) / max(one), 3), out
+    # the ratio of the unrounded peaks, printed to 3 decimals beside peaks printed to 2
+    assert float(rows["max"][3]) == pytest.approx(max(zb) / max(one), abs=2e-3), out
     assert rows["0"][2].startswith("BackwardPass(") and rows["0"][4].startswith(("InputGradPass(", "WeightGradPass")), out
     assert float(rows["0"][5]) == round(zb[0] / one[0], 3), out
     (check,) = [line for line in out.splitlines() if "back at the step's start" in line]
