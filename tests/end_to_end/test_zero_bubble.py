@@ -65,7 +65,6 @@ def test_pp2_zb_h1_resumes_1f1b_checkpoints_and_back(tmp_path, corpus, one_proce
     [
         (1, [ZB], "parallel.pipeline_schedule=zb-h1 schedules pipeline stages: it needs parallel.pp > 1"),
         (2, [ZB, "parallel.pp=2", "model.compile=true"], "parallel.pipeline_schedule=zb-h1 with model.compile=true"),
-        (2, ["parallel.pp=2", "parallel.pipeline_schedule=zb"], "parallel.pipeline_schedule"),
     ],
 )
 def test_bad_schedule_fails_before_any_model_is_built(tmp_path, corpus, world, overrides, message):
