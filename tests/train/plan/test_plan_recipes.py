@@ -14,7 +14,7 @@ from train.plan.config import plan_from_config, preflight
 from train.plan.dry_run import dry_run
 
 RECIPES = {  # recipe: (GPUs, the model it sets, layout it must hold, blocks for the dry run)
-    "gpt3-175b-h100x1024": (1024, "gpt3-175b", "tp=8 pp=16 dp=8 zero=1 micro=2 ckpt=off", 16),
+    "gpt3-175b-h100x1024": (1024, "gpt3-175b", "tp=8 pp=16 dp=8 zero=1 micro=2 ckpt=off sp zb-h1", 16),
     "gpt3-13b-h100x64": (64, "gpt3-13b", "tp=2 pp=1 dp=32 zero=2 micro=8 ckpt=selective", None),
 }
 
