@@ -10,7 +10,6 @@ has 4 blocks so that pp=4 has one per stage; 4 micro batches per step (2 per rep
 from __future__ import annotations
 
 import pytest
-
 from cli import assert_same_losses, metrics, train, write_corpus
 
 BASE = ["train.eval_interval=0", "logging.wandb.mode=disabled", "model.n_layer=4",

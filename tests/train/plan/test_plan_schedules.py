@@ -17,7 +17,7 @@ import pytest
 from model import GPTConfig
 from parallel.zero_bubble import FORWARD, INPUT_GRAD, Costs, one_f_one_b, predicted_bubble, stage_orders, timeline
 from train.config.sections.parallel import ONE_F_ONE_B, ZB_H1
-from train.plan.counts import rank_parameters, stage_blocks
+from train.plan.counts import stage_blocks
 from train.plan.estimate import (
     COLLECTIVE_LATENCY_S,
     Layout,
