@@ -186,7 +186,8 @@ def test_loading_full_weights_checks_names_and_shapes():
 def test_parallel_and_train_declare_no_model_layer():
     """The layers are model/'s: parallel/ and train/ hold only parallel building blocks (sharded
     linears and embeddings, the sequence-parallel LayerNorm), a whole-vocabulary view of a sharded
-    GPT, and DeepSpeed's pipeline container."""
+    GPT, DeepSpeed's pipeline container, and its pipeline engine running ZB-H1 (an nn.Module as
+    every DeepSpeed engine is)."""
     import importlib
     import inspect
     from pathlib import Path
@@ -203,7 +204,7 @@ def test_parallel_and_train_declare_no_model_layer():
     assert declared == {
         "parallel.tensor.ColumnParallelLinear", "parallel.tensor.RowParallelLinear", "parallel.tensor.VocabParallelEmbedding",
         "parallel.tensor.VocabParallelUnembedding", "parallel.tensor.SequenceParallelLayerNorm", "parallel.tensor.FullLogits",
-        "parallel.pipeline.PipelineStages",
+        "parallel.pipeline.PipelineStages", "parallel.zero_bubble_engine.ZeroBubbleEngine",
     }
 
 
