@@ -64,7 +64,6 @@ import os
 import platform
 import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -73,7 +72,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.attention import git_commit
+
 SHAPE = (1, 8, 16)  # one micro batch of activations: (micro batch, tokens, hidden)
 DEFAULT_PASS_MS = 100.0  # F, B and W each: the per-step overhead (about 35 ms here) stays a few % of a step
 SCHEDULES = ("1f1b", "zb-h1")
@@ -337,28 +337,22 @@ def row_line(row: dict, vs_1f1b: float | None) -> str:
             f"{row['ideal_ms']:>9.1f} {ratio}")
 
 
-def git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True)
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return out.stdout.strip()
-
-
-def write_results(folder: Path, suffix: str, rows: list[dict], printed: str, command: str, seconds: float) -> list[Path]:
-    """pipeline_bubble-CPU-<date><suffix>.json (one object per row) and .md (the printed output) in `folder`."""
+def write_results(folder: Path, suffix: str, rows: list[dict], printed: str, command: str, seconds: float,
+                  stem: str = "pipeline_bubble", title: str = "Pipeline bubble", device: str = DEVICE) -> list[Path]:
+    """<stem>-CPU-<date><suffix>.json (one object per row, with device, date, commit and command) and .md
+    (`title`, the command, commit, versions and the printed output) in `folder`."""
     import deepspeed
 
     now = datetime.datetime.now(datetime.timezone.utc)
     date, commit = now.isoformat(timespec="seconds"), git_commit()
     folder.mkdir(parents=True, exist_ok=True)
-    name = f"pipeline_bubble-CPU-{now.date().isoformat()}{suffix}"
-    records = [{**row, "device": DEVICE, "date": date, "commit": commit, "command": command} for row in rows]
+    name = f"{stem}-CPU-{now.date().isoformat()}{suffix}"
+    records = [{**row, "device": device, "date": date, "commit": commit, "command": command} for row in rows]
     json_path, md_path = folder / f"{name}.json", folder / f"{name}.md"
     json_path.write_text(json.dumps(records, indent=1) + "\n")
     versions = f"python {platform.python_version()} | torch {torch.__version__} | deepspeed {deepspeed.__version__}"
     md_path.write_text(
-        f"# Pipeline bubble on {DEVICE}, {now:%Y-%m-%d %H:%M} UTC\n\n"
+        f"# {title} on {device}, {now:%Y-%m-%d %H:%M} UTC\n\n"
         f"Command: `{command}` at commit {commit[:7] if commit else 'unknown'}, {seconds:.0f} s\n\n"
         f"{versions}; {os.cpu_count()} CPU cores, load average {os.getloadavg()[0]:.1f} at the end\n\n"
         f"```\n{printed.rstrip()}\n```\n")

@@ -43,12 +43,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import gc
 import io
-import json
 import os
-import platform
 import socket
 import sys
 import time
@@ -58,7 +55,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.pipeline_bubble import write_results
+
 SCHEDULES = ("1f1b", "zb-h1")
 DEVICE = "CPU (gloo)"
 MIB = 2**20
@@ -250,35 +248,6 @@ def case_lines(pp: int, m: int, by_schedule: dict[str, list[dict]]) -> tuple[lis
     return lines, record
 
 
-def git_commit() -> str | None:
-    import subprocess
-
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True)
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return out.stdout.strip()
-
-
-def write_results(folder: Path, suffix: str, records: list[dict], printed: str, command: str, seconds: float) -> list[Path]:
-    """pipeline_memory-CPU-<date><suffix>.json (one object per case) and .md (the printed output) in `folder`."""
-    import deepspeed
-
-    now = datetime.datetime.now(datetime.timezone.utc)
-    date, commit = now.isoformat(timespec="seconds"), git_commit()
-    folder.mkdir(parents=True, exist_ok=True)
-    name = f"pipeline_memory-CPU-{now.date().isoformat()}{suffix}"
-    records = [{**r, "device": DEVICE, "date": date, "commit": commit, "command": command} for r in records]
-    json_path, md_path = folder / f"{name}.json", folder / f"{name}.md"
-    json_path.write_text(json.dumps(records, indent=1) + "\n")
-    versions = f"python {platform.python_version()} | torch {torch.__version__} | deepspeed {deepspeed.__version__}"
-    md_path.write_text(
-        f"# Pipeline activation memory on {DEVICE}, {now:%Y-%m-%d %H:%M} UTC\n\n"
-        f"Command: `{command}` at commit {commit[:7] if commit else 'unknown'}, {seconds:.0f} s\n\n"
-        f"{versions}; {os.cpu_count()} CPU cores\n\n```\n{printed.rstrip()}\n```\n")
-    return [json_path, md_path]
-
-
 def main() -> None:
     from model import GPTConfig
 
@@ -321,7 +290,8 @@ def main() -> None:
         # the default run as pipeline_memory-CPU-<date>; others named by what differs
         suffix = f"-mb{args.micro_batch}" if args.micro_batch != 1 else ""
         suffix += "-quick" if args.quick else ""
-        for path in write_results(args.results, suffix, records, printed.getvalue(), command, time.perf_counter() - started):
+        for path in write_results(args.results, suffix, records, printed.getvalue(), command, time.perf_counter() - started,
+                                  stem="pipeline_memory", title="Pipeline activation memory", device=DEVICE):
             print(f"wrote {path}")
 
 
