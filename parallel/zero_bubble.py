@@ -33,6 +33,7 @@ moving them never changes a link's order.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from deepspeed.runtime.pipe import schedule as ds
 
@@ -193,9 +194,11 @@ def _link_messages(passes, stages: int, upper: int) -> list[tuple[str, int]]:
     return [(what, j) for _, _, what, j in sorted(sent)]
 
 
-def stage_program(stages: int, micro_batches: int, stage: int, costs: Costs = Costs()) -> list[ds.PipeInstruction]:
+@lru_cache(maxsize=64)
+def stage_program(stages: int, micro_batches: int, stage: int, costs: Costs = Costs()) -> tuple[ds.PipeInstruction, ...]:
     """The instructions `stage` runs for one training step under ZB-H1 (see the module docstring); the
-    buffer of micro batch j is j."""
+    buffer of micro batch j is j. Cached: the same every step (about 10 ms to schedule 96 micro batches
+    through 16 stages)."""
     passes = timeline(stage_orders(stages, micro_batches, costs), costs)
     last = stages - 1
     # this stage's messages on each of its links, in the agreed order, as (is a send, micro batch)
@@ -242,7 +245,7 @@ def stage_program(stages: int, micro_batches: int, stage: int, costs: Costs = Co
             program.append(send[link](j))
             cursor[link] += 1
             program += receives_until_next_send(link)
-    return program + [WaitSends(), ds.ReduceTiedGrads(), ds.ReduceGrads(), ds.OptimizerStep()]
+    return (*program, WaitSends(), ds.ReduceTiedGrads(), ds.ReduceGrads(), ds.OptimizerStep())
 
 
 class ZeroBubbleH1(ds.PipeSchedule):
