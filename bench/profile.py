@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 STEP_RANGE = "train_step"  # the record_function range train/step.py opens around each step
-GEMM = re.compile(r"^aten::(mm|addmm|bmm|baddbmm|_addmm_activation)$|gemm|cutlass|cublas|xmma|wgmma", re.I)
+GEMM = re.compile(r"^aten::(mm|addmm|bmm|baddbmm|_addmm_activation)$|gemm|cutlass|cublas|xmma|wgmma|nvjet", re.I)
 COMM = re.compile(r"nccl|gloo|c10d|all_reduce|allreduce|all_gather|allgather|reduce_scatter|broadcast|send|recv", re.I)
 ATTENTION_KERNEL = re.compile(r"_fwd_kernel|_bwd_kv|_bwd_q|_bwd_preprocess|flash|fmha|efficient_attention|cudnn.*attn",
                               re.I)

@@ -63,6 +63,8 @@ HEAVY = re.compile(r"^(torch|triton|pytorch-triton|nvidia-.*|cuda-.*)$")
 MISSING = re.compile(r"Could not find a version that satisfies the requirement (\S+)")
 # pip's other way of saying it, inside a conflict: the names, then "depends on NAME<spec>" lines
 UNAVAILABLE = re.compile(r"no matching distributions available for your environment:\n((?:[ \t]+\S+\n?)+)")
+# older pip (23.x) names only the conflict: every candidate "depends on" the same wheel-less requirement
+CONFLICT = re.compile(r"The conflict is caused by:\n((?:[ \t]+.+ depends on \S+\n?)+)")
 MIB = 2**20
 
 
@@ -272,7 +274,9 @@ def missing_wheel(output: str) -> str | None:
         return missing.group(1)
     unavailable = UNAVAILABLE.search(output)
     if not unavailable:
-        return None
+        conflict = CONFLICT.search(output)
+        wanted = {line.rsplit(" depends on ", 1)[1].strip() for line in conflict.group(1).splitlines()} if conflict else set()
+        return wanted.pop() if len(wanted) == 1 else None
     name = unavailable.group(1).split()[0]
     wanted = re.search(rf"depends on ({re.escape(name)}\S*)", output, re.IGNORECASE)
     return wanted.group(1) if wanted else name

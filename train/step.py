@@ -111,8 +111,9 @@ class TrainStep:
 def to_device(windows: torch.Tensor, device: torch.device) -> torch.Tensor:
     """windows on `device`. To a GPU through pinned (page-locked) memory, copied without blocking the host:
     the copy is queued on the current stream ahead of the forward that reads it, and the host goes on
-    queuing work instead of waiting for a copy from pageable memory."""
-    if device.type != "cuda":
+    queuing work instead of waiting for a copy from pageable memory. Windows already on a GPU (a
+    benchmark's, say) are moved as they are: only host memory can be pinned."""
+    if device.type != "cuda" or windows.device.type != "cpu":
         return windows.to(device)
     return windows.pin_memory().to(device, non_blocking=True)
 

@@ -71,3 +71,15 @@ def test_json_holds_the_printed_table_and_the_overrides(tmp_path, monkeypatch, c
     assert json.loads(out.read_text()) == {**table, "overrides": ["model=toy", "train.device=cpu"]}
     printed = capsys.readouterr().out
     assert "GEMM" in printed and f"{1e3 * table['total_s']:.2f}" in printed
+
+
+@pytest.mark.parametrize("kernel", [
+    "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NN",  # cuBLAS's Hopper GEMMs under torch 2.11 (H200, 2026-11-27)
+    "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64",
+    "cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_16x16_128x2_tn_align8",
+])
+def test_cublas_and_cutlass_kernels_count_as_gemm(kernel):
+    from bench.profile import category
+
+    assert category(kernel, ["aten::mm"]) == "GEMM"
+    assert category("void at::native::vectorized_elementwise_kernel<4>", []).startswith("other:")

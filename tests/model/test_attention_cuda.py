@@ -185,7 +185,7 @@ print(json.dumps({"errors": errors,
 def test_full_autotune_in_a_fresh_process():
     """The autotuner benchmarks every config once per (T bucket, band width, head dim, dtype): T=1000
     and T=600 (both in the 1024 bucket, dense causal) share one tuned choice; window 256 adds one."""
-    env = {**os.environ, "GPT3D_TRITON_AUTOTUNE": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
+    env = {**os.environ, "GPT3D_TRITON_AUTOTUNE": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests' / 'helpers'}"}
     proc = subprocess.run([sys.executable, "-c", AUTOTUNE_SCRIPT], env=env, cwd=REPO, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

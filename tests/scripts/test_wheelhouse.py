@@ -47,7 +47,7 @@ def test_a_glibc_floor_takes_every_older_manylinux_and_other_tags_stay_literal()
     assert wheelhouse.platform_tags("macosx_11_0_arm64") == ["macosx_11_0_arm64"]
 
 
-def test_both_of_pips_ways_of_saying_there_is_no_wheel_name_the_requirement_to_build():
+def test_each_of_pips_ways_of_saying_there_is_no_wheel_names_the_requirement_to_build():
     direct = ("ERROR: Could not find a version that satisfies the requirement future<0.19.0,>=0.18.3 "
               "(from gpt3-tokenizer) (from versions: 1.0.0)\nERROR: No matching distribution found for future")
     conflict = ("The conflict is caused by:\n    hydra-core 1.3.8 depends on antlr4-python3-runtime==4.9.*\n\n"
@@ -56,6 +56,12 @@ def test_both_of_pips_ways_of_saying_there_is_no_wheel_name_the_requirement_to_b
     assert wheelhouse.missing_wheel(direct) == "future<0.19.0,>=0.18.3"
     assert wheelhouse.missing_wheel(conflict) == "antlr4-python3-runtime==4.9.*"
     assert wheelhouse.missing_wheel("ERROR: ResolutionImpossible: torch 2.11 conflicts with torch 2.13") is None
+    # pip 23.2 names only the conflict, every candidate depending on the same wheel-less requirement
+    older = ("The conflict is caused by:\n    hydra-core 1.3.8 depends on antlr4-python3-runtime==4.9.*\n"
+             "    hydra-core 1.3.7 depends on antlr4-python3-runtime==4.9.*\n\nTo fix this you could try to:\n")
+    assert wheelhouse.missing_wheel(older) == "antlr4-python3-runtime==4.9.*"
+    two = older.replace("hydra-core 1.3.7 depends on antlr4-python3-runtime==4.9.*", "hydra-core 1.3.7 depends on six>2")
+    assert wheelhouse.missing_wheel(two) is None  # two different requirements: another kind of conflict
 
 
 def test_present_is_what_the_listed_packages_require_in_the_resolved_environment_extras_included():
