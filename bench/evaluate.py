@@ -12,7 +12,7 @@ Rows, each timed over the whole task after the models are built (median of `--re
 
   hf (lm-eval) *      lm-eval's HFLM (transformers GPT2LMHeadModel, float32, --hf-batch requests a batch):
                       the baseline
-  gpt3d (lm-eval)     gpt3d as lm-eval's model "gpt3d" (train/evaluation/harness.py), same evaluator
+  gpt3d (lm-eval)     gpt3d as lm-eval's model "gpt3d" (train/evaluation/lm_eval_model.py), same evaluator
   gpt3d scorer        train.evaluation's own path (prepare_tasks + score_tasks), as python -m train.evaluate
                       and the training loop run it
 
@@ -109,7 +109,7 @@ def main() -> None:
     from train.checkpoint.hugging_face import export
     from train.config.sections.evaluate import EvaluateConfig
     from train.evaluation import prepare_tasks, score_tasks
-    from train.evaluation.harness import GPT3DLM
+    from train.evaluation.lm_eval_model import GPT3DLM
 
     work = Path(tempfile.mkdtemp(prefix="bench-evaluate-"))
     write_task(work, args.items, args.choices, args.context, args.ending)

@@ -152,7 +152,7 @@ def measure(schedule: str, pp: int, m: int, t_f: float, t_b: float, t_w: float, 
         "train_micro_batch_size_per_gpu": SHAPE[0],
         "gradient_accumulation_steps": m,
         "steps_per_print": 10**9,
-        "timers": {"throughput": {"enabled": False}},  # as training runs it (train/engine.py)
+        "timers": {"throughput": {"enabled": False}},  # as training runs it (train/run/engine.py)
     }
     optimizer = torch.optim.SGD(module.parameters(), lr=1e-3)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config)
@@ -208,7 +208,7 @@ def _import_before_fork() -> None:
     from deepspeed.utils import logger
 
     import parallel.zero_bubble_engine  # noqa: F401
-    from train.engine import skip_shared_memory_op
+    from train.runtime.process_group import skip_shared_memory_op
 
     logger.setLevel("WARNING")
     skip_shared_memory_op()  # as a training run does: no C++ build at start-up

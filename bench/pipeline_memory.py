@@ -14,8 +14,8 @@ later stage may hold more than it did under 1F1B.
 
 Method. pp forked CPU processes (gloo), one pipeline stage each, build the real model (parallel.build.build_model
 with a Topology.create(tp=1, pp) layout; BuildOptions(weight_grads=WeightGradStore()) for ZB-H1, None for 1F1B)
-in fp32 and train it through deepspeed.initialize with the DeepSpeed config and optimizer train/loop.py would
-use (train.engine.deepspeed_config and create_engine, train.optimizer.make_optimizer), the ZB-H1 engine adopted
+in fp32 and train it through deepspeed.initialize with the DeepSpeed config and optimizer train/run/loop.py would
+use (train.run.engine.deepspeed_config and create_engine, train.run.optimizer.make_optimizer), the ZB-H1 engine adopted
 with ZeroBubbleEngine.adopt. For each schedule: one warm-up train_batch, then the same batch (m micro batches
 of `micro batch` sequences) again, both under torch.profiler with profile_memory=True. The profiler records
 every allocation and release of a CPU tensor's storage by c10's allocator ([memory] events: the exact bytes
@@ -132,9 +132,10 @@ def measure(schedule: str, config, pp: int, m: int, micro_batch: int, seed: int)
     from parallel.zero_bubble_engine import ZeroBubbleEngine
     from train.config.sections import ParallelConfig, TrainConfig
     from train.config.sections.optim import OptimConfig
-    from train.engine import clipping, create_engine, deepspeed_config
-    from train.optimizer import make_optimizer
-    from train.step import micro_batch_split, pipeline_inputs
+    from train.run.engine import clipping, create_engine, deepspeed_config
+    from train.run.optimizer import make_optimizer
+    from train.run.step import micro_batch_split, pipeline_inputs
+    from train.runtime.resolve import Runtime
 
     device = torch.device("cpu")
     topology = Topology.create(tp=1, pp=pp)
@@ -143,8 +144,9 @@ def measure(schedule: str, config, pp: int, m: int, micro_batch: int, seed: int)
     model = build_model(config, topology, seed, device, BuildOptions(weight_grads=store))
     train = TrainConfig(global_batch_size=m * micro_batch, micro_batch_size=micro_batch, precision="fp32", device="cpu")
     parallel, optim = ParallelConfig(pp=pp, pipeline_schedule=schedule), OptimConfig()
-    optimizer = make_optimizer(model, optim, 1e-4, clip=clipping(train, parallel, device), mpu=model.mpu())
-    engine = create_engine(model, optimizer, None, deepspeed_config(train, parallel, optim, {}, 1, device))
+    fp32 = Runtime(device, "fp32")
+    optimizer = make_optimizer(model, optim, 1e-4, clip=clipping(parallel, fp32), mpu=model.mpu())
+    engine = create_engine(model, optimizer, None, deepspeed_config(train, parallel, optim, {}, 1, fp32))
     if store is not None:
         engine = ZeroBubbleEngine.adopt(engine, store)
     windows = torch.randint(0, config.vocab_size, (m * micro_batch, config.seq_len + 1),
@@ -209,9 +211,9 @@ def _import_before_fork() -> None:
 
     import parallel.build  # noqa: F401
     import parallel.zero_bubble_engine  # noqa: F401
-    import train.optimizer  # noqa: F401
-    import train.step  # noqa: F401
-    from train.engine import skip_shared_memory_op
+    import train.run.optimizer  # noqa: F401
+    import train.run.step  # noqa: F401
+    from train.runtime.process_group import skip_shared_memory_op
 
     logger.setLevel("WARNING")
     skip_shared_memory_op()

@@ -114,8 +114,8 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench.plan_check measures training steps on a GPU; no CUDA device is visible")
-    from train.plan.hardware import for_cuda_device, preset
-    from train.plan.estimate import Layout, build_plan, for_precision
+    from train.planner.estimate import Layout, build_plan, for_precision
+    from train.planner.hardware import for_cuda_device, preset
 
     hardware = preset(args.hardware) if args.hardware else for_cuda_device()
     measured = ceilings()

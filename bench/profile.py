@@ -3,7 +3,7 @@
   python -m bench.profile model=gpt3-125m train.micro_batch_size=8 train.global_batch_size=8
   python -m bench.profile model=toy train.device=cpu model.n_layer=2 --steps 3     # on a CPU
 
-The run is `train.loop.run` on the resolved config (train/config/spec.py), the loop `python -m train`
+The run is `train.run.loop.run` on the resolved config (train/run/spec.py), the loop `python -m train`
 runs, for `--skip` + `--steps` + 1 steps (train.max_steps), without evaluation or sample and with one
 checkpoint at the end, in a run folder of its own (--run-dir). The profiler follows the optimizer's
 updates (a step hook): it is on from the end of update `--skip` (the first ones compile, autotune and
@@ -25,7 +25,7 @@ the Chrome/Perfetto trace (open it in https://ui.perfetto.dev or chrome://tracin
 --json PATH also writes the table (rows in seconds per step, steps, total_s, device, trace, and the
 command's overrides) as JSON: the summary to keep when the trace stays behind in a scratch folder.
 
-A step spans from one `train_step` range (train/step.py marks each) to the next, so the rows add up
+A step spans from one `train_step` range (train/run/step.py marks each) to the next, so the rows add up
 to the total by construction; on CUDA the op rows are device (kernel) time, on a CPU the ops' own
 time on the training thread (each op's self time: nested ops are not counted twice).
 """
@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-STEP_RANGE = "train_step"  # the record_function range train/step.py opens around each step
+STEP_RANGE = "train_step"  # the record_function range train/run/step.py opens around each step
 GEMM = re.compile(r"^aten::(mm|addmm|bmm|baddbmm|_addmm_activation)$|gemm|cutlass|cublas|xmma|wgmma|nvjet", re.I)
 COMM = re.compile(r"nccl|gloo|c10d|all_reduce|allreduce|all_gather|allgather|reduce_scatter|broadcast|send|recv", re.I)
 ATTENTION_KERNEL = re.compile(r"_fwd_kernel|_bwd_kv|_bwd_q|_bwd_preprocess|flash|fmha|efficient_attention|cudnn.*attn",
@@ -67,7 +67,7 @@ def main() -> None:
     if table is not None:
         print(format_table(table))
         if args.json:
-            from train.metrics import write_atomically
+            from train.monitor.metrics import write_atomically
 
             write_atomically(args.json, json.dumps({**table, "overrides": args.overrides}, indent=1) + "\n")
 
@@ -78,8 +78,8 @@ def profile(overrides: list[str], run_dir: Path, steps: int, skip: int) -> dict 
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     from train.config.settings import ConfigError
-    from train.config.spec import resolve
-    from train.loop import run
+    from train.run.loop import run
+    from train.run.spec import resolve
 
     cfg = compose(overrides, skip + steps + 1)  # the step after the last profiled one closes its span
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,7 @@ train.precision (auto: bf16 on CUDA, fp32 on a CPU); bf16 casts the block's weig
 autocast runs fp32 weights under torch.autocast. Timed after bench.warmup iterations, over
 bench.iterations: on CUDA with events around each iteration (the median), on a CPU wall time (the
 minimum). Printed next to it: the planner's prediction for the same block, rank and micro batch
-(train.plan.estimate.block_seconds, communication left out) on plan.hardware (on CUDA: the
+(train.planner.estimate.block_seconds, communication left out) on plan.hardware (on CUDA: the
 visible GPU's preset), and the ratio measured / predicted.
 """
 
@@ -58,8 +58,8 @@ def _split(argv: list[str]) -> tuple[list[str], dict]:
 def fake_tensor_parallel_rank(tp: int):
     """This process as rank 0 of a fake world of tp processes (collectives do nothing); the topology."""
     from parallel.topology import Topology
-    from train.engine import skip_shared_memory_op
-    from train.plan.dry_run import _fake_world
+    from train.planner.dry_run import _fake_world
+    from train.runtime.process_group import skip_shared_memory_op
 
     skip_shared_memory_op()  # DeepSpeed would compile an op the shard never calls
     with _fake_world(0, tp), defined_outputs():
@@ -164,12 +164,12 @@ def time_block(block, micro_batch: int, tokens: int, d_model: int, precision: st
 def run(argv: list[str], out=sys.stdout, err=sys.stderr) -> int:
     from omegaconf import OmegaConf
 
-    from train.config.checks import check_model
     from train.config.sections import Sections
-    from train.plan.__main__ import compose
-    from train.plan.config import hardware_from_config
-    from train.plan.estimate import Layout, block_seconds, for_precision
-    from train.plan.hardware import for_cuda_device
+    from train.plan import compose
+    from train.planner.estimate import Layout, block_seconds, for_precision
+    from train.planner.from_config import hardware_from_config
+    from train.planner.hardware import for_cuda_device
+    from train.run.checks import check_model
 
     with contextlib.redirect_stdout(err):  # DeepSpeed announces its accelerator on import
         import deepspeed.runtime.utils  # noqa: F401

@@ -17,8 +17,8 @@ Rows, on the same batches:
   hf-gpt2 sdpa                 transformers.GPT2LMHeadModel, same layers, widths, heads, vocabulary,
                                context, tied embeddings and tanh GELU, attn_implementation="sdpa"
                                (the baseline, *; gpt3d sdpa when transformers is not installed)
-  gpt3d deepspeed precision=P  gpt3d's real training step (train/step.py: the DeepSpeed engine, as
-                               `python -m train` builds it through train.loop.build) for train.precision
+  gpt3d deepspeed precision=P  gpt3d's real training step (train/run/step.py: the DeepSpeed engine, as
+                               `python -m train` builds it through train.run.build.build) for train.precision
                                P: autocast, bf16, fp8 (tensorwise) and fp8 rowwise, then bf16 and fp8
                                with model.compile ("compiled": eager fp8's casts launch about 70 kernels
                                per linear, which the compiled blocks fuse) on a GPU; fp32, bf16 and fp8
@@ -38,9 +38,9 @@ the first) are not timed. The DeepSpeed rows run after them, one engine at a tim
 batches with the same warm-up and timed rounds; the data pipeline stays out of them too.
 
 Columns: step ms = median over the timed rounds (min–max); tokens/s = micro batch × T / step;
-MFU = tokens/s × (6N + 12·L·d·T) / peak, the PaLM FLOPs count of train/metrics.py with N the
+MFU = tokens/s × (6N + 12·L·d·T) / peak, the PaLM FLOPs count of train/monitor/metrics.py with N the
 parameters without the position table (the same N for every row: one shape); peak = --peak-tflops,
-by default the GPU's dense bf16 peak from train/metrics.py (989 TFLOP/s for H100 SXM and H200) and
+by default the GPU's dense bf16 peak from train/monitor/metrics.py (989 TFLOP/s for H100 SXM and H200) and
 none on the CPU; speed× =
 tokens/s ÷ the baseline's. Model configs are configs/model/NAME.yaml, read as plain YAML (no Hydra)
 for the plain rows and composed with Hydra (configs/config.yaml) for the DeepSpeed rows.
@@ -66,7 +66,7 @@ import torch
 from model import GPT, GPTConfig, build, count_parameters, flops_per_token
 from model.modes import LayerModes
 from model.vocab import lm_loss
-from train import metrics
+from train.monitor import metrics
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "model"
 
@@ -268,7 +268,7 @@ def batches(config: GPTConfig, micro_batch: int, rounds: int, device):
 
 
 class EngineRow(Row):
-    """gpt3d's training step through the DeepSpeed engine (train.loop.build, then TrainStep), one
+    """gpt3d's training step through the DeepSpeed engine (train.run.build.build, then TrainStep), one
     micro batch per step, at train.precision `precision` (fp8: by train.fp8_recipe `recipe`); SKIPPED with
     the reason where it cannot run."""
 
@@ -279,7 +279,7 @@ class EngineRow(Row):
         self.trainer = None
         self.alternated = False
         if precision == "fp8":
-            from train.precision import fp8_refusal
+            from train.runtime.precision import fp8_refusal
 
             refusal = fp8_refusal(device)
             if refusal is not None:
@@ -308,13 +308,13 @@ class EngineRow(Row):
 
 
 def engine_trainer(model_name, precision, micro_batch, seq_len, device, recipe=None, compiled=False):
-    """train.loop.build for one model at train.precision `precision` (and train.fp8_recipe `recipe`, and
+    """train.run.build.build for one model at train.precision `precision` (and train.fp8_recipe `recipe`, and
     model.compile `compiled`), one micro batch per step."""
     from hydra import compose, initialize_config_dir
 
-    from train import loop
     from train.config.entry import CONFIG_DIR, register_config
-    from train.config.spec import resolve
+    from train.run.build import build
+    from train.run.spec import resolve
 
     register_config()
     settings = [f"model={model_name}", f"model.seq_len={seq_len}", f"train.precision={precision}",
@@ -324,7 +324,7 @@ def engine_trainer(model_name, precision, micro_batch, seq_len, device, recipe=N
                 *([f"train.fp8_recipe={recipe}"] if recipe else [])]
     with initialize_config_dir(version_base=None, config_dir=str(CONFIG_DIR), job_name="train_speed"):
         cfg = compose("config", overrides=settings)
-    return loop.build(resolve(cfg, Path(tempfile.mkdtemp(prefix="gpt3d-train-speed-"))))
+    return build(resolve(cfg, Path(tempfile.mkdtemp(prefix="gpt3d-train-speed-"))))
 
 
 def build_meta(config):

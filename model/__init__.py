@@ -2,7 +2,7 @@
 
 from model.attention import attention
 from model.config import GPTConfig
-from model.generate import Decoder, generate
+from model.decoding import Decoder, generate
 from model.gpt import GPT, build, count_parameters, flops_per_token, layer_list, make_layer
 from model.kv_cache import KVCache
 

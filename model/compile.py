@@ -9,7 +9,7 @@ loss stay eager (the fused loss, model/fused_loss.py, already avoids the full lo
 Whether compilation works here is asked once per build with a probe (a two-op function compiled
 and run on the model's device): without a C++ compiler for CPU inductor, without
 Triton for GPU inductor, or on a Python torch.compile does not support, the probe fails and the
-blocks stay eager, with one warning naming why. Generation runs eager (model/generate.py):
+blocks stay eager, with one warning naming why. Generation runs eager (model/decoding.py):
 decoding one token at a time against a growing cache would recompile for every length.
 """
 

@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("model", "parallel", "train", "launch")
 # The commands (`python -m ...`): nothing imports them, and none imports another.
 COMMANDS = {"train.__main__", "train.generate", "train.evaluate", "train.harness", "train.export", "train.prepare_data",
-            "train.plan.__main__", "train.curves"}
+            "train.plan", "train.curves"}
 
 
 def module_name(path: Path) -> str:
@@ -103,8 +103,8 @@ def test_no_module_imports_a_command():
 
 
 def test_planner_lives_in_train_plan():
-    """parallel/ is runtime only: every planner module is under train/plan/."""
+    """parallel/ is runtime only: every planner module is under train/planner/."""
     modules = source_modules()
     assert not [m for m in modules if m.startswith("parallel.plan")]
-    assert {"train.plan.counts", "train.plan.activations", "train.plan.comm", "train.plan.dry_run",
-            "train.plan.estimate", "train.plan.search", "train.plan.hardware", "train.plan.report"} <= set(modules)
+    assert {"train.planner.counts", "train.planner.activations", "train.planner.comm", "train.planner.dry_run",
+            "train.planner.estimate", "train.planner.search", "train.planner.hardware", "train.planner.tables"} <= set(modules)

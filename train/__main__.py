@@ -5,7 +5,7 @@ Examples:
   python -m train model=gpt3-125m train.max_steps=5000 optim.lr=6e-4
   torchrun --nproc_per_node 8 -m train model=gpt3-1.3b
 
-The config is checked and resolved once (train/config/spec.py) before anything is built; a bad
+The config is checked and resolved once (train/run/spec.py) before anything is built; a bad
 value exits with EXIT_BAD_INPUT (2), a run that started and cannot go on with EXIT_FAILED (1), a
 checkpoint the disk refused with EXIT_CANNOT_SAVE (4) and a data file that stayed unreadable with
 EXIT_DATA_UNREADABLE (5), each with one line.
@@ -22,20 +22,26 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from train.config.entry import (
-    CONFIG_DIR, EXIT_BAD_INPUT, EXIT_CANNOT_SAVE, EXIT_DATA_UNREADABLE, EXIT_FAILED, drop_launcher_arguments,
-    quiet_library_warnings, register_config,
+    CONFIG_DIR,
+    EXIT_BAD_INPUT,
+    EXIT_CANNOT_SAVE,
+    EXIT_DATA_UNREADABLE,
+    EXIT_FAILED,
+    drop_launcher_arguments,
+    quiet_library_warnings,
+    register_config,
 )
 from train.config.launch import is_rank_zero
 
 
 @hydra.main(version_base=None, config_path=str(CONFIG_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
-    from train.config.checks import RunFinished, check_keys
     from train.config.settings import ConfigError
-    from train.config.spec import resolve
-    from train.engine import order_cuda_queues
+    from train.run.checks import RunFinished, check_keys
+    from train.run.spec import resolve
+    from train.runtime.device import order_cuda_queues
 
-    par = cfg.parallel  # before anything initialises CUDA (train/engine.py)
+    par = cfg.parallel  # before anything initialises CUDA (train/runtime/device.py)
     order_cuda_queues(par.tp, par.layout, par.overlap_communication, cfg.train.device)
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
@@ -53,14 +59,14 @@ def main(cfg: DictConfig) -> None:
         return
 
     if is_rank_zero():
-        from train.config.run_folder import set_aside
+        from train.run.run_folder import set_aside
 
         set_aside(spec.folder)  # train.resume=overwrite: the old run's files into <run dir>.replaced-<time>
     from train.checkpoint import CheckpointError, StorageError
     from train.data import DataError, DataUnavailable
-    from train.engine import shutdown_distributed
     from train.guard.nonfinite import NonFiniteError
-    from train.loop import run
+    from train.run.loop import run
+    from train.runtime.process_group import shutdown_distributed
 
     try:
         run(spec)

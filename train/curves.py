@@ -4,7 +4,7 @@
     python -m train.curves runs/a runs/b --out compare.png        # two runs, one colour each
 
 Training and validation loss, learning rate, tokens/s and gradient norm against tokens seen, read from
-each folder's metrics.jsonl (train/charts.py; matplotlib, the `curves` extra). Prints the PNG's path.
+each folder's metrics.jsonl (train/monitor/charts.py; matplotlib, the `curves` extra). Prints the PNG's path.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from train.charts import FILE_NAME, CurvesError, draw
 from train.config.entry import EXIT_BAD_INPUT
+from train.monitor.charts import FILE_NAME, CurvesError, draw
 
 
 def main(argv: list[str]) -> int:

@@ -25,36 +25,42 @@ import torch
 from omegaconf import DictConfig
 
 from model import GPTConfig
+from train.checkpoint.model_part import checkpoint_weights, model_part
 from train.config.entry import (
-    CONFIG_DIR, EXIT_BAD_INPUT, drop_launcher_arguments, quiet_library_warnings, register_config,
+    CONFIG_DIR,
+    EXIT_BAD_INPUT,
+    drop_launcher_arguments,
+    quiet_library_warnings,
+    register_config,
 )
 from train.config.sections import Sections
 from train.config.sections.evaluate import EvaluateConfig
 from train.evaluation import TaskError, prepare_tasks, score_tasks
 from train.evaluation.references import TABLE, paper_size, reference
-from train.metrics import write_atomically
-from train.weights import checkpoint_weights
+from train.monitor.metrics import write_atomically
+from train.runtime.process_group import shutdown_distributed
+from train.runtime.resolve import Runtime
 
 
-def resolve(cfg: DictConfig) -> tuple[Sections, GPTConfig, EvaluateConfig, Path]:
-    """The evaluate command's resolve: every value of the config checked; returns the sections, the model config,
-    the evaluate section and the checkpoint folder."""
+def resolve(cfg: DictConfig) -> tuple[Sections, Runtime, GPTConfig, EvaluateConfig, Path]:
+    """The evaluate command's resolve: every value of the config checked; returns the sections, the runtime
+    (device and precision), the model config, the evaluate section and the checkpoint folder."""
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
     from train.checkpoint import tag_folder
-    from train.config.checks import check_device, check_keys, check_model, check_parallel
     from train.config.settings import ConfigError
+    from train.run.checks import check_keys, check_model, check_parallel, check_runtime
 
     check_keys(cfg, "evaluate", list(HydraConfig.get().overrides.task))
     sections, settings = Sections.of(cfg), OmegaConf.to_object(cfg.evaluate)
-    check_device(sections.train)
+    runtime = check_runtime(sections.train)
     model_cfg = check_model(OmegaConf.to_container(cfg.model, resolve=True))
     check_parallel(sections.parallel, model_cfg, {})
     if settings.checkpoint is None:
         raise ConfigError("evaluate.checkpoint is not set: give a run directory, its checkpoints/ folder or one step folder")
     try:
-        return sections, model_cfg, settings, tag_folder(Path(settings.checkpoint))
+        return sections, runtime, model_cfg, settings, tag_folder(Path(settings.checkpoint))
     except ValueError as err:
         raise ConfigError(f"evaluate.checkpoint: {err}") from None
 
@@ -71,22 +77,13 @@ def counts(tasks, seq_len: int) -> list[str]:
     return lines
 
 
-def run(sections: Sections, model_cfg: GPTConfig, settings: EvaluateConfig, tasks, weights: dict[str, torch.Tensor]):
+def run(sections: Sections, runtime: Runtime, model_cfg: GPTConfig, settings: EvaluateConfig, tasks,
+        weights: dict[str, torch.Tensor]):
     """Build this rank's part at the parallel section's layout, give it its slices of `weights`, score the tasks."""
-    from parallel.build import BuildOptions, build_model
-    from parallel.naming import load_full_
-    from parallel.topology import Topology
-    from train.engine import init_distributed, resolve_device, shutdown_distributed
-    from train.precision import resolve_precision
-
-    train, parallel = sections.train, sections.parallel
-    device = resolve_device(train.device)
-    init_distributed(device)
-    topology = Topology.create(parallel.tp, parallel.pp)
-    part = build_model(model_cfg, topology, train.seed, device, BuildOptions(parallel.sequence_parallel))
-    load_full_(part, weights, model_cfg, topology)
-    bf16 = resolve_precision(train.precision, device) != "fp32"
-    results = score_tasks(part, model_cfg, topology, tasks, settings.batch_tokens, bf16)
+    parallel = sections.parallel
+    part, topology = model_part(weights, model_cfg, parallel.tp, parallel.pp, runtime, sections.train.seed,
+                                parallel.sequence_parallel)
+    results = score_tasks(part, model_cfg, topology, tasks, settings.batch_tokens, runtime.bf16_products)
     layout = {"tp": topology.tp_size, "pp": topology.pp_size, "dp": topology.dp_size, "rank": topology.rank}
     shutdown_distributed()
     return results, layout
@@ -124,7 +121,7 @@ def main(cfg: DictConfig) -> None:
     from train.config.settings import ConfigError
 
     try:
-        sections, model_cfg, settings, folder = resolve(cfg)
+        sections, runtime, model_cfg, settings, folder = resolve(cfg)
         tasks = prepare_tasks(settings, model_cfg.seq_len)
         weights = checkpoint_weights(folder, model_cfg)
     except (ConfigError, TaskError) as err:
@@ -133,7 +130,7 @@ def main(cfg: DictConfig) -> None:
     if is_rank_zero():
         for line in counts(tasks, model_cfg.seq_len):
             print(line, file=sys.stderr, flush=True)
-    results, layout = run(sections, model_cfg, settings, tasks, weights)
+    results, layout = run(sections, runtime, model_cfg, settings, tasks, weights)
     if layout["rank"] == 0:
         print(table(results, model_cfg, settings.num_fewshot), flush=True)
         if settings.output is not None:

@@ -25,32 +25,30 @@ import torch
 from omegaconf import DictConfig
 
 from model import GPTConfig
+from train.checkpoint.model_part import checkpoint_weights, model_part
 from train.config.entry import (
-    CONFIG_DIR, EXIT_BAD_INPUT, drop_launcher_arguments, quiet_library_warnings, register_config,
+    CONFIG_DIR,
+    EXIT_BAD_INPUT,
+    drop_launcher_arguments,
+    quiet_library_warnings,
+    register_config,
 )
-from train.metrics import write_atomically
-from train.sample import sample_text
-from train.weights import checkpoint_weights
+from train.config.sections import GenerateConfig, Sections
+from train.evaluation.sample import sample_text
+from train.monitor.metrics import write_atomically
+from train.runtime.process_group import shutdown_distributed
+from train.runtime.resolve import Runtime
 
 
-def run(sections, gen, model_cfg: GPTConfig, folder: Path, weights: dict[str, torch.Tensor]) -> str:
+def run(sections: Sections, runtime: Runtime, gen: GenerateConfig, model_cfg: GPTConfig, folder: Path,
+        weights: dict[str, torch.Tensor]) -> str:
     """Build this rank's part at the parallel section's layout, give it its slices of `weights`, generate
     as the generate section (`gen`) says."""
-    from parallel.build import BuildOptions, build_model
-    from parallel.naming import load_full_
-    from parallel.topology import Topology
-    from train.engine import init_distributed, resolve_device, shutdown_distributed
-    from train.precision import resolve_precision
-
     train, parallel = sections.train, sections.parallel
-    device = resolve_device(train.device)
-    init_distributed(device)
-    topology = Topology.create(parallel.tp, parallel.pp)
-    part = build_model(model_cfg, topology, train.seed, device, BuildOptions(parallel.sequence_parallel))
-    load_full_(part, weights, model_cfg, topology)
-    bf16 = resolve_precision(train.precision, device) != "fp32"
-    text, tokens = sample_text(part, model_cfg, topology, gen.prompt, gen.max_new_tokens, device, train.seed,
-                               gen.temperature, gen.top_k, bf16)
+    part, topology = model_part(weights, model_cfg, parallel.tp, parallel.pp, runtime, train.seed,
+                                parallel.sequence_parallel)
+    text, tokens = sample_text(part, model_cfg, topology, gen.prompt, gen.max_new_tokens, runtime.device, train.seed,
+                               gen.temperature, gen.top_k, runtime.bf16_products)
     if topology.rank == 0 and gen.output is not None:
         record = {"checkpoint": str(folder), "prompt": gen.prompt, "tokens": tokens, "text": text}
         write_atomically(Path(gen.output), json.dumps(record) + "\n")
@@ -61,18 +59,16 @@ def run(sections, gen, model_cfg: GPTConfig, folder: Path, weights: dict[str, to
 @hydra.main(version_base=None, config_path=str(CONFIG_DIR), config_name="generate")
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
-
     from omegaconf import OmegaConf
 
-    from train.config.checks import check_device, check_generation, check_keys
-    from train.config.sections import Sections
     from train.config.settings import ConfigError
+    from train.run.checks import check_generation, check_keys, check_runtime
 
     try:
         overrides = list(HydraConfig.get().overrides.task)
         check_keys(cfg, "generate", overrides)
         sections, gen = Sections.of(cfg), OmegaConf.to_object(cfg.generate)
-        check_device(sections.train)
+        runtime = check_runtime(sections.train)
         keys = [o.lstrip("+~").split("=", 1)[0] for o in overrides]
         model_given = [key for key in keys if key == "model" or key.startswith("model.")]
         model_cfg, folder = check_generation(gen, sections.parallel, OmegaConf.to_container(cfg.model, resolve=True),
@@ -81,7 +77,7 @@ def main(cfg: DictConfig) -> None:
     except ConfigError as err:
         print(f"gpt3d: error: {err}", file=sys.stderr)
         raise SystemExit(EXIT_BAD_INPUT) from None
-    text = run(sections, gen, model_cfg, folder, weights)
+    text = run(sections, runtime, gen, model_cfg, folder, weights)
     if text:
         print(text, flush=True)
 

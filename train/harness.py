@@ -1,5 +1,5 @@
 """`python -m train.harness`: lm-evaluation-harness's own command line, with gpt3d registered as the
-model "gpt3d" (train/evaluation/harness.py), at any layout under torchrun.
+model "gpt3d" (train/evaluation/lm_eval_model.py), at any layout under torchrun.
 
     python -m train.harness --model gpt3d --model_args checkpoint=runs/toy/2026-01-01_12-00-00 --tasks lambada_openai
     torchrun --nproc_per_node 4 -m train.harness --model gpt3d --model_args checkpoint=...,tp=2,pp=2 --tasks piqa
@@ -16,10 +16,10 @@ from train.config.entry import quiet_library_warnings
 
 def main() -> None:
     quiet_library_warnings()
-    import train.evaluation.harness  # noqa: F401 (registers "gpt3d" with lm-eval)
     from lm_eval.__main__ import cli_evaluate
 
-    from train.engine import shutdown_distributed
+    import train.evaluation.lm_eval_model  # noqa: F401 (registers "gpt3d" with lm-eval)
+    from train.runtime.process_group import shutdown_distributed
 
     cli_evaluate()
     shutdown_distributed()

@@ -13,10 +13,10 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-
 from cli import REPO, assert_same_losses, clean_env, generate, launcher, metrics
 from data_corpus import prose, write_small_corpora
-from train.charts import read_back
+
+from train.monitor.charts import read_back
 
 # optim.lr: the toy's former 1e-3, not its 3e-3: Adam's first steps turn dp=2's other summation order
 # into a gradient-norm difference that grows with the LR (1e-4 relative at step 2 with 3e-3, the fp32 tolerance)

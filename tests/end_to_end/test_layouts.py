@@ -12,7 +12,6 @@ precision's tolerance (cli.TOLERANCES: 1e-5 and 1e-4 relative in fp32; one bf16 
 from __future__ import annotations
 
 import pytest
-
 from cli import assert_same_losses, metrics, train, write_corpus
 
 STEPS = ["train.max_steps=3", "train.eval_interval=0", "train.checkpoint_interval=0", "logging.wandb.mode=disabled"]
@@ -56,7 +55,7 @@ def reference(request, precision: str) -> list[dict]:
         ("torchrun", 2, ["parallel.zero_stage=3"]),
         ("torchrun", 2, ["parallel.zero_stage=1", "parallel.offload_optimizer=true"]),
         # ZeRO's reduction in small buckets, overlapped with backward as the planner sets it on GPUs
-        # (train/plan/zero_buckets.py): several buckets per step
+        # (train/planner/zero_buckets.py): several buckets per step
         ("torchrun", 4, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.zero_stage=2",
                          "parallel.activation_checkpointing=selective",
                          "+deepspeed.zero_optimization={overlap_comm:true,contiguous_gradients:true,"

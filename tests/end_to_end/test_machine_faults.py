@@ -20,7 +20,6 @@ import json
 import re
 
 import pytest
-
 from cli import metrics, train
 from machine_faults import fault_env, injected
 
@@ -41,7 +40,7 @@ def uninterrupted(tmp_path_factory, corpus):
 def checkpoint_bytes(run_dir) -> int:
     """A checkpoint's bytes as the planner counts them, for the model a run's final checkpoint holds."""
     from model import GPTConfig
-    from train.plan.counts import checkpoint_bytes as planned
+    from train.planner.counts import checkpoint_bytes as planned
 
     state = json.loads((run_dir / f"checkpoints/step{STEPS:08d}/state.json").read_text())
     return planned(GPTConfig(**state["model"]))

@@ -1,7 +1,7 @@
-"""What a built rank really holds and sends: runs inside the gloo processes of tests/train/plan/test_plan_counts.py.
+"""What a built rank really holds and sends: runs inside the gloo processes of tests/train/planner/test_plan_counts.py.
 
-`probe(...)` builds this rank's model (parallel.build), optimizer and DeepSpeed engine (train.engine)
-the way train/loop.py does, runs two optimizer steps of random tokens and reports, from the engine's
+`probe(...)` builds this rank's model (parallel.build), optimizer and DeepSpeed engine (train.run.engine)
+the way train/run/loop.py does, runs two optimizer steps of random tokens and reports, from the engine's
 own objects at the second step (just before the optimizer updates):
 
   parameters  module parameters (unique)                 weights   their storages (ZeRO 1/2: the
@@ -65,11 +65,14 @@ def probe(model: dict, tp: int, pp: int, zero_stages: list[int], global_batch: i
     from parallel.build import BuildOptions, build_model
     from parallel.comm import record_comm
     from parallel.topology import Topology
-    from train import engine as engines
-    from train.optimizer import TokenLR, make_optimizer, make_schedule
-    from train.step import pipeline_inputs
+    from train.run import engine as engines
+    from train.run.optimizer import TokenLR, make_optimizer, make_schedule
+    from train.run.step import pipeline_inputs
+    from train.runtime.process_group import init_distributed
+    from train.runtime.resolve import Runtime
 
-    engines.init_distributed(torch.device("cpu"))
+    init_distributed(torch.device("cpu"))
+    fp32 = Runtime(torch.device("cpu"), "fp32")
     topology = Topology.create(tp, pp)
     cfg_model = GPTConfig(**model)
     results = []
@@ -87,10 +90,10 @@ def probe(model: dict, tp: int, pp: int, zero_stages: list[int], global_batch: i
         model_obj = build_model(cfg_model, topology, cfg.train.seed, torch.device("cpu"), options)
         pipelined = pp > 1
         mpu = model_obj.mpu() if pipelined else topology.mpu
-        optimizer = make_optimizer(model_obj, cfg.optim, 1e-3, clip=engines.clipping(cfg.train, cfg.parallel, torch.device("cpu")), mpu=mpu)
+        optimizer = make_optimizer(model_obj, cfg.optim, 1e-3, clip=engines.clipping(cfg.parallel, fp32), mpu=mpu)
         scheduler = TokenLR(optimizer, make_schedule(cfg.optim, "probe", 64 * 10), 64)
         ds_config = engines.deepspeed_config(cfg.train, cfg.parallel, cfg.optim, OmegaConf.to_container(cfg.deepspeed),
-                                              topology.dp_size, torch.device("cpu"))
+                                              topology.dp_size, fp32)
         engine = engines.create_engine(model_obj, optimizer, scheduler, ds_config, mpu=None if pipelined else mpu)
         captured = {}
         zero = engine.optimizer

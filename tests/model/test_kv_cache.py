@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from model import GPTConfig, KVCache, build, generate
-from model.generate import Decoder
+from model.decoding import Decoder
 
 REPO = Path(__file__).resolve().parents[2]
 TOL = 1e-5

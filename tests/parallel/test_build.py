@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from distributed import run_distributed
 
 from model import GPTConfig, build, generate
 from parallel.naming import Shard, full_shapes, layer_shards, load_full_, parameter_map, split_local_name
-from distributed import run_distributed
 
 # vocab 300 is no multiple of 128·tp: at tp=4 the last rank's embedding rows are all padding.
 CONFIG = GPTConfig(name="build-test", n_layer=3, n_head=4, d_model=32, seq_len=16, vocab_size=300,
@@ -33,10 +33,10 @@ def prompt() -> torch.Tensor:
 
 def part_worker(tp: int, pp: int, sequence_parallel: bool, save_dir: str) -> dict:
     from parallel.build import BuildOptions, build_model
-    from parallel.generate import LayoutDecoder
+    from parallel.layout_decoder import LayoutDecoder
     from parallel.topology import Topology
     from train.checkpoint import CheckpointParts, EngineCounters, ProcessRNG, Record, save
-    from train.engine import create_engine
+    from train.run.engine import create_engine
 
     topology = Topology.create(tp=tp, pp=pp)
     part = build_model(CONFIG, topology, SEED, "cpu", BuildOptions(sequence_parallel=sequence_parallel))

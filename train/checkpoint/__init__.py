@@ -4,9 +4,9 @@
   a run registers (parts.py, rng.py, kernels.py);
 - finding and verifying one (integrity.py), loading the whole model's weights in one process
   (loading.py), saving once (saving.py); a save the disk refused (storage.py: StorageError);
-- Hugging Face import (hugging_face.py; export is `python -m train.export`).
-
-The resume checks (resume_checks.py) are read by the config resolution, before a run is built.
+- Hugging Face import (hugging_face.py; export is `python -m train.export`);
+- the checkpoint a resume starts from, chosen and verified once (resume_point.py), and a trained
+  model's part at any layout, built from a checkpoint (model_part.py).
 """
 
 from train.checkpoint.checkpointer import Checkpointer, CheckpointSettings

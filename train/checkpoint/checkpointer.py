@@ -25,15 +25,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from train import report
 from train.checkpoint import files, loading, saving, storage
 from train.checkpoint.files import CheckpointError
-from train.checkpoint.storage import SaveFailed
 from train.checkpoint.parts import CheckpointParts
+from train.checkpoint.storage import SaveFailed
 from train.checkpoint.writer import CheckpointWriter
+from train.monitor import report
 
 if TYPE_CHECKING:
-    from train.checkpoint.resume_checks import ResumePoint
+    from train.checkpoint.resume_point import ResumePoint
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class CheckpointSettings:
     keep: int  # step folders kept beyond those that `keep_every` keeps
     keep_every: int  # steps that are multiples of it are kept too (0: none)
     asynchronous: bool  # written in a thread of its own (train.async_checkpoint)
-    resume: ResumePoint | None = None  # where the run starts from (train/checkpoint/resume_checks.py)
+    resume: ResumePoint | None = None  # where the run starts from (train/checkpoint/resume_point.py)
 
     @classmethod
     def from_config(cls, train, run_dir: Path, device: torch.device, resume: ResumePoint | None
@@ -91,14 +91,14 @@ class Checkpointer:
 
     def _bytes(self) -> int:
         """A checkpoint's bytes, as the planner counts them."""
-        from train.plan.counts import checkpoint_bytes
+        from train.planner.counts import checkpoint_bytes
 
         return checkpoint_bytes(self.model_cfg)
 
     def connect(self, guard, logger) -> None:
         """From here on, saves go through `guard` (train/guard/safeguards.py: a fresh watchdog deadline,
         no checkpoint of non-finite weights; it keeps the last checkpoint for its messages) and are
-        announced to `logger` (train/metrics.py: a W&B artifact when asked); the guard's agreement at the
+        announced to `logger` (train/monitor/metrics.py: a W&B artifact when asked); the guard's agreement at the
         end of every step asks whether a write in the background has failed."""
         self._guard, self._logger = guard, logger
         guard.watch_writes(self.writer.failed)

@@ -20,10 +20,10 @@ from typing import Callable
 
 import torch
 
-from train import report
 from train.checkpoint import files, schema, tensors
 from train.checkpoint.files import CheckpointError, checkpoint_dir
 from train.checkpoint.optimizer_state import KINDS
+from train.monitor import report
 
 # Model config keys that do not change what the weights mean: a checkpoint need not match them.
 RUN_ONLY_KEYS = ("name", "attention_impl", "deterministic_attention", "compile", "dropout", "init_std")

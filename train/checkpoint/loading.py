@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from train import report
 from train.checkpoint import files, integrity, tensors
 from train.checkpoint.files import CheckpointError
 from train.checkpoint.optimizer_state import KINDS, ParameterState
 from train.checkpoint.parts import CheckpointParts
+from train.monitor import report
 
 if TYPE_CHECKING:
-    from train.checkpoint.resume_checks import ResumePoint
+    from train.checkpoint.resume_point import ResumePoint
 
 LOAD_BATCH_BYTES = 1 << 30  # fp32 state read per DCP load call on one rank
 

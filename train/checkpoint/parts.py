@@ -1,7 +1,7 @@
 """The run state a checkpoint holds besides the tensors: parts registered once, saved and loaded alike.
 
 A part is an object with `state_dict()` (a dict of JSON-able entries) and `load_state_dict(state)`
-(takes them back from the dict the checkpoint read), as `Progress` (train/loop.py) has them; a run
+(takes them back from the dict the checkpoint read), as `Progress` (train/run/loop.py) has them; a run
 registers its parts by name when it builds. Shared parts (the same on every rank: progress, data
 position, LR schedule, schedule record, DeepSpeed's step counters) are merged into state.json, each
 under its own top-level keys; per-rank parts (the RNG, train/checkpoint/rng.py) are merged into that
@@ -11,17 +11,17 @@ is exactly what is loaded, and nothing reaches into the engine to find it.
 The adapters below make parts of objects whose own state is not laid out as the checkpoint keeps it:
 `Keyed` puts an object's state under one key (the data position as {"data": …}), `EngineCounters`
 holds DeepSpeed's step counters, and `Record` is written and never loaded back into the run (the
-schedule record, read from state.json before the build by train/checkpoint/resume_checks.py).
+schedule record, read from state.json before the build by train/run/schedule.py).
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
-from train.engine import counters, restore_counters
-
 # state.json keys the checkpoint writes itself (its identity and the optimizer's tensor-side state)
 CORE_KEYS = frozenset({"format", "format_version", "gpt3d", "layout", "model", "optimizer"})
+# DeepSpeed's step counters a checkpoint keeps (the engine's attributes of these names, all ints)
+ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
 
 
 class Part(Protocol):
@@ -76,16 +76,19 @@ class Keyed:
 
 
 class EngineCounters:
-    """DeepSpeed's step counters (train/engine.py: ENGINE_COUNTERS), as {"engine": {counter: value}}."""
+    """DeepSpeed's step counters (ENGINE_COUNTERS, those the engine has), as {"engine": {counter: value}};
+    only these are set back (the checkpoint's verification refuses any other name)."""
 
     def __init__(self, engine):
         self.engine = engine
 
     def state_dict(self) -> dict:
-        return counters(self.engine)
+        return {"engine": {key: int(getattr(self.engine, key)) for key in ENGINE_COUNTERS if hasattr(self.engine, key)}}
 
     def load_state_dict(self, state: dict) -> None:
-        restore_counters(self.engine, state)
+        for key in ENGINE_COUNTERS:
+            if key in state["engine"]:
+                setattr(self.engine, key, int(state["engine"][key]))
 
 
 class Record:

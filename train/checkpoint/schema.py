@@ -15,16 +15,15 @@ import dataclasses
 import math
 import re
 
-from train.checkpoint.parts import CORE_KEYS
-from train.engine import ENGINE_COUNTERS
+from train.checkpoint.parts import CORE_KEYS, ENGINE_COUNTERS
 
 FORMAT, FORMAT_VERSION = "gpt3d-checkpoint", 1
-# state.json's keys besides CORE_KEYS: the entries of the parts train/loop.py registers
+# state.json's keys besides CORE_KEYS: the entries of the parts train/run/loop.py registers
 PART_KEYS = frozenset({"step", "tokens", "data", "lr_scheduler", "engine", "extra"})
 # what a training run needs to continue, beyond the weights: a checkpoint without them (saved by a tool
 # that registers only progress and counters) holds weights to read, not a run to resume
 RESUME_KEYS = frozenset({"data", "lr_scheduler", "extra"})
-SCHEDULE_CONFIG = {  # the schedule keys a checkpoint records (resume_checks.SCHEDULE_KEYS) and their values
+SCHEDULE_CONFIG = {  # the schedule keys a checkpoint records (train/run/schedule.py: SCHEDULE_KEYS) and their values
     "train.max_steps": ("int", 1), "train.global_batch_size": ("int", 1),
     "train.batch_ramp.start": ("int?", 1), "train.batch_ramp.unit": ("str?", None),
     "train.batch_ramp.increment": ("int?", 1), "train.batch_ramp.tokens": ("int?", 0),

@@ -1,7 +1,7 @@
 """The disk under a run's checkpoints: what a save needs, what is free, and what a save that the disk
 refuses says.
 
-A checkpoint's tensors take 12 bytes a parameter (train/plan/counts.py: `checkpoint_bytes`, the planner's
+A checkpoint's tensors take 12 bytes a parameter (train/planner/counts.py: `checkpoint_bytes`, the planner's
 count). Retention keeps `train.keep_checkpoints` of them, and a save writes the next one before the oldest
 goes, so at its peak a run's checkpoints take keep_checkpoints + 1 of them. `preflight`, before the first
 step, compares that with the free space of the file system the checkpoints go to and warns in one line

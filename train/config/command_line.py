@@ -14,6 +14,8 @@ Command lines with Hydra's own flags (--help, --cfg, -m, ...) are left to Hydra.
 from __future__ import annotations
 
 import difflib
+import os
+import tempfile
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -38,8 +40,6 @@ def check_command_line(arguments: list[str], config_name: str = "config") -> Non
         except (HydraException, OmegaConfBaseException) as err:
             raise ConfigError(_explain(arguments, config_name, err)) from None
         run_dir = Path(str(cfg.hydra.run.dir))
-    from train.config.run_folder import check_usable
-
     check_usable(run_dir)
 
 
@@ -139,3 +139,21 @@ def _dotted_keys(cfg, prefix: str = "") -> set[str]:
 
 def _first_line(err: Exception) -> str:
     return next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
+
+
+def check_usable(run_dir: Path) -> None:
+    """The run folder exists or can be made: no file on its path, and its nearest existing folder takes a new
+    folder (tried with a temporary one, removed at once: permission bits do not tell for root or /proc)."""
+    for parent in [run_dir, *run_dir.parents]:
+        if parent.exists() and not parent.is_dir():
+            raise ConfigError(f"run folder {run_dir}: {parent} is a file, not a folder; choose hydra.run.dir=PATH "
+                              "under a folder")
+        if parent == run_dir and parent.is_dir():
+            return  # there already (Hydra makes it before the checks of train/run/spec.py)
+        if parent.is_dir():
+            try:
+                os.rmdir(tempfile.mkdtemp(prefix=".gpt3d-probe-", dir=parent))
+            except OSError as err:
+                raise ConfigError(f"run folder {run_dir}: cannot create folders in {parent} ({err.strerror}); choose "
+                                  "hydra.run.dir=PATH in a writable folder") from None
+            return

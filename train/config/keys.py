@@ -6,12 +6,13 @@ run may have are those of the same composition without the command line's key ad
 selections such as `data=files` are kept): `check_known_keys` composes that again with Hydra's
 compose API (milliseconds) and refuses any key beyond it, naming the valid ones of its group. The
 `deepspeed` group is DeepSpeed's pass-through, checked against DeepSpeed's own settings in
-train/config/checks.py; lists (e.g. data.sources) are checked by the code that reads them.
+train/run/checks.py; lists (e.g. data.sources) are checked by the code that reads them.
 """
 
 from __future__ import annotations
 
 import difflib
+
 from omegaconf import DictConfig, OmegaConf
 
 from train.config.entry import CONFIG_DIR

@@ -8,7 +8,7 @@
 Each section is a Hydra structured config (registered in train/config/schema.py), so OmegaConf
 type-checks a value when the config is composed (`train.max_steps=abc`: not an integer); the
 command-line check (train/config/command_line.py) turns such a refusal into the field's own words.
-Building the section object (OmegaConf.to_object, in train/config/spec.py: resolve) runs
+Building the section object (OmegaConf.to_object, in train/run/spec.py: resolve) runs
 `__post_init__`: every field's check, then the section's own `check()` for what spans its fields.
 The first failure is one ConfigError, "gpt3d: error: train.max_steps=-3: must be a positive
 integer". After that the object is sealed: a component that receives it can read it, never change

@@ -3,7 +3,7 @@ the words of the settings that set them.
 
 A checkpoint's data position holds the `stream_id` of the run that wrote it; a resume continues that
 position only in the same order. The config checks compare it with the resumed run's before anything
-is built (train/config/checks.py: check_resume_data), and loading compares it again
+is built (train/run/checks.py: check_resume_data), and loading compares it again
 (train/data/batches.py), each naming what changed as `changes` words it.
 """
 

@@ -31,11 +31,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from train import report
 from train.data.records import (
-    ENCODING_HINT, Bad, BadRecords, by_files, in_validation, open_hub, place, prepared_split, records, tokens_of,
+    ENCODING_HINT,
+    Bad,
+    BadRecords,
+    by_files,
+    in_validation,
+    open_hub,
+    place,
+    prepared_split,
+    records,
+    tokens_of,
 )
 from train.data.sources import DataError, DataSpec, SourceSpec, plain_config, resolve
+from train.monitor import report
 
 MAX_HELD_OUT = 0.1  # the largest share of a source's tokens its validation tail may take
 TAIL_READERS = ("text", "json", "parquet")  # local records, whose places (records.place) a tail can name

@@ -4,7 +4,7 @@ Every open of a data file (and the size check before it) goes through a `Reader`
 again `retries` times (data.read_retries), after `wait_s` (data.read_retry_s), then twice as long after
 each failure; each retry is one warning line and counted (`made`; the run logs the count as
 data/read_retries). A file still unreadable after the last retry is DataUnavailable, naming it: the run
-saves a checkpoint of the step it is at and stops (train/loop.py), and resumes exactly once the file is
+saves a checkpoint of the step it is at and stops (train/run/loop.py), and resumes exactly once the file is
 back. A retry changes nothing that is read, so a run whose reads succeed on a retry trains on the same
 batches as one whose reads never failed.
 """
@@ -15,8 +15,8 @@ import os
 import time
 from typing import Callable, TypeVar
 
-from train import report
 from train.data.sources import DataError
+from train.monitor import report
 
 T = TypeVar("T")
 

@@ -38,11 +38,11 @@ from typing import Iterator
 
 import numpy as np
 
-from train import report
 from train.data import docstrings, pieces
 from train.data.reading import Reader
 from train.data.sources import DataError, SourceSpec, hub_offline
 from train.data.tokenizer import EOT, gpt2
+from train.monitor import report
 
 TOKEN_BLOCK = 256  # prepared rows fetched from Arrow at a time
 ENCODING_HINT = "; if the corpus uses another encoding, set data.encoding (e.g. latin-1, cp1252)"

@@ -22,7 +22,7 @@ Batched so the device stays busy, and each context encoded once:
   far ones do not. Each token is at the position it would have alone, so the result is the same
   function of the request whatever its batch (up to float rounding).
 
-At any layout every rank runs this with the same requests: parallel.generate.LayoutDecoder carries
+At any layout every rank runs this with the same requests: parallel.layout_decoder.LayoutDecoder carries
 the activations stage to stage, gathers the vocabulary shards and shares the last stage's scores with
 the other stages; data-parallel replicas take every dp-th batch and the results are all-gathered, so
 every rank returns all scores. The batches do not depend on the layout, so neither do the numbers
@@ -89,7 +89,7 @@ def score_requests(part, config: GPTConfig, topology, requests: list[TokenReques
                    bf16: bool = False) -> list[Score]:
     """The Score of every request, on every rank; `part` is this rank's part of the model
     (parallel.build), all ranks of the layout call this together (see the module docstring)."""
-    from parallel.generate import LayoutDecoder
+    from parallel.layout_decoder import LayoutDecoder
 
     decoder = LayoutDecoder(part, config, topology)
     was_training = part.training

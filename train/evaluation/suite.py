@@ -17,12 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from model import GPTConfig
+from train.config.sections.evaluate import EvaluateConfig
 from train.evaluation.fewshot import with_examples
 from train.evaluation.items import Item
-from train.evaluation.metrics import task_metrics
 from train.evaluation.requests import TokenRequest, tokenize
 from train.evaluation.scorer import Score, score_requests
-from train.config.sections.evaluate import EvaluateConfig
+from train.evaluation.task_metrics import task_metrics
 from train.evaluation.tasks import TASKS, TaskError, check_task_names, load_split
 
 

@@ -3,7 +3,7 @@ ever holds non-finite weights.
 
 How a step is skipped. Every optimizer gpt3d trains with computes the gradient's global L2 norm ‖g‖
 (one number, the same on every rank) before it updates, and skips the update when ‖g‖ is not finite:
-ClippingAdamW at ZeRO-0 (train/optimizer.py), DeepSpeed's ZeRO-1/2/3 optimizers (always for fp32
+ClippingAdamW at ZeRO-0 (train/run/optimizer.py), DeepSpeed's ZeRO-1/2/3 optimizers (always for fp32
 weights, by `bf16.check_grad_overflow`, default on, for bf16 ones) and DeepSpeed's fp16 loss scaler.
 A skipped update changes no weight, no Adam moment and no step count; the optimizer says `overflow`,
 and DeepSpeed's engine then leaves the LR schedule where it was and counts `engine.skipped_steps`

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from train.metrics import write_atomically
+from train.monitor.metrics import write_atomically
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 DUPLICATE_WINDOW_S = 1.0
@@ -107,7 +107,7 @@ def agree(step: int, loss: torch.Tensor, skipped: bool, signals: StopSignals, wr
     It also checks that the step was skipped on every rank or on none, and never applied on a rank
     whose loss was not finite (train/guard/nonfinite.py explains why neither can happen; this proves it, each step).
     The last two are the machine's faults this rank saw (a failed background write, a data file that stayed
-    unreadable): when any rank saw one, every rank stops after the step (train/loop.py).
+    unreadable): when any rank saw one, every rank stops after the step (train/run/loop.py).
     """
     import torch.distributed as dist
 

@@ -1,6 +1,6 @@
 """Checkpoints written in the background (train.async_checkpoint=true) are the synchronous ones.
 
-Gloo ranks run the whole training loop (train.loop.run) twice on one config, with synchronous and with
+Gloo ranks run the whole training loop (train.run.loop.run) twice on one config, with synchronous and with
 background saves: every file of every checkpoint must be the same bytes (a shard's header as JSON: the
 safetensors library orders its metadata keys differently from one save to the next), while the writes ran
 in the training thread in the first run and outside it in the second. A third run whose rank 0 cannot
@@ -24,12 +24,11 @@ import time
 from pathlib import Path
 
 import pytest
-
 from cli import REPO, arguments, assert_same_losses, clean_env, launcher, metrics, train, write_corpus
 from distributed import run_distributed
 from test_checkpoint_state import compose
 
-from train.config.spec import resolve
+from train.run.spec import resolve
 
 RUN = ["train.max_steps=6", "train.checkpoint_interval=2", "logging.log_interval=1", "data.val_permille=250"]
 # the same run through `python -m train` (cli.TINY and these, as test_checkpoint_state.compose has them)
@@ -65,8 +64,8 @@ def both_ways(corpus: str, root: str, layout: list[str]) -> dict[str, list[bool]
     import random
     import threading
 
-    from train import loop
     from train.checkpoint import saving
+    from train.run import loop
 
     in_main = []
     write = saving.write

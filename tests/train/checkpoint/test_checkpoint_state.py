@@ -1,6 +1,6 @@
 """A checkpoint's training state moves between layouts exactly.
 
-Gloo ranks build the real run (train.loop.build from the composed config), train two steps on
+Gloo ranks build the real run (train.run.build.build from the composed config), train two steps on
 fixed windows at one layout and save; fresh ranks at other layouts (another tp, pp, ZeRO stage,
 offload) resume from it. Each side puts the whole model's fp32 master weights and Adam moments
 back together from what every rank holds — DeepSpeed's own gather (safe_get_full_*) or the torch
@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from checkpoint_state import save_checkpoint
 from cli import TINY
+from distributed import run_distributed
+
 from model import GPTConfig
 from parallel.naming import full_shapes
-from train.config.spec import resolve
-from distributed import run_distributed
+from train.run.spec import resolve
 
 MODEL = [o for o in TINY if not o.startswith("data")] + ["model.n_head=4", "train.eval_interval=0",
                                                           "logging.wandb.mode=disabled", "train.sample_tokens=0"]
@@ -65,9 +65,9 @@ def whole_state(trainer) -> dict:
 
 
 def save_worker(corpus: str, run_dir: str, precision: str) -> dict:
-    from train import loop
+    from train.run.build import build
 
-    trainer = loop.build(resolve(compose(corpus, [*SAVED_AT, f"train.precision={precision}"]), run_dir))
+    trainer = build(resolve(compose(corpus, [*SAVED_AT, f"train.precision={precision}"]), run_dir))
     windows = torch.randint(0, 50257, (4 // trainer.topology.dp_size, 33), generator=torch.Generator().manual_seed(3))
     progress = trainer.progress
     for _ in range(2):
@@ -78,9 +78,9 @@ def save_worker(corpus: str, run_dir: str, precision: str) -> dict:
 
 
 def resume_worker(corpus: str, run_dir: str, layout: list[str]) -> dict:
-    from train import loop
+    from train.run.build import build
 
-    trainer = loop.build(resolve(compose(corpus, [*layout, f"train.resume={run_dir}"]), run_dir + "-resumed"))
+    trainer = build(resolve(compose(corpus, [*layout, f"train.resume={run_dir}"]), run_dir + "-resumed"))
     resumed = trainer.checkpointer.restore()
     assert resumed and trainer.progress.step == 2
     return whole_state(trainer)

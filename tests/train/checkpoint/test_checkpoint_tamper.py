@@ -18,8 +18,8 @@ import struct
 from pathlib import Path
 
 import pytest
-
 from cli import metrics, train
+
 from train.checkpoint import files
 from train.checkpoint import integrity as checkpoint
 
@@ -256,7 +256,7 @@ def test_a_weights_only_checkpoint_reads_back_but_is_never_resumed(run):
     chosen, no warning); a resume from it is one error naming what it lacks, before anything is built."""
     from model import GPTConfig
     from train.checkpoint import CheckpointError
-    from train.checkpoint.resume_checks import resume_point
+    from train.checkpoint.resume_point import resume_point
 
     edit_json(step_folder(run, 4), "state.json", lambda doc: [doc.pop(key) for key in ("data", "lr_scheduler", "extra")])
     assert choose(run) == ("step00000004", [])

@@ -16,10 +16,10 @@ import sys
 
 import pytest
 import torch
-
 from cli import REPO, train
-from model import GPTConfig, build, generate
 from distributed import run_distributed
+
+from model import GPTConfig, build, generate
 from train import checkpoint
 
 LAYOUT = ["parallel.tp=2", "parallel.pp=2"]
@@ -87,10 +87,11 @@ def test_transformers_greedy_generation_and_tokenizer_equal_gpt3d(trained):
 
 def import_worker(corpus: str, run_dir: str, hf_dir: str) -> None:
     from test_checkpoint_state import compose, save_checkpoint
-    from train import loop
-    from train.config.spec import resolve
 
-    trainer = loop.build(resolve(compose(corpus, ["parallel.tp=2", f"train.init_from={hf_dir}"]), run_dir))
+    from train.run.build import build
+    from train.run.spec import resolve
+
+    trainer = build(resolve(compose(corpus, ["parallel.tp=2", f"train.init_from={hf_dir}"]), run_dir))
     save_checkpoint(trainer)  # the imported weights, untrained
 
 

@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from cli import REPO, TINY, clean_env
+
 from train.config import key_table
 from train.config.sections import Sections, TrainConfig
 from train.config.settings import ConfigError
@@ -30,7 +30,7 @@ from hydra import compose, initialize_config_dir
 from train.config.command_line import check_command_line
 from train.config.entry import CONFIG_DIR, register_config
 from train.config.settings import ConfigError
-from train.config.spec import resolve
+from train.run.spec import resolve
 from train.config import key_table
 
 register_config()

@@ -8,16 +8,15 @@ import math
 
 import pytest
 
-from train.data.tokenizer import EOT, gpt2
 from train.config.sections.evaluate import EvaluateConfig
 from train.config.settings import ConfigError
-from train.evaluation import TaskError, prepare_tasks
-from train.evaluation import formats
+from train.data.tokenizer import EOT, gpt2
+from train.evaluation import TaskError, formats, prepare_tasks
 from train.evaluation.fewshot import with_examples
 from train.evaluation.items import CHOICE, LAST_WORD, PARTIAL, Item
-from train.evaluation.metrics import task_metrics
 from train.evaluation.requests import encode
 from train.evaluation.scorer import Score
+from train.evaluation.task_metrics import task_metrics
 from train.evaluation.tasks import load_split
 
 FORMS = [
@@ -144,3 +143,12 @@ def test_prepared_tasks_carry_their_examples_limit_and_truncation_counts(tmp_pat
                for context, _ in item.requests)
     assert task.truncated == 6  # the 40-word example pushes every request past 32 tokens
     assert all(len(r.context) + len(r.continuation) == 33 for requests in task.requests for r in requests)
+
+
+def test_the_settings_name_exactly_the_tasks_the_table_scores():
+    """evaluate.tasks is checked against TASK_NAMES (train/config/sections/evaluate.py, the settings' floor),
+    the tasks themselves live in train/evaluation/tasks.py: the two lists must be one."""
+    from train.config.sections.evaluate import TASK_NAMES
+    from train.evaluation.tasks import TASKS
+
+    assert list(TASKS) == list(TASK_NAMES)

@@ -12,10 +12,10 @@ import math
 
 import pytest
 import torch
-
 import wandb_log
 from checkpoint_state import non_finite_tensors, states_differ
 from cli import metrics, train, write_corpus
+
 from model.layers import flag_non_finite
 
 NAN_RUN = ["optim.lr=1e6", "train.checkpoint_interval=1", "train.keep_checkpoints=100", "train.eval_interval=0"]
@@ -51,7 +51,7 @@ def check_skipped_run(run_dir, proc, limit: int) -> int:
     assert f"the weights are those after step {first - 1}" in proc.stderr
     assert "learning rate too high" in proc.stderr
     assert f"resume from the last checkpoint, {step_folder(run_dir, last - 1)} " in proc.stderr  # the run's newest
-    assert "train/loop.py" not in proc.stderr  # no worker traceback (torchrun prints its own on a failed worker)
+    assert "train/run/loop.py" not in proc.stderr  # no worker traceback (torchrun prints its own on a failed worker)
     # checkpoints up to the last complete step before the stop; all alike from the last applied step on
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step{last - 1:08d}"
     assert not step_folder(run_dir, last).exists()

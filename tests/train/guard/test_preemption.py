@@ -23,9 +23,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-
+from cli import REPO, arguments, clean_env, launcher, metrics, read_log, start, write_corpus
 from distributed import free_port
-from cli import REPO, arguments, clean_env, launcher, metrics, read_log, start, train, write_corpus
 
 STEPS = 16
 RUN = [f"train.max_steps={STEPS}", "train.checkpoint_interval=0", "train.eval_interval=0", "logging.wandb.mode=disabled"]
@@ -217,6 +216,6 @@ def test_a_hung_rank_makes_the_live_one_write_its_stacks_and_exit(tmp_path, corp
     # whose row was seen (CI once saw it hang in step 3 after 3 rows), or in a later one
     assert int(match[1]) >= seen and waited < 60
     assert "Thread 0x" in stacks or "Current thread" in stacks  # faulthandler's dump, every thread
-    assert 'File "' in stacks and "train/loop.py" in stacks  # the main thread, inside the training loop
+    assert 'File "' in stacks and "train/run/loop.py" in stacks  # the main thread, inside the training loop
     assert f"stacks in {run_dir / 'stacks' / 'rank0.txt'}; exiting with code 3" in err
     assert not (run_dir / "stacks" / "rank1.txt").exists()

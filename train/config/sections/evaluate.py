@@ -9,6 +9,8 @@ from typing import Any, ClassVar
 from train.config.settings import Check, ConfigError, Section, setting
 
 PATH = Check(lambda v: v is None or isinstance(v, str), "must be a path (a string) or null")
+# The tasks train/evaluation/tasks.py scores (its TASKS table has exactly these)
+TASK_NAMES = ("lambada", "hellaswag", "piqa", "arc_easy", "arc_challenge", "storycloze", "copa", "winogrande")
 
 
 def _integer(smallest: int, null: str = "") -> Check:
@@ -25,7 +27,7 @@ class EvaluateConfig(Section):
     PREFIX: ClassVar[str] = "evaluate"
     checkpoint: Any = setting(None, "python -m train.evaluate: a run directory, its checkpoints/ folder (the latest "
                                     "checkpoint) or one step folder", PATH)
-    tasks: Any = setting(doc="lambada, hellaswag, piqa, arc_easy, arc_challenge, storycloze, copa, winogrande",
+    tasks: Any = setting(doc=", ".join(TASK_NAMES),
                          factory=lambda: ["lambada"])
     data_dir: Any = setting(None, "local files <data_dir>/<task>/<split>.jsonl in each task's published form; null: "
                                   "the Hub through datasets", PATH)
@@ -41,14 +43,11 @@ class EvaluateConfig(Section):
 
 
 def check_tasks(key: str, tasks, empty_ok: bool = False) -> None:
-    """`tasks` is a list of known task names (train/evaluation/tasks.py); ConfigError naming `key` if not."""
-    from train.evaluation.tasks import TASKS, TaskError, check_task_names
-
+    """`tasks` is a list of known task names (TASK_NAMES); ConfigError naming `key` if not."""
     if isinstance(tasks, str) or not isinstance(tasks, (list, tuple)) or not (tasks or empty_ok) \
             or not all(isinstance(t, str) for t in tasks):
         what = "a list" if empty_ok else "a non-empty list"
-        raise ConfigError(f"{key}={tasks!r}: must be {what} of task names, from {sorted(TASKS)}")
-    try:
-        check_task_names(tasks)
-    except TaskError as err:
-        raise ConfigError(f"{key}: {err}") from None
+        raise ConfigError(f"{key}={tasks!r}: must be {what} of task names, from {sorted(TASK_NAMES)}")
+    unknown = [name for name in tasks if name not in TASK_NAMES]
+    if unknown:
+        raise ConfigError(f"{key}: unknown task {unknown[0]!r}; the tasks are {sorted(TASK_NAMES)}")

@@ -1,5 +1,5 @@
-"""`logging.*`: the metrics records (metrics.jsonl, W&B, TensorBoard) and the progress lines (train/metrics.py),
-and the curves a run draws at its end (train/charts.py)."""
+"""`logging.*`: the metrics records (metrics.jsonl, W&B, TensorBoard) and the progress lines (train/monitor/metrics.py),
+and the curves a run draws at its end (train/monitor/charts.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """`optim.*`: AdamW as in GPT-3 (β = (0.9, 0.95), ε = 1e-8, weight decay 0.1 on matrices only, clipping at
 1.0) and its learning-rate schedule, linear warmup then cosine decay to min_lr_ratio·lr, both measured in
-tokens (train/optimizer.py)."""
+tokens (train/run/optimizer.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """`parallel.*`: the layout (world size = tp · pp · dp, dp what remains), ZeRO and the recomputation and
 communication options (docs/parallelism.md). What spans sections (tp dividing the heads, the world size,
-the sequence length) is checked when the run is resolved (train/config/spec.py)."""
+the sequence length) is checked when the run is resolved (train/run/spec.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from train.config.settings import BOOLEAN, Check, ConfigError, Section, one_of, 
 MANUAL, AUTO = "manual", "auto"
 ONE_F_ONE_B, ZB_H1 = "1f1b", "zb-h1"
 PIPELINE_SCHEDULES = (ONE_F_ONE_B, ZB_H1)
-# parallel.layout=auto chooses these keys at each start (train/plan/elastic.py); they may then not be set
+# parallel.layout=auto chooses these keys at each start (train/planner/elastic.py); they may then not be set
 AUTO_KEYS = (
     "parallel.tp", "parallel.pp", "parallel.zero_stage", "parallel.sequence_parallel",
     "parallel.activation_checkpointing", "parallel.offload_optimizer", "parallel.pipeline_schedule",

@@ -21,13 +21,13 @@ from train.config.settings import (
 DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("auto", "fp32", "autocast", "bf16", "fp8")
 FP8_RECIPES = ("tensorwise", "rowwise")  # model/float8.py
-OVERWRITE = "overwrite"  # train.resume: move an earlier run in the run folder aside (train/config/run_folder.py)
+OVERWRITE = "overwrite"  # train.resume: move an earlier run in the run folder aside (train/run/run_folder.py)
 SEED = Check(lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**31, "must be an integer in [0, 2^31)")
 
 
 @dataclass
 class BatchRampConfig(Section):
-    """`train.batch_ramp.*`: GPT-3's batch-size ramp (train/batch_ramp.py checks it against the model)."""
+    """`train.batch_ramp.*`: GPT-3's batch-size ramp (train/run/batch_ramp.py checks it against the model)."""
 
     PREFIX: ClassVar[str] = "train.batch_ramp"
     start: Any = setting(None, "the first global batch, in `unit`s (GPT-3: 32768 tokens); null: no ramp")
@@ -78,7 +78,7 @@ class TrainConfig(Section):
     precision: str = setting(
         "auto", "`auto` (bf16 on CUDA, fp32 on CPU), `fp32`, `autocast` (fp32 weights under bf16 autocast), `bf16` "
                 "(bf16 weights, fp32 masters and moments in the optimizer), `fp8` (bf16, and the blocks' linears in float8; "
-                "GPUs of compute capability ≥ 8.9; train/precision.py)", one_of(*PRECISIONS))
+                "GPUs of compute capability ≥ 8.9; train/runtime/precision.py)", one_of(*PRECISIONS))
     fp8_recipe: str = setting("tensorwise", "with fp8: `tensorwise` (one scale per tensor, gradients e5m2) or "
                                             "`rowwise` (one scale per row, all e4m3)", one_of(*FP8_RECIPES))
     sample_tokens: int = setting(64, "tokens sampled after training (0 to skip)", NON_NEGATIVE_INT)

@@ -1,0 +1,87 @@
+"""Generation at any layout: one decoding step over this rank's part of the model.
+
+Every rank runs the same loop (model.generate.generate) with a LayoutDecoder, and every rank
+ends each step knowing the next token:
+
+  stage 0             embeds the unseen tokens, runs its blocks, sends the activations on
+  stage s             receives them from stage s − 1, runs its blocks, sends them on
+  last stage          runs its blocks, then the head on the last position only, gathers the
+                      vocabulary shards of those logits (tp > 1), picks the token
+  all stages          the last stage's token is broadcast over the pipeline group
+
+Each rank's KVCache holds only its own blocks' keys and values (of its own heads under tensor
+parallelism). A part built with sequence parallelism decodes through twins of its layers built
+without it that share its parameters (a step of one token cannot be split over ranks): the same
+weights then compute as plain tensor parallelism (parallel.build.decoding_layers). A one-process
+model is a pipeline of one stage, so every layout runs this same code.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from model import GPTConfig
+from model.decoding import Decoder
+from model.gpt import run_layers
+from model.kv_cache import KVCache
+from parallel.build import decoding_layers
+from parallel.tensor import VocabParallelUnembedding, gather_logits
+
+
+class LayoutDecoder(Decoder):
+    """Decoder over this rank's part (a GPT or PipelineStages from parallel.build) of a model split
+    by `topology`; see the module docstring."""
+
+    def __init__(self, part: nn.Module, config: GPTConfig, topology):
+        self.part, self.config, self.topology = part, config, topology
+        self.layers = list(decoding_layers(part, config, topology).values())
+        parameter = next(part.parameters())
+        self.dtype, self.device = parameter.dtype, parameter.device
+        self.first, self.last = topology.pp_rank == 0, topology.pp_rank == topology.pp_size - 1
+        if topology.pp_size > 1:
+            stages = dist.get_process_group_ranks(topology.pp_group)  # global ranks, by stage
+            self.previous = stages[topology.pp_rank - 1] if not self.first else None
+            self.next = stages[topology.pp_rank + 1] if not self.last else None
+            self.last_rank = stages[-1]
+
+    def next_token(self, tokens: torch.Tensor, cache: KVCache | None, pick) -> torch.Tensor:
+        hidden = self.hidden_states(tokens, cache)  # (B, t, d) on the last stage, None elsewhere
+        if self.last:  # only the last position reaches the head
+            token = pick(self.full_logits(hidden[:, -1:])[:, 0].float())  # (B, 1)
+        else:
+            token = torch.empty(tokens.shape[0], 1, dtype=torch.long, device=self.device)
+        return self.from_last_stage(token)
+
+    def hidden_states(self, tokens: torch.Tensor, cache: KVCache | None) -> torch.Tensor | None:
+        """The unseen tokens (B, t) through every block of the layout, stage by stage: on the last
+        stage the final hidden states (B, t, d), before the head; None on the other stages."""
+        b, t = tokens.shape
+        if self.first:
+            x = tokens  # (B, t)
+        else:
+            x = torch.empty(b, t, self.config.d_model, dtype=self.dtype, device=self.device)
+            dist.recv(x, src=self.previous)  # (B, t, d)
+        body = self.layers[:-1] if self.last else self.layers
+        x = run_layers(body, x, cache=cache)  # (B, t, d)
+        if self.last:
+            return x
+        dist.send(x.to(self.dtype).contiguous(), dst=self.next)
+        return None
+
+    def full_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the whole vocabulary (B, t, V) of the last stage's hidden states (B, t, d):
+        the head, then the vocabulary shards gathered (tp > 1)."""
+        logits = self.layers[-1](hidden)  # (B, t, V or Vp/p)
+        unembedding = self.layers[-1].lm_head
+        if isinstance(unembedding, VocabParallelUnembedding):
+            logits = gather_logits(logits, unembedding.group, unembedding.vocab_size)  # (B, t, V)
+        return logits
+
+    def from_last_stage(self, value: torch.Tensor) -> torch.Tensor:
+        """`value` as the last stage holds it, on every stage (broadcast over the pipeline group);
+        the other stages pass a tensor of its shape and dtype to receive it in."""
+        if self.topology.pp_size > 1:
+            dist.broadcast(value, src=self.last_rank, group=self.topology.pp_group)
+        return value

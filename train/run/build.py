@@ -1,0 +1,198 @@
+"""A run built from its specification: this rank's model in a DeepSpeed engine, its data and its
+checkpoints, all in one `Trainer`.
+
+`build(spec)` joins the process group on the run's device (spec.runtime), makes the pp × dp × tp
+topology, builds this rank's part of the model in the modes the sections ask for (parallel.build),
+starts it from a Hugging Face folder if train.init_from says so, wraps it with the optimizer and LR
+schedule in DeepSpeed's engine (train/run/engine.py), opens its data stream and validation windows
+(train/data/), and gives its checkpoints to one Checkpointer with the parts they hold.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from model import GPTConfig, count_parameters
+from train import data
+from train.checkpoint import (
+    Checkpointer,
+    CheckpointParts,
+    CheckpointSettings,
+    EngineCounters,
+    KernelChoices,
+    Keyed,
+    ProcessRNG,
+    Record,
+    read_init_weights,
+)
+from train.config.sections import Sections
+from train.monitor import metrics, report
+from train.monitor.metrics import full_shapes_model
+from train.run import batch_ramp
+from train.run import engine as engines
+from train.run.optimizer import GIVEN_NORM, TokenLR, make_optimizer
+from train.run.spec import RunSpec
+from train.run.step import TrainStep
+from train.runtime.process_group import init_distributed
+
+
+@dataclass
+class Progress:
+    """Loop counters that survive a resume."""
+
+    step: int = 0
+    tokens: int = 0
+
+    def advance(self, tokens: int) -> None:
+        self.step += 1
+        self.tokens += tokens
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "tokens": self.tokens}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.tokens = state["step"], state["tokens"]
+
+
+@dataclass
+class Trainer:
+    """Everything a built run holds: its specification, where it runs, this rank's engine and step,
+    its data, and its checkpoints (train/checkpoint/checkpointer.py)."""
+
+    spec: RunSpec
+    topology: object
+    engine: object
+    step: TrainStep
+    batches: data.TrainBatches
+    val_batches: list[torch.Tensor]
+    lr: TokenLR  # the learning rate by tokens seen
+    progress: Progress
+    checkpointer: Checkpointer
+
+    @property
+    def sections(self) -> Sections:  # the run's config sections (train/config/sections/), as resolved
+        return self.spec.sections
+
+    @property
+    def device(self) -> torch.device:  # the run's device (spec.runtime: resolved once)
+        return self.spec.runtime.device
+
+    @property
+    def run_dir(self) -> Path:
+        return self.spec.run_dir
+
+    @property
+    def model_cfg(self) -> GPTConfig:
+        return self.spec.model
+
+    @property
+    def ramp(self) -> batch_ramp.BatchRamp:  # global batch size (sequences) by tokens seen
+        return self.spec.ramp
+
+    @property
+    def plan(self):  # the planner's prediction for this run (train/planner/), on CUDA
+        return self.spec.plan
+
+    def say(self, text: str) -> None:
+        """A line of the run's output, printed by rank 0 (train/monitor/report.py)."""
+        report.say(text, self.topology.rank == 0)
+
+
+def build(spec: RunSpec) -> Trainer:
+    """Device, process group, layout, this rank's model in a DeepSpeed engine, its data, and its
+    checkpointer with the parts its checkpoints hold."""
+    from model.weight_grads import WeightGradStore
+    from parallel.build import BuildOptions, build_model
+    from parallel.topology import Topology
+    from parallel.zero_bubble_engine import ZeroBubbleEngine
+    from train.config.sections.parallel import ZB_H1
+
+    settings, model_cfg, ramp, runtime = spec.sections, spec.model, spec.ramp, spec.runtime
+    device = runtime.device
+    init_distributed(device, settings.train.collective_timeout_s)
+    topology = Topology.create(settings.parallel.tp, settings.parallel.pp)
+
+    torch.manual_seed(settings.train.seed)
+    pipelined = topology.pp_size > 1
+    zero_bubble = pipelined and settings.parallel.pipeline_schedule == ZB_H1
+    weight_grads = WeightGradStore() if zero_bubble else None  # filled by the linears, drained by the engine
+    options = BuildOptions(
+        sequence_parallel=settings.parallel.sequence_parallel,
+        activation_checkpointing=settings.parallel.activation_checkpointing,
+        overlap_communication=settings.parallel.overlap_communication,
+        fused_loss=settings.train.fused_loss,
+        fp8=runtime.fp8,
+        weight_grads=weight_grads,
+    )
+    model = build_model(model_cfg, topology, settings.train.seed, device, options)
+    if settings.train.init_from is not None:  # a Hugging Face GPT-2 folder (train/checkpoint/hugging_face.py), sliced
+        from parallel.naming import load_full_
+
+        load_full_(model, read_init_weights(Path(settings.train.init_from), model_cfg), model_cfg, topology)
+    # A PipelineModule brings its own grid (same topology) and DeepSpeed then wants no mpu of ours.
+    mpu = model.mpu() if pipelined else topology.mpu
+    schedule = spec.schedule.schedule  # a resume keeps its checkpoint's (train/run/schedule.py)
+    clip = engines.clipping(settings.parallel, runtime)
+    optimizer = make_optimizer(model, settings.optim, schedule.peak_lr, clip=clip, mpu=mpu)
+    lr = TokenLR(optimizer, schedule, ramp.size_at(0) * model_cfg.seq_len)
+    engine = engines.create_engine(
+        model,
+        optimizer,
+        lr,
+        engines.deepspeed_config(settings.train, settings.parallel, settings.optim, settings.deepspeed, topology.dp_size,
+                                 runtime, spec.plan),
+        mpu=None if pipelined else mpu,
+    )
+    if zero_bubble:
+        engine = ZeroBubbleEngine.adopt(engine, weight_grads)
+    if clip == GIVEN_NORM:
+        optimizer.take_norm_from(engine.optimizer)  # DeepSpeed's bf16 optimizer, which computes the norm
+    # Ranks of one data-parallel replica (its tp and pp ranks) read the same windows.
+    train, dp = settings.train, (topology.dp_rank, topology.dp_size)
+    speaks = topology.tp_rank == 0 and topology.pp_rank == 0  # one warning per data-parallel replica
+    batches = data.TrainBatches(spec.data, model_cfg.seq_len, train.global_batch_size, *dp, train.seed, warn=speaks)
+    val_batches = []
+    if train.eval_interval > 0 and train.eval_batches > 0:
+        val_batches = data.validation_batches(spec.data, model_cfg.seq_len, train.global_batch_size, train.eval_batches, *dp)
+    step = TrainStep(engine, train.micro_batch_size, device, autocast=runtime.autocast)
+    progress = Progress()
+    checkpointer = Checkpointer(CheckpointSettings.from_config(train, spec.run_dir, device, spec.resume),
+                                checkpoint_parts(progress, batches, lr, engine, spec.schedule.state),
+                                engine, topology, model_cfg, device)
+    trainer = Trainer(spec, topology, engine, step, batches, val_batches, lr, progress, checkpointer)
+    if spec.plan is not None and topology.rank == 0:
+        metrics.write_atomically(spec.run_dir / "plan.json", json.dumps(spec.plan.to_json(), indent=2) + "\n")
+    trainer.say(
+        f"model {model_cfg.name}: {count_parameters(full_shapes_model(model_cfg)) / 1e6:.2f}M parameters | "
+        f"{topology.world_size} process(es) on {device} (tp={topology.tp_size} pp={topology.pp_size} "
+        f"dp={topology.dp_size} zero={settings.parallel.zero_stage}{' zb-h1' if zero_bubble else ''}) | {_batch_line(ramp)} | "
+        f"run dir {spec.run_dir}",
+    )
+    return trainer
+
+
+def checkpoint_parts(progress: Progress, batches: data.TrainBatches, lr: TokenLR, engine, schedule: dict
+                     ) -> CheckpointParts:
+    """What a checkpoint of this run holds besides the tensors, each part registered once (`schedule`: the
+    record of the schedule, read back by the config checks before a resumed run is built)."""
+    parts = CheckpointParts()
+    parts.add("progress", progress)
+    parts.add("data", Keyed("data", batches))
+    parts.add("lr schedule", Keyed("lr_scheduler", lr))
+    parts.add("engine counters", EngineCounters(engine))
+    parts.add("schedule record", Record({"extra": {"schedule": schedule}}))
+    parts.add("rng", ProcessRNG(), per_rank=True)
+    parts.add("kernel choices", KernelChoices(), per_rank=True)
+    return parts
+
+
+def _batch_line(ramp: batch_ramp.BatchRamp) -> str:
+    tokens = ramp.full * ramp.seq_len
+    if not ramp.enabled:
+        return f"{tokens} tokens/step"
+    return (f"batch ramp {ramp.start} → {ramp.full} sequences by {ramp.increment} over {ramp.ramp_tokens:,} tokens, "
+            f"then {tokens} tokens/step")

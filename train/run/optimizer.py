@@ -1,0 +1,217 @@
+"""AdamW with GPT-3's settings and its token-based learning-rate schedule.
+
+Schedule, as a function of tokens seen τ (GPT-3 §B): with peak η, warmup W and decay horizon D,
+  η(τ) = η · τ / W                                              for τ < W
+  η(τ) = η · (r + (1 − r) · ½ · (1 + cos(π · (τ − W) / (D − W))))   for W ≤ τ < D
+  η(τ) = η · r                                                  for τ ≥ D
+where r = min_lr_ratio (0.1: decay to 10% of the peak).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+# Peak learning rates of Table 2.1 of the GPT-3 paper, by config name; the toy's is ours.
+PAPER_PEAK_LR = {
+    "toy": 3e-3,
+    "gpt3-125m": 6.0e-4,
+    "gpt3-350m": 3.0e-4,
+    "gpt3-760m": 2.5e-4,
+    "gpt3-1.3b": 2.0e-4,
+    "gpt3-2.7b": 1.6e-4,
+    "gpt3-6.7b": 1.2e-4,
+    "gpt3-13b": 1.0e-4,
+    "gpt3-175b": 0.6e-4,
+}
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Linear warmup then cosine decay to a floor, in tokens (see module docstring)."""
+
+    peak_lr: float
+    warmup_tokens: int
+    decay_tokens: int
+    min_lr_ratio: float
+
+    def lr_at(self, tokens: int) -> float:
+        if tokens < self.warmup_tokens:
+            return self.peak_lr * tokens / self.warmup_tokens
+        if tokens >= self.decay_tokens:
+            return self.peak_lr * self.min_lr_ratio
+        progress = (tokens - self.warmup_tokens) / (self.decay_tokens - self.warmup_tokens)
+        cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.peak_lr * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * cosine)
+
+
+def resolve_peak_lr(optim_cfg, model_name: str) -> float:
+    """optim.lr, or the paper's peak LR for this model size when optim.lr is null."""
+    if optim_cfg.lr is not None:
+        return float(optim_cfg.lr)
+    if model_name not in PAPER_PEAK_LR:
+        raise ValueError(
+            f"optim.lr is null and model.name={model_name!r} has no paper LR; set optim.lr "
+            f"(paper LRs exist for {sorted(PAPER_PEAK_LR)})"
+        )
+    return PAPER_PEAK_LR[model_name]
+
+
+def make_schedule(optim_cfg, model_name: str, run_tokens: int) -> Schedule:
+    """The schedule of a run of `run_tokens` tokens (with a batch ramp, BatchRamp.tokens_after(max_steps));
+    warmup is capped at 10% of the run so short runs still decay."""
+    decay = int(optim_cfg.decay_tokens) if optim_cfg.decay_tokens is not None else run_tokens
+    warmup = min(int(optim_cfg.warmup_tokens), max(run_tokens // 10, 1))
+    if decay <= warmup:
+        raise ValueError(
+            f"optim.decay_tokens={decay} must exceed the warmup ({warmup} tokens); "
+            f"raise it or lower optim.warmup_tokens"
+        )
+    return Schedule(resolve_peak_lr(optim_cfg, model_name), warmup, decay, float(optim_cfg.min_lr_ratio))
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices (dim ≥ 2: linear weights, embeddings) only; none on biases or LayerNorm."""
+    decay, no_decay = [], []
+    for param in model.parameters():  # unique parameters: the tied matrix appears once
+        if param.requires_grad:
+            (decay if param.dim() >= 2 else no_decay).append(param)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+# Who clips the gradient (train/run/engine.py: clipping decides for a run):
+OWN_NORM = "own norm"  # ClippingAdamW computes ‖g‖, skips a non-finite step and clips (ZeRO stage 0)
+GIVEN_NORM = "given norm"  # DeepSpeed's bf16 optimizer computes ‖g‖ and skips; ClippingAdamW clips on the device
+ELSEWHERE = "elsewhere"  # plain AdamW: DeepSpeed's ZeRO optimizer (or the caller) computes, skips and clips
+
+
+class ClippingAdamW(torch.optim.AdamW):
+    """AdamW that first clips the gradients to a global L2 norm, g ← g · min(1, max_norm / (‖g‖ + 1e-6)).
+
+    clip=OWN_NORM: ‖g‖ over the whole model whatever the layout (see `global_grad_norm`), recorded
+    (pre-clip) as `_global_grad_norm`, where DeepSpeed's engines read it after each step; max_norm = 0
+    measures without clipping, as DeepSpeed reads 0. A non-finite norm (inf or nan, recorded as nan)
+    skips the update: no weight, moment or step-count changes, and `overflow` is set, which is how
+    DeepSpeed's engine learns of a skipped step (it then leaves the LR schedule alone and counts
+    `engine.skipped_steps`, as for its own ZeRO and fp16 optimizers). The norm is the same on every
+    rank, so every rank skips. Used at ZeRO stage 0 in fp32 and autocast.
+
+    clip=GIVEN_NORM: inside DeepSpeed's bf16 optimizer (train.precision=bf16, ZeRO stage ≤ 1), which
+    computes ‖g‖ (`take_norm_from`) and skips a non-finite step before calling this one; the factor is
+    computed and applied on the device, so clipping reads nothing back (DeepSpeed's own clip would
+    read the factor to the host). Equal bit for bit to DeepSpeed's: a factor ≥ 1 multiplies by exactly 1.
+
+    clip=ELSEWHERE: plain AdamW; DeepSpeed's ZeRO optimizer (or the caller) clips.
+    """
+
+    def __init__(self, params, max_norm: float, clip: str = OWN_NORM, mpu=None, **adamw_kwargs):
+        super().__init__(params, **adamw_kwargs)
+        self.max_norm, self.clip, self.mpu = max_norm, clip, mpu
+        self._global_grad_norm = None
+        self.overflow = False
+        self._norm_holder = None
+
+    def take_norm_from(self, holder) -> None:
+        """clip=GIVEN_NORM: `holder._global_grad_norm` (DeepSpeed's bf16 optimizer) is ‖g‖ when step runs."""
+        self._norm_holder = holder
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if self.clip == GIVEN_NORM and self.max_norm > 0:
+            factor = torch.clamp(self.max_norm / (self._norm_holder._global_grad_norm + 1e-6), max=1.0)
+            torch._foreach_mul_([p.grad for p in params], factor)
+        if self.clip == OWN_NORM:
+            norm = global_grad_norm(params, self.mpu)
+            self._global_grad_norm = norm
+            self.overflow = not math.isfinite(norm)
+            if self.overflow:
+                return None
+            if self.max_norm > 0 and self.max_norm / (norm + 1e-6) < 1.0:
+                torch._foreach_mul_([p.grad for p in params], self.max_norm / (norm + 1e-6))
+        return super().step(closure)
+
+
+def global_grad_norm(params: list[torch.Tensor], mpu=None) -> float:
+    """‖g‖₂ of the whole model's gradient from this rank's parameters, equal on every rank.
+
+    Each rank squares what it alone holds: tensor-parallel shards (`model_parallel`) on every tp
+    rank, replicated parameters on tp rank 0 only, and a pipeline-tied matrix only on the stage that
+    owns it (DeepSpeed marks the other copies `ds_pipe_replicated`); DeepSpeed's
+    `get_global_norm_of_tensors` then sums the squares over the model-parallel (pp × tp) group.
+    """
+    from deepspeed.runtime.utils import get_global_norm_of_tensors, is_model_parallel_parameter
+
+    tp_rank = mpu.get_slice_parallel_rank() if mpu is not None else 0
+    grads = [
+        p.grad
+        for p in params
+        if not getattr(p, "ds_pipe_replicated", False) and (tp_rank == 0 or is_model_parallel_parameter(p))
+    ]
+    local = grads if grads else [torch.zeros(1, device=params[0].device if params else "cpu")]
+    norm = float(get_global_norm_of_tensors(local, mpu=mpu))
+    return float("nan") if norm < 0 else norm  # DeepSpeed reports an inf/nan norm as -1
+
+
+def make_optimizer(model: nn.Module, optim_cfg, peak_lr: float, clip: str = OWN_NORM, mpu=None) -> ClippingAdamW:
+    """GPT-3's AdamW, clipping as `clip` says (see ClippingAdamW)."""
+    return ClippingAdamW(
+        param_groups(model, float(optim_cfg.weight_decay)),
+        max_norm=float(optim_cfg.grad_clip),
+        clip=clip,
+        mpu=mpu,
+        lr=peak_lr,
+        betas=tuple(optim_cfg.betas),
+        eps=float(optim_cfg.eps),
+    )
+
+
+class TokenLR:
+    """The learning rate as a function of tokens trained on, for DeepSpeed's `lr_scheduler` slot.
+
+    τ counts the tokens of the updates applied so far. Before each optimizer step the loop calls
+    `next_step(b)` with the step's batch in tokens, and every parameter group gets η(τ + b), the rate
+    at the tokens trained on once the step is done; so the first step already has a non-zero rate, and
+    with a constant batch of b tokens step s (0-based) runs at η((s + 1)·b). DeepSpeed calls `step()`
+    after an applied update only (not after one it skipped, train/guard/nonfinite.py), which adds b to τ: a
+    skipped step leaves the schedule where it was. The rate follows the tokens trained on also when the
+    batch grows (train/run/batch_ramp.py) and after a resume (the checkpoint restores τ). Its state (τ) is
+    plain data. `set_tokens(τ)` sets τ itself, with the rate η(τ).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, schedule: Schedule, first_step_tokens: int):
+        self.optimizer, self.schedule = optimizer, schedule
+        self.set_tokens(0)
+        self.next_step(first_step_tokens)
+
+    def next_step(self, batch_tokens: int) -> None:
+        self._pending = int(batch_tokens)
+        self._apply(self.tokens + self._pending)
+
+    def set_tokens(self, tokens: int) -> None:
+        self.tokens, self._pending = int(tokens), 0
+        self._apply(self.tokens)
+
+    def _apply(self, tokens: int) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.schedule.lr_at(tokens)
+
+    def step(self) -> None:
+        """DeepSpeed's call after an applied update: its tokens now count as trained on."""
+        self.tokens += self._pending
+        self._pending = 0
+
+    def get_last_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def state_dict(self) -> dict:
+        return {"tokens": self.tokens}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.set_tokens(state["tokens"])

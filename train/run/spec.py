@@ -1,0 +1,171 @@
+"""The run specification: the Hydra config checked and resolved once, before anything is built.
+
+`resolve(cfg, run_dir)` takes these steps, each a check that raises one ConfigError:
+
+  1. sections   the composed config as typed sections (train/config/sections/), each field checked;
+                the runtime: the device on this machine and the precision on it, resolved once
+                (train/runtime/resolve.py), which the build, the loop and the planner read from here
+  2. model      model.* as a GPTConfig
+  3. resume     the checkpoint train.resume names (with its state.json, read once), or None; the run
+                folder, checked to be usable and not another run's (train/run/run_folder.py); a
+                checkpoint already at train.max_steps ends here (checks.RunFinished); a Hugging Face
+                start (train.init_from) of this model's shape
+  4. schedule   a resume that keeps its checkpoint's schedule takes back its batch settings (global
+                batch, ramp), with one note saying so
+  5. layout     parallel.layout=auto: the layout train/planner/elastic.py chooses for WORLD_SIZE on this
+                device, in place of the keys it sets; then the layout against the model and the
+                world size, giving dp, and the batch against dp
+  6. data       the corpus probed (train/data/probe.py); data.streams, when the user left it at its
+                default and the corpus has too few documents for it, the smaller value the probe gives;
+                the validation split sized to train.eval_batches (a small corpus: its tail, at most 10%
+                of it, and train.eval_batches lowered to the batches that fit, with one note); a resume's
+                checkpoint must have trained on the same data in the same order
+  7. ramp, LR   the batch ramp against the model, dp and streams; the LR schedule of the run
+  8. tasks      train.eval_tasks read and made into requests, as evaluate.* says (train/evaluation/)
+  9. plan       on CUDA the planner's prediction, which must fit the device (pre-flight)
+
+Each step that changes a value makes new sections (`Sections.replaced`, checked again): the composed
+config is never written. The build and the loop read only a RunSpec, and each component receives its
+own section of it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from model import GPTConfig
+from train.checkpoint.resume_point import ResumePoint
+from train.config.launch import is_rank_zero
+from train.config.sections import Sections
+from train.config.sections.parallel import AUTO
+from train.config.settings import ConfigError
+from train.data.sources import DataSpec
+from train.run import checks
+from train.run.batch_ramp import BatchRamp
+from train.run.run_folder import RunFolder, check_run_folder
+from train.run.schedule import RunSchedule, kept_schedule, recorded_schedule, schedule_for_run
+from train.runtime.resolve import Runtime
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What a run follows (see the module docstring)."""
+
+    sections: Sections  # the settings the run follows, as resolved: read, never written
+    runtime: Runtime  # the device and the precision on it, resolved once
+    run_dir: Path
+    model: GPTConfig
+    dp: int
+    resume: ResumePoint | None
+    folder: RunFolder
+    ramp: BatchRamp
+    schedule: RunSchedule
+    plan: object | None  # train/planner/estimate.py's Plan, on CUDA
+    data: DataSpec  # the data as the probe resolved it: its streams, its validation split cut (train/data/probe.py)
+    layout: object | None = None  # train/planner/elastic.py's LayoutChoice, with parallel.layout=auto
+    eval_tasks: tuple = ()  # train.eval_tasks, prepared (train/evaluation/suite.py: PreparedTask)
+
+    @property
+    def run_tokens(self) -> int:
+        """Tokens trained on by train.max_steps."""
+        return self.ramp.tokens_after(self.sections.train.max_steps)
+
+
+def resolve(cfg, run_dir: Path, overrides: tuple[str, ...] | list[str] = ()) -> RunSpec:
+    """Check the whole run config for a run in `run_dir` and resolve it (see the module docstring);
+    `overrides` are the command line's, which say what the user set explicitly. Raises ConfigError."""
+    run_dir, set_keys = Path(run_dir), [o.lstrip("+").split("=", 1)[0] for o in overrides]
+    sections = Sections.of(cfg)
+    runtime = checks.check_runtime(sections.train)
+    model_cfg = checks.check_model(OmegaConf.to_container(cfg.model, resolve=True))
+    resume = checks.check_resume(sections.train, run_dir, model_cfg)
+    folder = check_run_folder(run_dir, sections.train.resume, resume.path if resume is not None else None)
+    checks.check_unfinished(sections.train, resume)
+    checks.check_init_from(sections.train, model_cfg)
+    saved_schedule = recorded_schedule(resume.state if resume is not None else None)
+    kept = kept_schedule(saved_schedule, sections)
+    if kept.note and is_rank_zero():
+        print(f"gpt3d: note: {kept.note}", flush=True)
+    sections = sections.replaced(kept.batch)
+    layout = _auto_layout(sections, model_cfg, set_keys, runtime)
+    if layout is not None:
+        sections = sections.replaced(layout.values())
+    dp = checks.check_parallel(sections.parallel, model_cfg, sections.deepspeed)
+    checks.check_batches(sections.train, dp)
+    data = checks.check_data(sections.data, sections.train, model_cfg.seq_len, dp,
+                             streams_set="data.streams" in set_keys)
+    sections = sections.replaced({"data.streams": data.streams})
+    checks.check_resume_data(resume, data, model_cfg.seq_len, sections.train.seed)
+    if sections.train.eval_batches > data.val_batches > 0:  # what at most 10% of a small corpus holds
+        sections = sections.replaced({"train.eval_batches": data.val_batches})
+    ramp = checks.check_batch_ramp(sections.train, model_cfg, dp, data.streams)
+    try:
+        run_tokens = ramp.tokens_after(sections.train.max_steps)
+        schedule = schedule_for_run(sections, model_cfg.name, run_tokens, kept, saved_schedule)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    tasks = _eval_tasks(sections, model_cfg)
+    return RunSpec(sections, runtime, run_dir, model_cfg, dp, resume, folder, ramp, schedule,
+                   _plan(sections, model_cfg, runtime), data, layout, tasks)
+
+
+def _eval_tasks(sections: Sections, model_cfg: GPTConfig) -> tuple:
+    """train.eval_tasks prepared with evaluate.*'s files, shots, seed and limit (no task: nothing read)."""
+    if not sections.train.eval_tasks:
+        return ()
+    from dataclasses import replace
+
+    from train.evaluation import TaskError, prepare_tasks
+
+    try:
+        return tuple(prepare_tasks(replace(sections.evaluate, tasks=list(sections.train.eval_tasks)), model_cfg.seq_len))
+    except TaskError as err:
+        raise ConfigError(f"train.eval_tasks: {err}") from None
+
+
+def _auto_layout(sections: Sections, model_cfg: GPTConfig, set_keys: list[str], runtime: Runtime):
+    """With parallel.layout=auto: the layout train/planner/elastic.py chooses for this launch's world size and
+    device, for the global batch and data order the run keeps (one line on rank 0 says which and why);
+    None with manual. Every rank computes the same choice from the same inputs."""
+    from train.planner.elastic import DataOrder, choose_layout
+
+    if checks.check_layout_mode(sections.parallel, set_keys) != AUTO:
+        return None
+    from train.data.sources import resolve as resolve_data
+    from train.run.batch_ramp import from_config
+
+    train = sections.train
+    processes = checks.world_size()
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", min(processes, 8)))
+    try:
+        ramp = from_config(train, model_cfg.seq_len)
+        order = DataOrder(resolve_data(sections.data).streams, (ramp.start, ramp.increment) if ramp.enabled else None)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    hardware = None
+    if runtime.device.type == "cuda":
+        from train.planner.hardware import for_cuda_device
+
+        hardware = for_cuda_device(int(os.environ.get("LOCAL_RANK", 0)))
+    choice = choose_layout(model_cfg, processes, train.global_batch_size, order, hardware, per_node)
+    if is_rank_zero():
+        print(f"gpt3d: {choice.line()}", flush=True)
+    return choice
+
+
+def _plan(sections: Sections, model_cfg: GPTConfig, runtime: Runtime):
+    """On CUDA: the planner's prediction for this run, which must fit the device (pre-flight)."""
+    if runtime.device.type != "cuda":
+        return None
+    from train.planner.from_config import plan_for_run, preflight
+
+    try:
+        plan = plan_for_run(sections.train, sections.parallel, model_cfg)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    preflight(plan)
+    return plan
