@@ -37,8 +37,8 @@ def text_corpus(root, n: int) -> tuple:
 
 
 def files_cfg(root, **keys) -> dict:
-    """A data config reading every .txt file of `root`, plus `keys`."""
-    return {"source": "files", "paths": [str(root / "*.txt")], **keys}
+    """A data config reading every .txt file of `root` as one stream, documents never cut, plus `keys`."""
+    return {"source": "files", "paths": [str(root / "*.txt")], "streams": 1, "piece_chars": 0, **keys}
 
 
 def in_split(text: str, val_permille: int, validation: bool) -> bool:
@@ -81,8 +81,9 @@ def parquet_dataset(root, n_files: int, per_file: int, text=doc) -> list[list[st
 
 
 def hub_cfg(root, **keys) -> dict:
-    """A data config reading the dataset folder `root` through data.source=hub, plus `keys`."""
-    return {"source": "hub", "name": str(root), **keys}
+    """A data config reading the dataset folder `root` through data.source=hub as one stream, 5 per thousand of
+    its records held out, plus `keys`."""
+    return {"source": "hub", "name": str(root), "streams": 1, "val_permille": 5, **keys}
 
 
 def prose(chars: int) -> str:

@@ -23,22 +23,36 @@ END = "<!-- end of the settings table -->"
 
 def table() -> str:
     """The markdown table: one row per field of GPTConfig (model.*) and of every section; a key that several
-    kinds of data source have is one row, naming them."""
-    rows: dict[str, list] = {}  # key → [doc, default, kinds of data source that have it]
+    kinds of data source have is one row, naming them, with each kind's default where they differ."""
+    rows: dict[str, list] = {}  # key → [doc, {default: [kinds of data source whose default it is]}, kinds that have it]
     for prefix, cls in [("model", GPTConfig), *((section.PREFIX, section) for section in SECTIONS)]:
         kind = next((k for k, schema in DATA_KINDS.items() if schema is cls), None)
         for field in dataclasses.fields(cls):
-            key = f"{prefix}.{field.name}"
-            if _is_nested(field) or (kind is not None and key in rows and not rows[key][2]):
-                continue  # a nested section (its own rows follow), or a key every kind of source has
-            row = rows.setdefault(key, [field.metadata.get("doc", ""), _default(field), []])
-            if kind is not None:
-                row[2].append(kind)
+            key, default = f"{prefix}.{field.name}", _default(field)
+            if _is_nested(field) or (kind is not None and field.name == "source"):
+                continue  # a nested section (its own rows follow); a kind's source is its group's name
+            if key not in rows:
+                rows[key] = [field.metadata.get("doc", ""), {default: [kind]}, [kind] if kind else []]
+                continue
+            doc, defaults, kinds = rows[key]
+            if kinds:  # a key some kinds of source have: this one too
+                kinds.append(kind)
+                defaults.setdefault(default, []).append(kind)
+            elif default not in defaults:  # a key of every kind, whose default this kind changes
+                defaults[default] = [kind]
     lines = ["| key | meaning | default |", "|---|---|---|"]
-    for key, (doc, default, kinds) in rows.items():
+    for key, (doc, defaults, kinds) in rows.items():
         where = f" (`data={'`, `data='.join(kinds)}`)" if kinds else ""
-        lines.append(f"| `{key}` | {doc}{where} | {default} |")
+        lines.append(f"| `{key}` | {doc}{where} | {_defaults(defaults, kinds)} |")
     return "\n".join(lines)
+
+
+def _defaults(defaults: dict[str, list], kinds: list) -> str:
+    """One default, or each with the kinds of data source whose default it is (the data section's own first)."""
+    if len(defaults) == 1:
+        return next(iter(defaults))
+    return "; ".join(value + ("" if owners == [None] else f" (`data={'`, `data='.join(owners)}`)")
+                     for value, owners in defaults.items())
 
 
 def _is_nested(field) -> bool:

@@ -31,13 +31,20 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class Check:
-    """A test a value must pass, and what a valid value is, as the refusal says it ("must be …")."""
+    """A test a value must pass, and what a valid value is, as the refusal says it ("must be …");
+    `words`, when given, words the whole refusal of a value at a key instead ("data.encoding='x' is not
+    an encoding Python knows; …")."""
 
     test: Callable[[Any], bool]
     must: str
+    words: Callable[[str, Any], str] | None = None
 
     def __call__(self, value) -> bool:
         return bool(self.test(value))
+
+    def refusal(self, key: str, value) -> str:
+        """The one line that refuses `value` at `key`."""
+        return self.words(key, value) if self.words is not None else f"{key}={value!r}: {self.must}"
 
 
 def _is_int(value) -> bool:
@@ -99,7 +106,7 @@ class Section:
             if dataclasses.is_dataclass(value):
                 continue  # a nested section checks itself when it is built
             if check is not None and not check(value):
-                raise ConfigError(f"{self.PREFIX}.{field.name}={value!r}: {check.must}")
+                raise ConfigError(check.refusal(f"{self.PREFIX}.{field.name}", value))
         self.check()
         object.__setattr__(self, "_sealed", True)
 

@@ -43,7 +43,7 @@ from train.data.records import (
     records,
     tokens_of,
 )
-from train.data.sources import DataError, DataSpec, SourceSpec, plain_config, resolve
+from train.data.sources import DataError, DataSpec, SourceSpec, resolve
 from train.monitor import report
 
 MAX_HELD_OUT = 0.1  # the largest share of a source's tokens its validation tail may take
@@ -110,7 +110,7 @@ def check_data(data_cfg, dp_size: int = 1, global_batch: int | None = None, eval
         if fewer is None:
             raise DataError(str(err)) from None
         _warn_fewer(err.label, spec.streams, fewer, len(err.indices))
-        return check_data({**plain_config(data_cfg), "streams": fewer}, dp_size, global_batch, evaluation, True)
+        return check_data(dataclasses.replace(spec, streams=fewer), dp_size, global_batch, evaluation, True)
 
 
 def _probe(spec: DataSpec, evaluation: Evaluation | None) -> DataSpec:

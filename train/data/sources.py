@@ -20,7 +20,9 @@ together, over all streams), ``workers`` / ``prefetch`` (background packing), ``
 Record keys (top level, or per mixture entry): ``text_field``, ``encoding``, ``val_permille``,
 ``piece_chars`` (a ``.txt`` document longer than this is cut into pieces: train/data/pieces.py).
 
-`resolve()` turns a config into a frozen `DataSpec` and raises `DataError` naming the bad value.
+Every key's type, default and check live with its section (train/config/sections/data.py); `resolve()`
+reads the built section (a plain mapping is built into one first) and turns it into a frozen `DataSpec`,
+raising `DataError` naming the bad value or file.
 """
 
 from __future__ import annotations
@@ -36,19 +38,32 @@ import zlib
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
-KINDS = ("stdlib", "docstrings", "files", "hub", "prepared")  # what a single source (or a mixture entry) can be
-SOURCES = (*KINDS, "mixture")
-PIPELINE_KEYS = ("streams", "shuffle_buffer", "workers", "prefetch", "on_bad_record", "read_retries", "read_retry_s")
-RECORD_KEYS = ("text_field", "encoding", "val_permille", "piece_chars")
-KIND_KEYS = {"stdlib": (), "docstrings": (), "files": ("paths",), "hub": ("name", "config_name", "split"),
-             "prepared": ("path",)}
-ENTRY_KEYS = ("label", "weight", "source", *RECORD_KEYS, *(k for keys in KIND_KEYS.values() for k in keys))
-KEYS = ("source", *PIPELINE_KEYS, *RECORD_KEYS, *(k for keys in KIND_KEYS.values() for k in keys), "sources")
+from train.config.sections.data import (
+    ENCODING,
+    KIND_KEYS,
+    NOT_SET,
+    PIECE_CHARS,
+    RECORD_KEYS,
+    SOURCES,
+    TEXT_FIELD,
+    VAL_PERMILLE,
+    DataConfig,
+    HubData,
+    data_section,
+)
+from train.config.sections.data import (
+    KINDS as SCHEMAS,
+)
+from train.config.settings import ConfigError
+
+KINDS = SOURCES[:-1]  # what a single source (or a mixture entry) can be: every source but "mixture"
+ENTRY_KEYS = ("label", "weight", "source", *RECORD_KEYS, *(k for kind in KINDS for k in KIND_KEYS[kind]))
+ENTRY_CHECKS = {"encoding": ENCODING, "val_permille": VAL_PERMILLE, "piece_chars": PIECE_CHARS, "text_field": TEXT_FIELD}
 TEST_FOLDERS = ("test", "tests", "idle_test")  # the standard library's test packages (data=docstrings leaves them out)
 READERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # extension → reader
-BAD_RECORD_POLICIES = ("skip", "error")
 PREPARED_MARK = "gpt3d-prepared"  # in the description of a prepared dataset's splits
 HUB_ENDPOINT = "https://huggingface.co"
+NO_BAD_RECORDS = "skip"  # data=prepared: already tokenized, nothing can be a bad record
 
 
 class DataError(ValueError):
@@ -67,6 +82,7 @@ class SourceSpec:
     config_name: str | None = None
     split: str = "train"
     path: str | None = None  # prepared: the folder
+    # the record keys; a kind that has no such setting reads its documents as these defaults say
     text_field: str = "text"  # the record field holding a document's text
     encoding: str = "utf-8"
     val_permille: int = 5
@@ -106,14 +122,14 @@ class DataSpec:
 
     sources: tuple[SourceSpec, ...]
     weights: tuple[float, ...]  # normalised to sum 1
-    streams: int = 1
-    shuffle_buffer: int = 1024
-    workers: int = 0
-    prefetch: int = 2
-    on_bad_record: str = "skip"
+    streams: int  # the pipeline, as the data section says (train/config/sections/data.py)
+    shuffle_buffer: int
+    workers: int
+    prefetch: int
+    on_bad_record: str
+    read_retries: int  # a file that cannot be read is tried again this many times (train/data/reading.py)
+    read_retry_s: float  # the wait before the first retry, doubling after each
     val_batches: int = 0  # global batches of validation windows the splits hold, as the probe found (train/data/probe.py)
-    read_retries: int = 5  # a file that cannot be read is tried again this many times (train/data/reading.py)
-    read_retry_s: float = 1.0  # the wait before the first retry, doubling after each
 
     @property
     def mixture(self) -> bool:
@@ -142,58 +158,32 @@ class DataSpec:
         }
 
 
-def check_data_config(data_cfg) -> DataSpec:
+def check_data_config(data_cfg: DataConfig | Mapping) -> DataSpec:
     """Raise DataError if `data_cfg` cannot work: unknown source or key, missing file, empty glob,
     unsupported or mixed extensions, missing text field, unknown encoding, an unreachable Hub (for a Hub
     name that needs the network), a folder that is not a prepared dataset. Cheap: reads no documents."""
     return resolve(data_cfg)
 
 
-def resolve(data_cfg) -> DataSpec:
-    """Check `data_cfg` (a dict or omegaconf DictConfig) and resolve its sources; a DataSpec (the probe's, with
-    its validation split cut) is already both."""
+def resolve(data_cfg: DataConfig | Mapping | DataSpec) -> DataSpec:
+    """The data section (train/config/sections/data.py; a plain mapping of its keys is built into one) checked
+    and its sources resolved; a DataSpec (the probe's, with its validation split cut) is already both."""
     if isinstance(data_cfg, DataSpec):
         return data_cfg
-    cfg = plain_config(data_cfg)
-    _refuse_unknown(cfg, KEYS, "data")
-    source = cfg.get("source", "docstrings")
-    if source not in SOURCES:
-        raise DataError(f"data.source={source!r} is not one of {list(SOURCES)}")
-    streams = _int_at_least(cfg, "streams", 1, 1)
-    shuffle_buffer = _int_at_least(cfg, "shuffle_buffer", 1024, 1)
-    if shuffle_buffer % streams:
-        fits = shuffle_buffer - shuffle_buffer % streams or streams
-        raise DataError(
-            f"data.shuffle_buffer={shuffle_buffer} is not a multiple of data.streams={streams} (each stream shuffles "
-            f"an equal share); use e.g. {fits}"
-        )
-    policy = cfg.get("on_bad_record") or "skip"
-    if policy not in BAD_RECORD_POLICIES:
-        raise DataError(f"data.on_bad_record={policy!r} is not one of {list(BAD_RECORD_POLICIES)}")
-    pipeline = dict(
-        streams=streams,
-        shuffle_buffer=shuffle_buffer,
-        workers=_int_at_least(cfg, "workers", 0, 0),
-        prefetch=_int_at_least(cfg, "prefetch", 2, 1),
-        on_bad_record=policy,
-        read_retries=_int_at_least(cfg, "read_retries", 5, 0),
-        read_retry_s=_seconds(cfg, "read_retry_s", 1.0),
-    )
-    defaults = _record_keys(cfg, "data", {})
-    if source != "mixture":
-        _refuse_misplaced(cfg, source, "data")
-        return DataSpec((_source(cfg, source, source, "data", defaults),), (1.0,), **pipeline)
-    entries = cfg.get("sources")
-    if not entries or not isinstance(entries, list):
-        raise DataError("data.source=mixture needs data.sources, a list of sources each with a weight, e.g. "
-                        "[{label: web, weight: 0.8, source: files, paths: [...]}, {label: wiki, weight: 0.2, ...}]")
-    _refuse_misplaced(cfg, "mixture", "data")
+    try:
+        section = data_cfg if isinstance(data_cfg, tuple(SCHEMAS.values())) else data_section(_plain(data_cfg))
+    except ConfigError as err:
+        raise DataError(str(err)) from None
+    pipeline = dict(streams=section.streams, shuffle_buffer=section.shuffle_buffer, workers=section.workers,
+                    prefetch=section.prefetch, on_bad_record=getattr(section, "on_bad_record", NO_BAD_RECORDS),
+                    read_retries=section.read_retries, read_retry_s=float(section.read_retry_s))
+    record = {key: getattr(section, key) for key in RECORD_KEYS if hasattr(section, key)}
+    if section.source != "mixture":
+        return DataSpec((_source(_values(section), section.source, section.source, "data", record),), (1.0,), **pipeline)
     sources, weights = [], []
-    for i, entry in enumerate(entries):
+    for i, entry in enumerate(section.sources):
         where = f"data.sources[{i}]"
-        if not isinstance(entry, dict):
-            raise DataError(f"{where} must be a mapping with source, weight and the source's keys; got {entry!r}")
-        entry = {k: v for k, v in entry.items() if v != "???"}
+        entry = {k: v for k, v in entry.items() if v != NOT_SET}
         _refuse_unknown(entry, ENTRY_KEYS, where)
         kind = entry.get("source")
         if kind not in KINDS:
@@ -203,7 +193,7 @@ def resolve(data_cfg) -> DataSpec:
             raise DataError(f"{where}.weight={weight!r} must be a number > 0 (weights are relative; they are normalised)")
         _refuse_misplaced(entry, kind, where)
         label = str(entry.get("label") or f"{kind}{i}")
-        sources.append(_source(entry, kind, label, where, _record_keys(entry, where, defaults)))
+        sources.append(_source(entry, kind, label, where, _entry_record(entry, where, record)))
         weights.append(float(weight))
     labels = [s.label for s in sources]
     if len(set(labels)) < len(labels):
@@ -212,48 +202,51 @@ def resolve(data_cfg) -> DataSpec:
     return DataSpec(tuple(sources), tuple(w / total for w in weights), **pipeline)
 
 
-def _source(cfg: dict, kind: str, label: str, where: str, record: dict) -> SourceSpec:
-    """One source's spec from its keys (`where` names it in messages)."""
+def _source(keys: dict, kind: str, label: str, where: str, record: dict) -> SourceSpec:
+    """One source's spec from its kind's keys (`where` names it in messages) and its record keys."""
     if kind == "stdlib":
         return SourceSpec("stdlib", label, "text", files=_stdlib_files(), **record)
     if kind == "docstrings":
         return SourceSpec("docstrings", label, "docstrings", files=_stdlib_files(tests=False), **record)
     if kind == "files":
-        files = _expand(cfg.get("paths"), where)
+        files = _expand(None if keys.get("paths") == NOT_SET else keys.get("paths"), where)
         reader = _reader_of(files, where)
         _check_text_field(files[0], reader, record["text_field"], where)
         return SourceSpec("files", label, reader, files=files, **record)
     if kind == "hub":
-        name = cfg.get("name")
-        if not name:
+        name = keys.get("name")
+        if not name or name == NOT_SET:
             raise DataError(f"{where}.source=hub needs {where}.name, a Hugging Face Hub dataset (e.g. "
                             "HuggingFaceFW/fineweb) or a local dataset folder")
         name = str(name)
         _check_hub_reachable(name)
         if hub_location(name) == "local":  # the same folder whatever directory a rank starts in
             name = os.path.abspath(os.path.expanduser(name))
-        return SourceSpec("hub", label, "hub", name=name, config_name=cfg.get("config_name"),
-                          split=cfg.get("split") or "train", **record)
-    path = cfg.get("path")
-    if not path:
+        split = keys.get("split") or HubData.split  # a mixture entry's left-out keys: the hub section's defaults
+        config_name = keys.get("config_name", HubData.config_name)
+        return SourceSpec("hub", label, "hub", name=name, config_name=config_name, split=split, **record)
+    path = keys.get("path")
+    if not path or path == NOT_SET:
         raise DataError(f"{where}.source=prepared needs {where}.path, a folder written by python -m train.prepare_data")
     meta = prepared_info(path, f"{where}.path")
     return SourceSpec("prepared", label, "prepared", path=os.path.abspath(os.path.expanduser(path)),
                       **{**record, "val_permille": meta["val_permille"], "encoding": meta["encoding"]})
 
 
-def plain_config(data_cfg) -> dict:
-    """The data section (train/config/sections/data.py), a dict or an omegaconf DictConfig as a plain dict of
-    the keys that are set: null values (keys of another kind of source) and '???' placeholders dropped."""
-    if data_cfg is None:
-        return {}
+def _plain(data_cfg) -> dict:
+    """A mapping of data keys (a dict, an omegaconf DictConfig, or a section of another schema) as a dict."""
     if dataclasses.is_dataclass(data_cfg):
-        data_cfg = dataclasses.asdict(data_cfg)
-    elif not isinstance(data_cfg, dict):
-        from omegaconf import OmegaConf
+        return dataclasses.asdict(data_cfg)
+    if isinstance(data_cfg, dict):
+        return data_cfg
+    from omegaconf import OmegaConf
 
-        data_cfg = OmegaConf.to_container(data_cfg, resolve=True)
-    return {k: v for k, v in data_cfg.items() if v is not None and v != "???"}
+    return OmegaConf.to_container(data_cfg, resolve=True)
+
+
+def _values(section: DataConfig) -> dict:
+    """The section's kind keys (paths, name, config_name, split, path) as a dict."""
+    return {key: getattr(section, key) for key in KIND_KEYS[section.source]}
 
 
 def _refuse_unknown(cfg: dict, valid: tuple[str, ...], where: str) -> None:
@@ -263,43 +256,25 @@ def _refuse_unknown(cfg: dict, valid: tuple[str, ...], where: str) -> None:
 
 
 def _refuse_misplaced(cfg: dict, kind: str, where: str) -> None:
-    """A key of another kind of source set to a value (e.g. data.name with source=files) is a mistake."""
-    own = set(KIND_KEYS.get(kind, ("sources",)))
-    for other, keys in {**KIND_KEYS, "mixture": ("sources",)}.items():
-        for key in set(keys) - own:
-            if cfg.get(key) not in (None, [], ""):  # ("???" placeholders are dropped before)
+    """A key of another kind of source set to a value (e.g. paths with source=hub) is a mistake."""
+    own = set(KIND_KEYS[kind])
+    for other in KINDS:
+        for key in set(KIND_KEYS[other]) - own:
+            if cfg.get(key) not in (None, [], ""):
                 raise DataError(f"{where}.{key} is for source={other}, not source={kind}; remove it")
 
 
-def _int_at_least(cfg: dict, key: str, default: int, low: int) -> int:
-    value = cfg.get(key, default)
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise DataError(f"data.{key}={value!r} must be a whole number >= {low}")
-    return value
-
-
-def _seconds(cfg: dict, key: str, default: float) -> float:
-    value = cfg.get(key, default)
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < float("inf"):
-        raise DataError(f"data.{key}={value!r} must be a number of seconds >= 0")
-    return float(value)
-
-
-def _record_keys(cfg: dict, where: str, defaults: dict) -> dict:
-    """text_field, encoding and val_permille of one source (a mixture entry inherits the top level's)."""
-    text_field = cfg.get("text_field") or defaults.get("text_field", "text")
-    encoding = cfg.get("encoding") or defaults.get("encoding", "utf-8")
-    val_permille = cfg.get("val_permille", defaults.get("val_permille", 5))
-    try:
-        codecs.lookup(encoding)
-    except (LookupError, TypeError):
-        raise DataError(f"{where}.encoding={encoding!r} is not an encoding Python knows; e.g. utf-8, latin-1, cp1252") from None
-    if not isinstance(val_permille, int) or isinstance(val_permille, bool) or not 0 <= val_permille < 1000:
-        raise DataError(f"{where}.val_permille={val_permille!r} must be a whole number in [0, 1000)")
-    piece_chars = cfg.get("piece_chars", defaults.get("piece_chars", 0))
-    if not isinstance(piece_chars, int) or isinstance(piece_chars, bool) or piece_chars < 0:
-        raise DataError(f"{where}.piece_chars={piece_chars!r} must be a whole number >= 0 (0: never cut a document)")
-    return dict(text_field=str(text_field), encoding=encoding, val_permille=val_permille, piece_chars=piece_chars)
+def _entry_record(entry: dict, where: str, inherited: dict) -> dict:
+    """A mixture entry's record keys: its own, checked as the section's are, else its mixture's."""
+    record = dict(inherited)
+    for key, check in ENTRY_CHECKS.items():
+        value = entry.get(key)
+        if value is None or value == "":
+            continue
+        if not check(value):
+            raise DataError(check.refusal(f"{where}.{key}", value))
+        record[key] = value
+    return record
 
 
 def _stdlib_files(tests: bool = True) -> tuple[str, ...]:

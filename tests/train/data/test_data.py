@@ -1,5 +1,5 @@
 """The data pipeline against an independent computation (`data_corpus`): tokenize the documents here,
-concatenate, cut. One stream (data.streams=1, the default of a bare config) unless a test says otherwise;
+concatenate, cut. One stream (data.streams=1, as the configs below set it) unless a test says otherwise;
 tests/train/data/test_data_streams.py covers several streams, workers and data-parallel ranks."""
 
 import io
@@ -13,14 +13,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from data_corpus import doc, files_cfg, text_corpus
+from data_corpus import take as _batches
+from data_corpus import token_stream as _stream
 from omegaconf import OmegaConf
 
+from train.data import DataError, TrainBatches, check_data_config, validation_batches
 from train.data import records as data_records
 from train.data import sources as data_sources
-from train.data import DataError, TrainBatches, check_data_config, validation_batches
 from train.data.tokenizer import gpt2
-
-from data_corpus import doc, files_cfg, take as _batches, text_corpus, token_stream as _stream
 
 SEQ = 16  # windows of 17 tokens
 
@@ -196,7 +197,8 @@ def test_record_files_jsonl_and_parquet(tmp_path):
     stream = _stream(texts, 0)
     n = len(stream) // (SEQ + 1)
     for paths in ([str(tmp_path / "*.jsonl")], [str(tmp_path / "c.parquet")]):
-        cfg = {"source": "files", "paths": paths, "text_field": "content", "shuffle_buffer": 1, "val_permille": 0}
+        cfg = {"source": "files", "paths": paths, "text_field": "content", "streams": 1, "shuffle_buffer": 1,
+               "val_permille": 0}
         got = torch.cat(_batches(TrainBatches(cfg, SEQ, 1, 0, 1, 0), n)).flatten().numpy()
         assert np.array_equal(got, stream[: n * (SEQ + 1)])
     with pytest.raises(DataError, match="text_field='text' is not a field .* \\['id', 'content'\\]"):
@@ -216,7 +218,7 @@ def test_stdlib_source_is_the_standard_library_in_order():
     assert "" in texts  # an empty file: skipped, not a lone <|endoftext|>
     stream = _stream([t for t in texts if t], 0)
     n = len(stream) // 257 - 1
-    cfg = {"source": "stdlib", "shuffle_buffer": 1, "val_permille": 0}
+    cfg = {"source": "stdlib", "streams": 1, "shuffle_buffer": 1, "val_permille": 0}
     got = torch.cat(_batches(TrainBatches(cfg, 256, n, 0, 1, 0), 1)).flatten().numpy()
     assert np.array_equal(got, stream[: n * 257])
 

@@ -9,9 +9,9 @@ import os
 import numpy as np
 import pytest
 import torch
-
 from cli import train as run_train
 from data_corpus import take, token_stream, write_texts
+
 from train.data import DataError, TrainBatches, check_data
 from train.data.probe import Evaluation
 from train.data.tokenizer import gpt2
@@ -36,7 +36,8 @@ def mixed(tmp_path):
 
 
 def _cfg(root, pattern="*.txt", **kw):
-    return {"source": "files", "paths": [str(root / pattern)], "shuffle_buffer": 1, "val_permille": 0, **kw}
+    return {"source": "files", "paths": [str(root / pattern)], "streams": 1, "piece_chars": 0, "shuffle_buffer": 1,
+            "val_permille": 0, **kw}
 
 
 def _windows(cfg, n) -> np.ndarray:
