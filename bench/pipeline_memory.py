@@ -56,6 +56,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bench.pipeline_bubble import write_results
+from model import GPTConfig
 
 SCHEDULES = ("1f1b", "zb-h1")
 DEVICE = "CPU (gloo)"
@@ -122,7 +123,7 @@ def activation_peaks(prof) -> dict:
     return {"peak_bytes": peak, "peak_at": where(peak_at), "passes_end_bytes": live}
 
 
-def measure(schedule: str, config, pp: int, m: int, micro_batch: int, seed: int) -> dict:
+def measure(schedule: str, config: GPTConfig, pp: int, m: int, micro_batch: int, seed: int) -> dict:
     """This rank's activation memory in one train_batch of `schedule`, after a warm-up step."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -174,7 +175,7 @@ def measure(schedule: str, config, pp: int, m: int, micro_batch: int, seed: int)
             "param_bytes": sum(p.numel() * p.element_size() for p in params)}
 
 
-def _rank_main(rank, pp, port, cases, config, micro_batch, seed, results):
+def _rank_main(rank: int, pp: int, port: int, cases, config: GPTConfig, micro_batch: int, seed: int, results):
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # DeepSpeed's banners; results go through `results`
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -194,7 +195,7 @@ def _rank_main(rank, pp, port, cases, config, micro_batch, seed, results):
     dist.destroy_process_group()
 
 
-def run(pp: int, cases: list[tuple[int, str]], config, micro_batch: int, seed: int) -> dict:
+def run(pp: int, cases: list[tuple[int, str]], config: GPTConfig, micro_batch: int, seed: int) -> dict:
     """{(m, schedule): [this stage's measure() for each stage]} from pp forked ranks."""
     results = mp.get_context("fork").SimpleQueue()
     args = (pp, _free_port(), cases, config, micro_batch, seed, results)
@@ -251,8 +252,6 @@ def case_lines(pp: int, m: int, by_schedule: dict[str, list[dict]]) -> tuple[lis
 
 
 def main() -> None:
-    from model import GPTConfig
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="pp=2 m=4 only, 4 blocks, seq_len 128: a smoke run")
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per micro batch (default 1)")

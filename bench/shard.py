@@ -34,6 +34,7 @@ import time
 import torch
 
 from train.config.entry import EXIT_BAD_INPUT
+from train.config.sections import TrainConfig
 
 BENCH_DEFAULTS = {"iterations": 10, "warmup": 3, "seed": 0}  # bench.* overrides
 
@@ -123,7 +124,7 @@ def build_block_shard(model_cfg, topology, sequence_parallel: bool, device: torc
     return block
 
 
-def precision_of(train, device: torch.device) -> str:
+def precision_of(train: TrainConfig, device: torch.device) -> str:
     precision = train.precision
     return ("bf16" if device.type == "cuda" else "fp32") if precision == "auto" else precision
 

@@ -188,7 +188,7 @@ def plain_rows_fit(n_params: int, n_rows: int, device) -> tuple[bool, str]:
                    f"over half of the GPU's {total / 2**30:.0f} GiB")
 
 
-def run_plain_rows(rows, config, micro_batch, warmup, steps, device, alone: bool):
+def run_plain_rows(rows, config: GPTConfig, micro_batch, warmup, steps, device, alone: bool):
     """Every plain row's rounds: alternating, one step of each row per round, or (alone) each row's
     rounds in turn, each model freed before the next one is built. Every row is released at the end."""
     def describe(row):
@@ -327,7 +327,7 @@ def engine_trainer(model_name, precision, micro_batch, seq_len, device, recipe=N
     return build(resolve(cfg, Path(tempfile.mkdtemp(prefix="gpt3d-train-speed-"))))
 
 
-def build_meta(config):
+def build_meta(config: GPTConfig):
     """The model on the meta device: shapes and parameter counts, no memory."""
     with torch.device("meta"):
         return GPT(config)

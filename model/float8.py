@@ -54,8 +54,14 @@ from collections.abc import Callable
 
 import torch
 
-from model.float8_library import Float8LinearConfig, ScalingGranularity, addmm_float8_unwrapped, amax_to_scale
-from model.float8_library import tensor_to_amax, to_fp8_saturated
+from model.float8_library import (
+    Float8LinearConfig,
+    ScalingGranularity,
+    addmm_float8_unwrapped,
+    amax_to_scale,
+    tensor_to_amax,
+    to_fp8_saturated,
+)
 from model.modes import Float8
 
 RECIPES = ("tensorwise", "rowwise")

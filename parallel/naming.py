@@ -68,7 +68,7 @@ def layer_shards(config: GPTConfig, layer: int, tp: int = 1, tp_rank: int = 0, p
 
 
 @lru_cache(maxsize=512)
-def _layer_shards(config, layer, tp, tp_rank, plan_items) -> tuple[tuple[str, Shard], ...]:
+def _layer_shards(config: GPTConfig, layer, tp: int, tp_rank: int, plan_items) -> tuple[tuple[str, Shard], ...]:
     plan, tied = dict(plan_items), tied_names(config)
     with torch.device("meta"):
         module = make_layer(config, layer)

@@ -31,8 +31,8 @@ import contextlib
 import io
 from functools import lru_cache
 
-import torch.distributed as dist
 import torch
+import torch.distributed as dist
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.utils import partition_balanced
 from torch import nn

@@ -46,10 +46,10 @@ from parallel.comm import (
     gather_from_sequence_parallel_region,
     gather_from_tp_region,
     overlapped_reduction,
-    sequence_gather,
     reduce_from_tp_region,
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tp_region,
+    sequence_gather,
 )
 from parallel.topology import check_layout
 

@@ -21,9 +21,10 @@ import sys
 
 from omegaconf import OmegaConf
 
+from model import GPTConfig
 from train.config.command_line import explain
 from train.config.entry import CONFIG_DIR, EXIT_BAD_INPUT, EXIT_FAILED, quiet_library_warnings, register_config
-from train.config.sections import Sections
+from train.config.sections import ParallelConfig, PlanConfig, Sections
 from train.config.settings import ConfigError
 from train.planner.from_config import gpus_of, plan_from_config
 from train.planner.search import search
@@ -86,7 +87,7 @@ def run(overrides: list[str], out=sys.stdout, err=sys.stderr) -> int:
     return 0
 
 
-def _dry_run(model_cfg, par, plan_cfg, out, err) -> int:
+def _dry_run(model_cfg: GPTConfig, par: ParallelConfig, plan_cfg: PlanConfig, out, err) -> int:
     """plan.dry_run=true: build and check the layout's shards (the batch does not matter here)."""
     from parallel.topology import check_layout
     from train.planner.dry_run import dry_run

@@ -28,7 +28,13 @@ TINY = [
 
 def write_corpus(folder: Path) -> Path:
     """A few dozen real documents: the source of standard-library functions, one .txt file each."""
-    import argparse, csv, json as js, logging, pathlib, string, textwrap  # noqa: E401
+    import argparse  # noqa: E401
+    import csv
+    import json as js
+    import logging
+    import pathlib
+    import string
+    import textwrap
 
     for module in (argparse, csv, js, logging, pathlib, string, textwrap):
         for name, obj in inspect.getmembers(module, inspect.isfunction):

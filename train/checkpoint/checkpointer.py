@@ -30,6 +30,7 @@ from train.checkpoint.files import CheckpointError
 from train.checkpoint.parts import CheckpointParts
 from train.checkpoint.storage import SaveFailed
 from train.checkpoint.writer import CheckpointWriter
+from train.config.sections import TrainConfig
 from train.monitor import report
 
 if TYPE_CHECKING:
@@ -48,7 +49,7 @@ class CheckpointSettings:
     resume: ResumePoint | None = None  # where the run starts from (train/checkpoint/resume_point.py)
 
     @classmethod
-    def from_config(cls, train, run_dir: Path, device: torch.device, resume: ResumePoint | None
+    def from_config(cls, train: TrainConfig, run_dir: Path, device: torch.device, resume: ResumePoint | None
                     ) -> CheckpointSettings:
         """From the train.* section of the config: checkpoint_interval, keep_checkpoints, keep_every and
         async_checkpoint (true, false, or auto: true on CUDA, where the write would stall the accelerator;

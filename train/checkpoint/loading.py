@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from model import GPTConfig
 from train.checkpoint import files, integrity, tensors
 from train.checkpoint.files import CheckpointError
 from train.checkpoint.optimizer_state import KINDS, ParameterState
@@ -115,7 +116,7 @@ def saved_model_config(folder: Path) -> dict:
     return integrity.checked_state(folder)["model"]
 
 
-def read_model_weights(folder: Path, config) -> dict[str, torch.Tensor]:
+def read_model_weights(folder: Path, config: GPTConfig) -> dict[str, torch.Tensor]:
     """{full parameter name: fp32 tensor} of the whole model from a checkpoint folder that `select`
     verified (so its tensors tile this model exactly), written at any layout, in this process (no
     process group needed)."""

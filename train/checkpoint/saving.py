@@ -25,7 +25,6 @@ import json
 from pathlib import Path
 
 import torch
-
 from torch.distributed.checkpoint.api import CheckpointException
 
 from train.checkpoint import files, tensors

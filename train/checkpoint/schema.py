@@ -59,7 +59,7 @@ def sharding_problem(info, names: list[str], file: str) -> str | None:
     return _first(lambda: _sharding(info, names, file))
 
 
-def hf_config_problem(config, file: str) -> str | None:
+def hf_config_problem(config: dict, file: str) -> str | None:
     """A Hugging Face GPT-2 config.json, as train.init_from reads it."""
     return _first(lambda: _hf_config(config, file))
 
@@ -134,7 +134,7 @@ def _model(model, f: str) -> None:
             _int(value, f, f"model.{key}", 1)
 
 
-def _data(data, f: str) -> None:
+def _data(data: dict, f: str) -> None:
     _keys(data, f, "data", required={"version", "stream", "windows_served", "source_windows", "lanes"})
     _int(data["version"], f, "data.version", 0)
     _keys(data["stream"], f, "data.stream", optional=data["stream"] if isinstance(data["stream"], dict) else ())
@@ -244,7 +244,7 @@ def _sharding(info, names: list[str], file: str) -> None:
             _int(o, file, f"DCP_SHARDING_INFO.{name}.saved_offsets[{i}]", 0)
 
 
-def _hf_config(config, f: str) -> None:
+def _hf_config(config: dict, f: str) -> None:
     if not isinstance(config, dict):
         raise Invalid(f"{f}: holds a {type(config).__name__}; it must be a JSON object (a GPT-2 config)")
     for key in ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size"):

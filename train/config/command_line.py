@@ -126,7 +126,7 @@ def _options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONFIG_DIR / group.replace(".", "/")).glob("*.yaml"))
 
 
-def _dotted_keys(cfg, prefix: str = "") -> set[str]:
+def _dotted_keys(cfg: DictConfig, prefix: str = "") -> set[str]:
     """Every key of `cfg` as a dotted path, inner nodes included."""
     keys = set()
     for key in cfg:

@@ -20,7 +20,7 @@ from train.config.entry import CONFIG_DIR
 PASS_THROUGH = ("deepspeed", "hydra")
 
 
-def check_known_keys(cfg, config_name: str, overrides: list[str]) -> None:
+def check_known_keys(cfg: DictConfig, config_name: str, overrides: list[str]) -> None:
     """Raise ValueError naming the first key of `cfg` that the config files do not define."""
     from hydra import compose
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -41,7 +41,7 @@ def _is_group(name: str) -> bool:
     return (CONFIG_DIR / name.replace(".", "/")).is_dir()
 
 
-def _unknown(cfg, reference, prefix: str):
+def _unknown(cfg: DictConfig, reference: DictConfig, prefix: str):
     """(dotted key, sorted valid keys beside it) for every key of cfg missing from reference."""
     for key in cfg:
         path = f"{prefix}{key}"

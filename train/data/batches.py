@@ -36,16 +36,18 @@ from __future__ import annotations
 import copy
 import time
 import weakref
+from collections.abc import Mapping
 from itertools import islice
 
 import numpy as np
 import torch
 
-from train.data.probe import check_data, check_layout
+from train.config.sections import DataConfig
 from train.data.order import changes, stream_id
+from train.data.probe import check_data, check_layout
 from train.data.reading import DataUnavailable, Reader
 from train.data.records import BadRecords, documents, merge_counts
-from train.data.sources import DataError, check_data_config, resolve
+from train.data.sources import DataError, DataSpec, check_data_config, resolve
 from train.data.streams import LaneState, Schedule, pack
 from train.data.workers import make_supply
 
@@ -64,7 +66,7 @@ class TrainBatches:
     order and the resume state depend on neither the batch sizes nor dp.
     """
 
-    def __init__(self, data_cfg, seq_len: int, global_batch: int, dp_rank: int, dp_size: int, seed: int,
+    def __init__(self, data_cfg: DataConfig | Mapping | DataSpec, seq_len: int, global_batch: int, dp_rank: int, dp_size: int, seed: int,
                  warn: bool = True):
         if not isinstance(seed, int) or seed < 0:
             raise DataError(f"data: seed={seed!r} must be a non-negative int")
@@ -293,7 +295,7 @@ def _union(dicts: list[dict]) -> dict:
 
 
 def validation_batches(
-    data_cfg, seq_len: int, batch: int, n_batches: int, dp_rank: int, dp_size: int
+    data_cfg: DataConfig | Mapping | DataSpec, seq_len: int, batch: int, n_batches: int, dp_rank: int, dp_size: int
 ) -> list[torch.Tensor]:
     """The first n_batches·batch windows of the validation split, unshuffled; each global batch of
     `batch` windows sliced by dp rank as in training. Each tensor: LongTensor (batch // dp, seq_len + 1).

@@ -24,6 +24,7 @@ from train.data.records import Bad, BadRecords, in_validation, records
 from train.data.sources import PREPARED_MARK, DataError
 from train.data.tokenizer import EOT, gpt2
 
+
 def _documents(src, policy: str):
     """Every record of `src` in order: its index, text (empty for a skipped one), split and skip reason."""
     bad = BadRecords(policy)

@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
+from train.config.sections import DataConfig
 from train.data.records import (
     ENCODING_HINT,
     Bad,
@@ -90,7 +92,7 @@ class TooFewDocuments(DataError):
         self.label, self.indices = label, indices
 
 
-def check_data(data_cfg, dp_size: int = 1, global_batch: int | None = None, evaluation: Evaluation | None = None,
+def check_data(data_cfg: DataConfig | Mapping | DataSpec, dp_size: int = 1, global_batch: int | None = None, evaluation: Evaluation | None = None,
                streams_set: bool = True) -> DataSpec:
     """Resolve `data_cfg`, check the batch geometry (when `global_batch` is given) and probe every source:
     it must hold a training document for every stream and, with `evaluation`, a validation split holding

@@ -35,6 +35,7 @@ import os
 import socket
 import sysconfig
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
@@ -233,7 +234,7 @@ def _source(keys: dict, kind: str, label: str, where: str, record: dict) -> Sour
                       **{**record, "val_permille": meta["val_permille"], "encoding": meta["encoding"]})
 
 
-def _plain(data_cfg) -> dict:
+def _plain(data_cfg: DataConfig | Mapping) -> dict:
     """A mapping of data keys (a dict, an omegaconf DictConfig, or a section of another schema) as a dict."""
     if dataclasses.is_dataclass(data_cfg):
         return dataclasses.asdict(data_cfg)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from train.config.sections import TrainConfig
 from train.guard import nonfinite, preemption
 from train.guard.watchdog import FIRST_STEP_FACTOR, Watchdog
 
@@ -19,7 +20,7 @@ from train.guard.watchdog import FIRST_STEP_FACTOR, Watchdog
 class Safeguards:
     """The guards of one run, set by its train section (train.step_timeout_s, train.max_consecutive_skips)."""
 
-    def __init__(self, train, run_dir: Path, engine, rank: int, say, resumed_from: Path | None = None):
+    def __init__(self, train: TrainConfig, run_dir: Path, engine, rank: int, say, resumed_from: Path | None = None):
         self.run_dir, self.engine, self.rank, self.say = Path(run_dir), engine, rank, say
         self.last_checkpoint = resumed_from  # the newest checkpoint this run loaded or wrote (for messages)
         self.timeout = float(train.step_timeout_s)

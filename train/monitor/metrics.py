@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from model import GPT, count_parameters, flops_per_token
+from model import GPT, GPTConfig, count_parameters, flops_per_token
+from train.config.sections import LoggingConfig
 from train.monitor import report
 
 # Peak dense bf16 tensor-core FLOP/s by GPU name fragment (vendor data sheets, without sparsity); the
@@ -81,7 +82,7 @@ class MetricsLogger:
     warning when the logger closes.
     """
 
-    def __init__(self, run_dir: Path, logging_cfg, run_config: dict, active: bool, resumed_step: int | None,
+    def __init__(self, run_dir: Path, logging_cfg: LoggingConfig, run_config: dict, active: bool, resumed_step: int | None,
                  resumed: bool = False, default_name: str | None = None, first_record: dict | None = None):
         """resumed_step: the step this run starts from; records logged after it by a run that stopped are
         dropped from metrics.jsonl, since they are about to be logged again. resumed: whether the run
@@ -292,7 +293,7 @@ class Meter:
     """Training loss and throughput between two log records. The loss stays on the device: no
     all-reduce or host sync in every step, one when a record is taken."""
 
-    def __init__(self, device, world: int, cfg, peak: float | None, batches, plan, run_tokens: int):
+    def __init__(self, device: torch.device, world: int, cfg: GPTConfig, peak: float | None, batches, plan, run_tokens: int):
         """`world` devices train `cfg`'s model, each of `peak` TFLOP/s (None: unknown, no MFU); `batches`
         (TrainBatches) reports the data wait and mixture shares; `plan` (or None) the predicted MFU;
         `run_tokens` the tokens by train.max_steps, for the time left."""

@@ -239,7 +239,7 @@ def micro_batch_activations(
     return ActivationBytes(round(saved) + copies, copies, round(recompute), round(per_block), transient, loss)
 
 
-def _weight_casts(config, tp, pp, stage, shape: StageShape, ckpt_blocks: int, fused_loss: bool) -> tuple[int, int, int]:
+def _weight_casts(config: GPTConfig, tp: int, pp: int, stage, shape: StageShape, ckpt_blocks: int, fused_loss: bool) -> tuple[int, int, int]:
     """Bytes of bf16 weight casts: (saved for backward, all made during one forward, one block's).
     The fused loss casts the unembedding itself, outside autocast's cache (in its loss_transient)."""
     params = rank_parameters(config, tp, pp, stage)

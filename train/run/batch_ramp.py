@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from train.config.sections import TrainConfig
+
 UNITS = ("sequences", "tokens")
 
 
@@ -58,17 +60,17 @@ class BatchRamp:
         return tokens + steps * self.full * self.seq_len
 
 
-def from_config(train_cfg, seq_len: int) -> BatchRamp:
+def from_config(train_cfg: TrainConfig, seq_len: int) -> BatchRamp:
     """The run's ramp from the train section's global_batch_size and batch_ramp (train/config/sections/train.py);
     ValueError naming a bad value.
 
     This checks the ramp on its own; whether its batches split over streams, ranks and micro batches
     is train/run/checks.py's check (it knows the layout)."""
     full = train_cfg.global_batch_size
-    ramp = getattr(train_cfg, "batch_ramp", None)
-    if ramp is None or ramp.start is None:
+    ramp = train_cfg.batch_ramp
+    if ramp.start is None:
         for key in ("increment", "tokens"):
-            if ramp is not None and getattr(ramp, key) is not None:
+            if getattr(ramp, key) is not None:
                 raise ValueError(f"train.batch_ramp.{key}={getattr(ramp, key)!r} is set but train.batch_ramp.start is "
                                  f"null (no ramp); set start too, or leave {key} null")
         return BatchRamp(full, full, 1, full, seq_len)

@@ -15,6 +15,8 @@ import math
 import os
 from pathlib import Path
 
+from omegaconf import DictConfig
+
 from model import GPTConfig
 from train.config.sections import DataConfig, GenerateConfig, ParallelConfig, TrainConfig
 from train.config.sections.parallel import AUTO, AUTO_KEYS, ZB_H1
@@ -25,7 +27,7 @@ from train.runtime.resolve import Runtime, resolve_runtime
 GPT2_VOCAB = 50257  # token ids reach 50256 (<|endoftext|>)
 
 
-def check_keys(cfg, config_name: str, overrides: list[str]) -> None:
+def check_keys(cfg: DictConfig, config_name: str, overrides: list[str]) -> None:
     """No key beyond those the config files define, in any group (train/config/keys.py). Raises ConfigError."""
     from train.config.keys import check_known_keys
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from train.config.sections import OptimConfig
+
 # Peak learning rates of Table 2.1 of the GPT-3 paper, by config name; the toy's is ours.
 PAPER_PEAK_LR = {
     "toy": 3e-3,
@@ -48,7 +50,7 @@ class Schedule:
         return self.peak_lr * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * cosine)
 
 
-def resolve_peak_lr(optim_cfg, model_name: str) -> float:
+def resolve_peak_lr(optim_cfg: OptimConfig, model_name: str) -> float:
     """optim.lr, or the paper's peak LR for this model size when optim.lr is null."""
     if optim_cfg.lr is not None:
         return float(optim_cfg.lr)
@@ -60,7 +62,7 @@ def resolve_peak_lr(optim_cfg, model_name: str) -> float:
     return PAPER_PEAK_LR[model_name]
 
 
-def make_schedule(optim_cfg, model_name: str, run_tokens: int) -> Schedule:
+def make_schedule(optim_cfg: OptimConfig, model_name: str, run_tokens: int) -> Schedule:
     """The schedule of a run of `run_tokens` tokens (with a batch ramp, BatchRamp.tokens_after(max_steps));
     warmup is capped at 10% of the run so short runs still decay."""
     decay = int(optim_cfg.decay_tokens) if optim_cfg.decay_tokens is not None else run_tokens
@@ -159,7 +161,7 @@ def global_grad_norm(params: list[torch.Tensor], mpu=None) -> float:
     return float("nan") if norm < 0 else norm  # DeepSpeed reports an inf/nan norm as -1
 
 
-def make_optimizer(model: nn.Module, optim_cfg, peak_lr: float, clip: str = OWN_NORM, mpu=None) -> ClippingAdamW:
+def make_optimizer(model: nn.Module, optim_cfg: OptimConfig, peak_lr: float, clip: str = OWN_NORM, mpu=None) -> ClippingAdamW:
     """GPT-3's AdamW, clipping as `clip` says (see ClippingAdamW)."""
     return ClippingAdamW(
         param_groups(model, float(optim_cfg.weight_decay)),

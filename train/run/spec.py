@@ -35,7 +35,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from model import GPTConfig
 from train.checkpoint.resume_point import ResumePoint
@@ -75,7 +75,7 @@ class RunSpec:
         return self.ramp.tokens_after(self.sections.train.max_steps)
 
 
-def resolve(cfg, run_dir: Path, overrides: tuple[str, ...] | list[str] = ()) -> RunSpec:
+def resolve(cfg: DictConfig, run_dir: Path, overrides: tuple[str, ...] | list[str] = ()) -> RunSpec:
     """Check the whole run config for a run in `run_dir` and resolve it (see the module docstring);
     `overrides` are the command line's, which say what the user set explicitly. Raises ConfigError."""
     run_dir, set_keys = Path(run_dir), [o.lstrip("+").split("=", 1)[0] for o in overrides]

@@ -7,6 +7,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from omegaconf import DictConfig
+
 from train.config.sections.data import KINDS as DATA_KINDS
 from train.config.sections.data import DataConfig
 from train.config.sections.evaluate import EvaluateConfig
@@ -16,6 +18,7 @@ from train.config.sections.optim import OptimConfig
 from train.config.sections.parallel import ParallelConfig
 from train.config.sections.plan import DeviceFigures, PlanConfig
 from train.config.sections.train import BatchRampConfig, TrainConfig
+from train.config.settings import Section
 
 SCHEMA_NAME = "gpt3d_schema"  # configs/config.yaml's defaults list starts with it
 
@@ -53,7 +56,7 @@ class Sections:
     deepspeed: dict  # DeepSpeed's pass-through (the deepspeed group), checked against DeepSpeed's settings
 
     @classmethod
-    def of(cls, cfg) -> "Sections":
+    def of(cls, cfg: DictConfig) -> "Sections":
         """Each section of a composed config built, its checks run (ConfigError at the first bad value)."""
         from omegaconf import OmegaConf
 
@@ -81,7 +84,7 @@ class Sections:
         return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
 
-def _built(cfg, name: str):
+def _built(cfg: DictConfig, name: str):
     from omegaconf import OmegaConf
     from omegaconf.errors import MissingMandatoryValue
 
@@ -93,7 +96,7 @@ def _built(cfg, name: str):
         raise ConfigError(f"{err.full_key} is not set (see docs/configuration.md)") from None
 
 
-def _with(section, dotted: str, value):
+def _with(section: Section, dotted: str, value):
     """`section` with the field at `dotted` (a name, or nested.name) replaced; a new, checked object."""
     name, _, rest = dotted.partition(".")
     return dataclasses.replace(section, **{name: _with(getattr(section, name), rest, value) if rest else value})
