@@ -172,7 +172,17 @@ def measure(schedule: str, pp: int, m: int, t_f: float, t_b: float, t_w: float, 
     return times[1:]
 
 
-def _rank_main(rank, pp, port, cases, costs, steps, results):
+def run_stages(measure_case, pp: int, cases: list[tuple[int, str]], prepare=None) -> dict:
+    """{(m, schedule): [measure_case(schedule, m) of each stage]} for each case, from pp ranks forked here in
+    one gloo group (DeepSpeed's), each with one thread; `prepare` runs on every rank before the first case.
+    Both benchmarks of the pipeline (this one and bench.pipeline_memory) measure through it."""
+    results = mp.get_context("fork").SimpleQueue()
+    args = (pp, _free_port(), cases, measure_case, prepare, results)
+    mp.start_processes(_stage_main, args=args, nprocs=pp, start_method="fork")
+    return dict(results.get() for _ in cases)
+
+
+def _stage_main(rank, pp, port, cases, measure_case, prepare, results):
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # DeepSpeed's banners; results go through `results`
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -182,20 +192,20 @@ def _rank_main(rank, pp, port, cases, costs, steps, results):
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    if prepare is not None:
+        prepare()
     for m, schedule in cases:
         gathered = [None] * pp
-        dist.all_gather_object(gathered, measure(schedule, pp, m, *costs, steps))
+        dist.all_gather_object(gathered, measure_case(schedule, m))
         if rank == 0:
             results.put(((m, schedule), gathered))
+    dist.barrier()
     dist.destroy_process_group()
 
 
 def run(pp: int, cases: list[tuple[int, str]], costs: tuple[float, float, float], steps: int) -> dict:
     """{(m, schedule): [[{busy, step, passes} for each step] for each stage]} from pp forked ranks."""
-    results = mp.get_context("fork").SimpleQueue()
-    args = (pp, _free_port(), cases, costs, steps, results)
-    mp.start_processes(_rank_main, args=args, nprocs=pp, start_method="fork")
-    return dict(results.get() for _ in cases)
+    return run_stages(lambda schedule, m: measure(schedule, pp, m, *costs, steps), pp, cases)
 
 
 def _import_before_fork() -> None:
@@ -337,6 +347,20 @@ def row_line(row: dict, vs_1f1b: float | None) -> str:
             f"{row['ideal_ms']:>9.1f} {ratio}")
 
 
+class Transcript:
+    """What a benchmark prints, line by line as it comes, and kept for its results' markdown."""
+
+    def __init__(self):
+        self._lines = io.StringIO()
+
+    def __call__(self, line: str) -> None:
+        print(line, flush=True)
+        self._lines.write(line + "\n")
+
+    def text(self) -> str:
+        return self._lines.getvalue()
+
+
 def write_results(folder: Path, suffix: str, rows: list[dict], printed: str, command: str, seconds: float,
                   stem: str = "pipeline_bubble", title: str = "Pipeline bubble", device: str = DEVICE) -> list[Path]:
     """<stem>-CPU-<date><suffix>.json (one object per row, with device, date, commit and command) and .md
@@ -380,11 +404,7 @@ def main() -> None:
     started = time.perf_counter()
     _import_before_fork()
 
-    printed = io.StringIO()
-
-    def say(line: str) -> None:
-        print(line, flush=True)
-        printed.write(line + "\n")
+    say = Transcript()
 
     for line in header(costs_ms, steps):
         say(line)
@@ -409,7 +429,7 @@ def main() -> None:
         # the default run as pipeline_bubble-CPU-<date>; others named by their costs, and quick runs as such
         suffix = "" if costs_ms == (default_ms,) * 3 else "-F{:g}-B{:g}-W{:g}".format(*costs_ms)
         suffix += "-quick" if args.quick else ""
-        for path in write_results(args.results, suffix, rows, printed.getvalue(), command, time.perf_counter() - started):
+        for path in write_results(args.results, suffix, rows, say.text(), command, time.perf_counter() - started):
             print(f"wrote {path}")
 
 

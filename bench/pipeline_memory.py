@@ -44,18 +44,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import io
 import os
-import socket
 import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from bench.pipeline_bubble import write_results
+from bench.pipeline_bubble import Transcript, run_stages, write_results
 from model import GPTConfig
 
 SCHEDULES = ("1f1b", "zb-h1")
@@ -175,32 +172,10 @@ def measure(schedule: str, config: GPTConfig, pp: int, m: int, micro_batch: int,
             "param_bytes": sum(p.numel() * p.element_size() for p in params)}
 
 
-def _rank_main(rank: int, pp: int, port: int, cases, config: GPTConfig, micro_batch: int, seed: int, results):
-    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # DeepSpeed's banners; results go through `results`
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(pp), LOCAL_WORLD_SIZE=str(pp),
-    )
-    torch.set_num_threads(1)
-    import deepspeed
-
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
-    _annotate_instructions()
-    for m, schedule in cases:
-        gathered = [None] * pp
-        dist.all_gather_object(gathered, measure(schedule, config, pp, m, micro_batch, seed))
-        if rank == 0:
-            results.put(((m, schedule), gathered))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
 def run(pp: int, cases: list[tuple[int, str]], config: GPTConfig, micro_batch: int, seed: int) -> dict:
     """{(m, schedule): [this stage's measure() for each stage]} from pp forked ranks."""
-    results = mp.get_context("fork").SimpleQueue()
-    args = (pp, _free_port(), cases, config, micro_batch, seed, results)
-    mp.start_processes(_rank_main, args=args, nprocs=pp, start_method="fork")
-    return dict(results.get() for _ in cases)
+    return run_stages(lambda schedule, m: measure(schedule, config, pp, m, micro_batch, seed), pp, cases,
+                      prepare=_annotate_instructions)
 
 
 def _import_before_fork() -> None:
@@ -218,12 +193,6 @@ def _import_before_fork() -> None:
 
     logger.setLevel("WARNING")
     skip_shared_memory_op()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def case_lines(pp: int, m: int, by_schedule: dict[str, list[dict]]) -> tuple[list[str], dict]:
@@ -270,11 +239,7 @@ def main() -> None:
     layouts = [(2, 4)] if args.quick else [(4, 8), (2, 4)]
     started = time.perf_counter()
     _import_before_fork()
-    printed = io.StringIO()
-
-    def say(line: str) -> None:
-        print(line, flush=True)
-        printed.write(line + "\n")
+    say = Transcript()
 
     say(f"pipeline activation memory on CPU (gloo), fp32: {layers} blocks, d_model {args.d_model}, n_head 4, "
         f"seq_len {seq_len}, vocab 512, micro batch {args.micro_batch}; peak live tensor memory of one train_batch's "
@@ -291,7 +256,7 @@ def main() -> None:
         # the default run as pipeline_memory-CPU-<date>; others named by what differs
         suffix = f"-mb{args.micro_batch}" if args.micro_batch != 1 else ""
         suffix += "-quick" if args.quick else ""
-        for path in write_results(args.results, suffix, records, printed.getvalue(), command, time.perf_counter() - started,
+        for path in write_results(args.results, suffix, records, say.text(), command, time.perf_counter() - started,
                                   stem="pipeline_memory", title="Pipeline activation memory", device=DEVICE):
             print(f"wrote {path}")
 

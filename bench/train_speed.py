@@ -138,10 +138,14 @@ class Row:
         self.release()
 
     def release(self):
-        """Free the model and its optimizer state (its timings stay)."""
-        self.model = self.opt = None
+        """Free what the row holds (its timings stay), and the GPU's cached blocks with it."""
+        self.free()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def free(self):
+        """Drop the model and its optimizer state."""
+        self.model = self.opt = None
 
     def step(self, x, y, timed: bool):
         """One training step (train_step); records its time (synchronised) when timed, its loss and peak."""
@@ -290,17 +294,11 @@ class EngineRow(Row):
         except Exception as err:  # reported in the table, never dropped
             self.fail(err)
 
-    def fail(self, err):
-        self.error = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:160]}"
-        self.release()
-
-    def release(self):
-        """Free the engine (its weights, optimizer state and data workers)."""
+    def free(self):
+        """Drop the engine (its weights, optimizer state and data workers)."""
         if self.trainer is not None:
             self.trainer.batches.close()
             self.trainer = None
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
 
     def train_step(self, x, y) -> float:
         result = self.trainer.step(torch.cat([x, y[:, -1:]], dim=1))  # the windows (B, T + 1)

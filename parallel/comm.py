@@ -193,48 +193,30 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None, None
 
 
-class _GatherFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim, tag):
-        ctx.group, ctx.dim = group, dim
-        return _all_gather(x, group, dim, tag, "forward")
+def _conjugate_pair(name: str, forward, backward) -> type[torch.autograd.Function]:
+    """An autograd Function of (x, group, dim, tag) named `name`: `forward` on x in the forward pass,
+    `backward` on its gradient; each called as op(tensor, group, dim, tag, phase)."""
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _split(grad, ctx.group, ctx.dim), None, None, None
-
-
-class _ScatterToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim, tag):
+    def run_forward(ctx, x, group, dim, tag):
         ctx.group, ctx.dim, ctx.tag = group, dim, tag
-        return _split(x, group, dim)
+        return forward(x, group, dim, tag, "forward")
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, ctx.group, ctx.dim, ctx.tag, "backward"), None, None, None
+    def run_backward(ctx, grad):
+        return backward(grad, ctx.group, ctx.dim, ctx.tag, "backward"), None, None, None
 
-
-class _GatherFromSequenceParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim, tag):
-        ctx.group, ctx.dim, ctx.tag = group, dim, tag
-        return _all_gather(x, group, dim, tag, "forward")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.group, ctx.dim, ctx.tag, "backward"), None, None, None
+    return type(name, (torch.autograd.Function,),
+                {"forward": staticmethod(run_forward), "backward": staticmethod(run_backward)})
 
 
-class _ReduceScatterToSequenceParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim, tag):
-        ctx.group, ctx.dim, ctx.tag = group, dim, tag
-        return _reduce_scatter(x, group, dim, tag, "forward")
+def _own_piece(x: torch.Tensor, group, dim: int, tag: str, phase: str) -> torch.Tensor:
+    """This rank's piece along dim, cut locally: no communication, so nothing is recorded."""
+    return _split(x, group, dim)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, ctx.group, ctx.dim, ctx.tag, "backward"), None, None, None
+
+_GatherFromTP = _conjugate_pair("_GatherFromTP", _all_gather, _own_piece)
+_ScatterToTP = _conjugate_pair("_ScatterToTP", _own_piece, _all_gather)
+_GatherFromSequenceParallel = _conjugate_pair("_GatherFromSequenceParallel", _all_gather, _reduce_scatter)
+_ReduceScatterToSequenceParallel = _conjugate_pair("_ReduceScatterToSequenceParallel", _reduce_scatter, _all_gather)
 
 
 def copy_to_tp_region(x: torch.Tensor, group, tag: str = "") -> torch.Tensor:

@@ -145,15 +145,21 @@ class DocstringsData(DataConfig):
 
 
 @dataclass
-class FilesData(DataConfig):
+class RecordFiles(DataConfig):
+    """The record keys of sources that read files of records: local files, and a mixture's entries."""
+
+    text_field: str = _text_field()
+    encoding: str = _encoding()
+    on_bad_record: str = _on_bad_record()
+
+
+@dataclass
+class FilesData(RecordFiles):
     """`data=files`: local files."""
 
     source: str = setting("files", "the kind of source", SOURCE)
     paths: Any = setting(NOT_SET, "files or globs (.txt: one document per file; .jsonl/.json/.parquet: one per record)",
                          PATHS)
-    text_field: str = _text_field()
-    encoding: str = _encoding()
-    on_bad_record: str = _on_bad_record()
     piece_chars: int = _piece_chars(16384)
     val_permille: int = _val_permille(5)
 
@@ -181,15 +187,12 @@ class PreparedData(DataConfig):
 
 
 @dataclass
-class MixtureData(DataConfig):
+class MixtureData(RecordFiles):
     """`data=mixture`: several sources in fixed shares; each entry's record keys default to these."""
 
     source: str = setting("mixture", "the kind of source", SOURCE)
     sources: List[Dict[str, Any]] = setting(doc="a list of sources, each with a label, a weight and its own kind's "
                                                 "keys", check=SOURCE_LIST, factory=list)
-    text_field: str = _text_field()
-    encoding: str = _encoding()
-    on_bad_record: str = _on_bad_record()
     piece_chars: int = _piece_chars(0)
     val_permille: int = _val_permille(5)
 
