@@ -1,4 +1,5 @@
-"""The package structure: model ← parallel ← train, commands on top, and no import circles.
+"""The package structure: floors, each importing only from its own and the floors below, commands on top,
+and no import circles (docs/architecture.md draws them).
 
 Every import statement of the source tree (also those inside functions, which run later but still
 tie the modules together) is read with `ast`, without importing anything. An import of `a.b` that
@@ -15,6 +16,16 @@ PACKAGES = ("model", "parallel", "train", "launch")
 # The commands (`python -m ...`): nothing imports them, and none imports another.
 COMMANDS = {"train.__main__", "train.generate", "train.evaluate", "train.harness", "train.export", "train.prepare_data",
             "train.plan", "train.curves"}
+# The floors, bottom to top: a module imports only modules of its own floor and the floors below.
+FLOORS = (
+    ("model",),  # the network for one device
+    ("parallel",),  # the parallel runtime: topology, sharding, stages, collectives
+    ("train.config",),  # the settings: sections, their checks, the command line
+    ("train.runtime", "train.monitor"),  # device, precision, process group; what observes a run
+    ("train.data", "train.checkpoint", "train.guard", "train.planner", "train.evaluation"),  # the components
+    ("train.run",),  # the run: resolve, checks across sections, build, loop, step, DeepSpeed's config
+    tuple(sorted(COMMANDS)),  # the commands, alone at train/'s root
+)
 
 
 def module_name(path: Path) -> str:
@@ -83,6 +94,38 @@ def test_import_reader_sees_imports_inside_functions(tmp_path):
 
 def test_no_import_circle():
     assert cycle(graph()) is None
+
+
+def floor_of(name: str) -> int | None:
+    """The floor a module stands on (None: a package's own __init__ above the floors, or launch/)."""
+    for floor, prefixes in enumerate(FLOORS):
+        if any(name == p or name.startswith(f"{p}.") for p in prefixes):
+            return floor
+    return None
+
+
+def test_every_module_stands_on_a_floor():
+    assert sorted(name for name in source_modules() if floor_of(name) is None) == ["launch", "train"]
+
+
+def test_imports_run_only_down_the_floors():
+    """Inside functions too: a module imports nothing from a floor above its own."""
+    climbs = [f"{name} (floor {floor_of(name)}) imports {target} (floor {floor_of(target)})"
+              for name, targets in graph().items() if floor_of(name) is not None
+              for target in targets if floor_of(target) is not None and floor_of(target) > floor_of(name)]
+    assert climbs == []
+
+
+def test_the_folders_of_one_floor_import_each_other_without_a_circle():
+    """On the components' floor, data, checkpoint, guard, planner and evaluation may use each other, but
+    never both ways round."""
+    folders = {name: next(p for p in FLOORS[4] if name == p or name.startswith(f"{p}."))
+               for name in source_modules() if floor_of(name) == 4}
+    edges = {folder: set() for folder in FLOORS[4]}
+    for name, targets in graph().items():
+        if name in folders:
+            edges[folders[name]] |= {folders[t] for t in targets if t in folders and folders[t] != folders[name]}
+    assert cycle(edges) is None
 
 
 def test_lower_layers_never_import_higher_ones():

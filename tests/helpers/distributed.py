@@ -46,7 +46,7 @@ def _rank_main(rank, fn, world_size, port, args, result_dir, threads, timeout):
     try:
         result = fn(*args)
         torch.save(result, Path(result_dir) / f"rank{rank}.pt")
-        dist.barrier()  # every rank done before any tears down (as train.run.engine.shutdown_distributed)
+        dist.barrier()  # every rank done before any tears down (as train.runtime.process_group.shutdown_distributed)
     finally:
         dist.destroy_process_group()
 

@@ -1,7 +1,8 @@
-"""The run's configuration: where it lives, its keys, its checks, and the run specification resolved once.
+"""The settings: every key of every command's config, typed, with its one default and its check.
 
-`resolve(cfg, run_dir)` (spec.py) checks everything that needs no model, data stream or process group
-and returns a `RunSpec`: the model config, layout, batch ramp, LR schedule, resume point (with its
-state.json, read once) and the planner's prediction. Builders and the loop read only that; no check
-changes the Hydra config.
+sections/ (one dataclass per section, each field a `setting(default, doc, check)` of settings.py),
+command_line.py (the overrides checked before Hydra runs the job), keys.py (no unknown key),
+entry.py (the config directory, the schema and resolvers, exit codes), launch.py (what the launcher
+tells each process), usage.py (`python -m train --help`), key_table.py (docs/configuration.md's table).
+Nothing here imports anything above it: the run resolves these sections (train/run/spec.py).
 """

@@ -6,11 +6,11 @@
   fewshot.py     k-shot prompts from the task's own train or dev split, with a fixed seed
   requests.py    text → tokens as lm-eval splits them; left truncation to model.seq_len, counted
   scorer.py      log-likelihoods at any layout: batched by length, shared contexts encoded once
-  metrics.py     acc, acc_norm (per character), last-word acc and perplexity
+  task_metrics.py  acc, acc_norm (per character), last-word acc and perplexity
   suite.py       prepare_tasks once, then evaluate_tasks → {"eval/<task>/<metric>": value}
-  settings.py    the `evaluate` config group as one checked dataclass
   references.py  the paper's zero-shot figures per task and model size (Table H.1)
-  harness.py     gpt3d as an lm-evaluation-harness model (`lm_eval --model gpt3d`)
+  lm_eval_model.py  gpt3d as an lm-evaluation-harness model, "gpt3d" (python -m train.harness)
+  sample.py      text from the model at its layout: the end-of-run sample and python -m train.generate
 """
 
 from train.evaluation.suite import PreparedTask, TaskResult, evaluate_tasks, prepare_tasks, score_tasks

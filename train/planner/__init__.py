@@ -2,6 +2,7 @@
 
 counts.py (parameters and state per rank), activations.py (activation memory), comm.py (collectives),
 hardware.py (GPU figures), estimate.py (the plan of one layout), search.py (the best layouts),
-report.py (the table), dry_run.py (the built model checked against the counts), config.py (from a
-run's Hydra config; pre-flight), __main__.py (`python -m train.plan`).
+tables.py (the tables), dry_run.py (the built model checked against the counts), from_config.py (from a
+run's config sections; pre-flight), elastic.py (parallel.layout=auto), zero_buckets.py (DeepSpeed's ZeRO
+buckets from the plan). The command is `python -m train.plan` (train/plan.py).
 """

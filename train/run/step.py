@@ -21,7 +21,7 @@ Both return the mean loss over the micro batches, on the device (no host sync), 
 global gradient norm (as the engine holds it: read from the device only when asked, at logging),
 the learning rate the update used and whether the update was skipped. A step reads nothing from the
 device itself, whatever the number of micro batches: the optimizer that computes the norm reads it
-once, to decide on a skip (tests/train/test_step_syncs.py counts); evaluation reads its losses once
+once, to decide on a skip (tests/train/run/test_step_syncs.py counts); evaluation reads its losses once
 per batch. The model's loss comes flagged (model.layers.flag_non_finite), so a non-finite loss on any rank
 makes every rank's optimizer skip the update (train/guard/nonfinite.py); DeepSpeed counts the skip in
 `engine.skipped_steps`.
