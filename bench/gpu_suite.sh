@@ -75,7 +75,7 @@ job_sections() {  # job_sections N: the job's sections, comma-separated
 section_command() {  # section_command NAME: sets CMD to the section's command, SHOW to it as a shell line
   local json="${RESULT%.md}-$1.json" shard175 shard13
   case "$1" in
-    cuda-tests) CMD=(env GPT3D_TRITON_AUTOTUNE=0 "$PY" -m pytest -q -p no:cacheprovider -rfEs --durations=5
+    cuda-tests) CMD=(env GPT3D_TRITON_AUTOTUNE=0 "$PY" -m pytest -q -n 0 -p no:cacheprovider -rfEs --durations=5
                      tests/model/test_attention_cuda.py) ;;
     attention) CMD=("$PY" -m bench.attention --json "$json") ;;
     train-small) CMD=("$PY" -m bench.train_speed model=gpt3-125m model=gpt3-350m --json "$json") ;;
