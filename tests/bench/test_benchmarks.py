@@ -4,17 +4,17 @@ These check that the benchmarks work, not how fast anything is: figures come fro
 runs on real hardware, never from a test.
 """
 
-import subprocess
-import sys
+import os
 from pathlib import Path
 
 import pytest
+from cli import run_module
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def run_bench(*args: str) -> str:
-    proc = subprocess.run([sys.executable, "-m", *args], cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = run_module(args[0], list(args[1:]), env=dict(os.environ))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 

@@ -1,6 +1,6 @@
 """Sequence parallelism with pipelines, and generation at any layout, through the real launchers.
 
-As in test_layouts.py: `python -m train` under torchrun with gloo processes on the CPU against the
+As in test_layouts.py: `python -m train` on gloo ranks (forked as a launcher starts them) on the CPU against the
 one-process run of the same config and precision (fp32 and bf16); and `python -m train.generate` at
 several layouts reading one checkpoint, against the one-process greedy tokens, computing in fp32 and
 in bf16.
@@ -11,9 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from cli import generate, metrics, train
-from cli import assert_same_losses
+from cli import assert_same_losses, generate, metrics, train
 from test_layouts import STEPS, corpus, one_process, one_process_bf16, reference  # noqa: F401 (fixtures: the same runs)
 
 # A model that barely trained (small LR) still has varied greedy continuations; GPT-3's banded
@@ -29,7 +27,7 @@ def test_sequence_parallel_pipeline_matches_one_process(request, tmp_path, corpu
     empty extension cache stays empty)."""
     extensions = tmp_path / "torch_extensions"
     layout = ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true", f"train.precision={precision}"]
-    proc = train(tmp_path / "run", corpus, *STEPS, *layout, kind="torchrun", nproc=nproc,
+    proc = train(tmp_path / "run", corpus, *STEPS, *layout, kind="ranks", nproc=nproc,
                  env={"TORCH_EXTENSIONS_DIR": str(extensions)})
     assert_same_losses(metrics(tmp_path / "run"), reference(request, precision), precision)
     assert not extensions.exists() or not any(extensions.iterdir()), sorted(extensions.rglob("*"))
@@ -42,13 +40,13 @@ def pipelined_run(tmp_path_factory, corpus):
     run_dir = tmp_path_factory.mktemp("pipelined")
     layout = ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"]
     proc = train(run_dir, corpus, "train.max_steps=2", "train.eval_interval=0", "logging.wandb.mode=disabled",
-                 "optim.lr=1e-4", "train.sample_tokens=8", *ALTERNATING, *layout, kind="torchrun", nproc=4)
+                 "optim.lr=1e-4", "train.sample_tokens=8", *ALTERNATING, *layout, kind="ranks", nproc=4)
     return run_dir, proc
 
 
 def greedy_tokens(run_dir, out, *layout, nproc=1) -> list[int]:
     proc = generate(run_dir, *GREEDY, f"generate.output={out}", *layout,  # no model.*: the checkpoint's
-                    kind="torchrun" if nproc > 1 else "python", nproc=nproc)
+                    kind="ranks" if nproc > 1 else "process", nproc=nproc)
     assert "Setting accelerator" not in proc.stderr  # DeepSpeed's warning that tells a CPU user nothing
     return json.loads(out.read_text())["tokens"]
 

@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import inspect
 import json
-import subprocess
-import sys
 
 import pytest
-
-from cli import REPO, clean_env, evaluate, launcher, train
+from cli import clean_env, evaluate, run_module, train
 
 TRAIN = ["train.max_steps=60", "train.micro_batch_size=4", "optim.lr=1e-2", "optim.decay_tokens=1000000",
          "train.eval_interval=0", "train.checkpoint_interval=60", "logging.wandb.mode=disabled"]
@@ -51,8 +48,8 @@ def fixture(tmp_path_factory, corpus):
     """(run dir, exported folder, data dir, lm-eval task dir) of the module's model and tasks."""
     root = tmp_path_factory.mktemp("evaluate")
     train(root / "run", corpus, *TRAIN)
-    subprocess.run([sys.executable, "-m", "train.export", str(root / "run" / "checkpoints"), str(root / "hf")],
-                   cwd=REPO, env=clean_env(), check=True, capture_output=True)
+    exported = run_module("train.export", [str(root / "run" / "checkpoints"), str(root / "hf")])
+    assert exported.returncode == 0, exported.stderr[-3000:]
     lines = source_lines()
     passages = [{"text": line} for line in lines[:12]] + [{"text": " ".join(lines[30:40])}]  # the last one: > seq_len
     pieces = [line.strip().split(" ", 1) for line in lines[12:24]]
@@ -144,7 +141,7 @@ def test_evaluate_at_any_layout_equals_one_process(fixture, one_process, tmp_pat
     run_dir, _, data, _ = fixture
     out = tmp_path / "out.json"
     evaluate(run_dir, "evaluate.tasks=[lambada,piqa]", f"evaluate.data_dir={data}", f"evaluate.output={out}",
-             "evaluate.batch_tokens=64", *layout, kind="torchrun", nproc=nproc)
+             "evaluate.batch_tokens=64", *layout, kind="ranks", nproc=nproc)
     got, (expected, _) = scores(out), one_process
     for task in ("lambada", "piqa"):
         assert got[task]["metrics"] == pytest.approx(expected[task]["metrics"], rel=1e-5)
@@ -158,10 +155,9 @@ def test_lm_eval_command_line_runs_gpt3d_on_local_tasks_as_hf_does(fixture, hf_r
     choice, loglikelihood_rolling and generate_until, each response as lm-eval's hf model gives it."""
     run_dir, _, _, tasks = fixture
     results, samples = hf_reference
-    cmd = [*launcher("python", 1, "train.harness"), "--model", "gpt3d", "--model_args", f"checkpoint={run_dir}",
-           "--tasks", *TASKS, "--include_path", str(tasks), "--device", "cpu", "--log_samples",
-           "--output_path", str(tmp_path / "lm_eval")]
-    proc = subprocess.run(cmd, cwd=REPO, env=clean_env(OFFLINE), capture_output=True, text=True, timeout=600)
+    args = ["--model", "gpt3d", "--model_args", f"checkpoint={run_dir}", "--tasks", *TASKS, "--include_path",
+            str(tasks), "--device", "cpu", "--log_samples", "--output_path", str(tmp_path / "lm_eval")]
+    proc = run_module("train.harness", args, env=clean_env(OFFLINE))
     assert proc.returncode == 0, proc.stderr[-5000:]
     assert "gpt3d_piqa" in proc.stdout and "acc_norm" in proc.stdout
     (results_file,) = (tmp_path / "lm_eval").rglob("results_*.json")
@@ -207,9 +203,9 @@ def test_bench_prints_items_per_second_against_lm_eval_hf(fixture, tmp_path):
     all three agreeing on the metrics (the bench checks that itself). Figures come from real runs, not here."""
     run_dir, _, _, _ = fixture
     path = tmp_path / "rows.json"
-    cmd = [sys.executable, "-m", "bench.evaluate", "--checkpoint", str(run_dir / "checkpoints"), "--items", "6",
-           "--context", "4", "--ending", "2", "--threads", "1", "--device", "cpu", "--json", str(path)]
-    proc = subprocess.run(cmd, cwd=REPO, env=clean_env(OFFLINE), capture_output=True, text=True, timeout=600)
+    args = ["--checkpoint", str(run_dir / "checkpoints"), "--items", "6", "--context", "4", "--ending", "2",
+            "--threads", "1", "--device", "cpu", "--json", str(path)]
+    proc = run_module("bench.evaluate", args, env=clean_env(OFFLINE))
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(path.read_text())
     assert [r["row"] for r in rows] == ["hf (lm-eval) *", "gpt3d (lm-eval)", "gpt3d scorer"]
@@ -220,7 +216,7 @@ def test_bench_prints_items_per_second_against_lm_eval_hf(fixture, tmp_path):
 def test_a_training_run_scores_its_tasks_as_it_goes_and_every_layout_gets_the_same_numbers(tmp_path, corpus, fixture):
     """train.eval_tasks: at every second step (train.eval_tasks_interval) each task's metrics go into
     metrics.jsonl and the offline W&B run, charted against tokens, with their final and best values in the
-    summary; the same run at tp=2 under torchrun scores the same accuracies, and perplexities within fp32
+    summary; the same run at tp=2 on two ranks scores the same accuracies, and perplexities within fp32
     rounding of the one-process run's."""
     import wandb_log
     from cli import metrics
@@ -242,7 +238,7 @@ def test_a_training_run_scores_its_tasks_as_it_goes_and_every_layout_gets_the_sa
     assert summary["eval/piqa/acc_final"] == rows[-1]["eval/piqa/acc"]
     assert summary["eval/piqa/acc_best"] == max(r["eval/piqa/acc"] for r in rows)
     assert summary["eval/lambada/ppl_best"] == min(r["eval/lambada/ppl"] for r in rows)
-    train(tp2, corpus, *run, "parallel.tp=2", "logging.wandb.mode=disabled", kind="torchrun", nproc=2)
+    train(tp2, corpus, *run, "parallel.tp=2", "logging.wandb.mode=disabled", kind="ranks", nproc=2)
     for got, expected in zip([r for r in metrics(tp2) if "eval/piqa/acc" in r], rows):
         for key in keys:
             assert got[key] == (pytest.approx(expected[key], rel=1e-4) if key.endswith("ppl") else expected[key]), key

@@ -6,7 +6,7 @@ are shared by every case here:
            gradient norms finite throughout (the issue asks for 200 steps of the toy model: each run
            took over half an hour on the 2 CPU cores under other jobs' load, far too long for CI; those
            figures are in docs/gpu-values.md)
-  layouts  tp=2, pp=2 and tp=2·pp=2 fp8 runs under torchrun reproduce the one-process fp8 run's first
+  layouts  tp=2, pp=2 and tp=2·pp=2 fp8 runs on gloo ranks reproduce the one-process fp8 run's first
            steps within bf16's tolerance (cli.TOLERANCES["bf16"]): every amax of a split operand is
            reduced over the tensor-parallel ranks, so each layout quantizes as one process does
   resume   the fp8 run's checkpoint resumes at bf16 at tp=2, and the bf16 run's resumes at fp8 (rowwise),
@@ -18,7 +18,6 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from cli import assert_same_losses, metrics, train
 
 PARITY_STEPS = 60
@@ -61,7 +60,7 @@ def test_fp8_trains_like_bf16(fp8_run, bf16_run):
 )
 def test_fp8_layout_matches_one_process(tmp_path, corpus, fp8_run, nproc, layout):
     train(tmp_path, corpus, "logging.wandb.mode=disabled", f"train.max_steps={LAYOUT_STEPS}", "train.eval_interval=0",
-          "train.checkpoint_interval=0", "train.precision=fp8", *layout, kind="torchrun", nproc=nproc)
+          "train.checkpoint_interval=0", "train.precision=fp8", *layout, kind="ranks", nproc=nproc)
     assert_same_losses(metrics(tmp_path), metrics(fp8_run)[:LAYOUT_STEPS], "bf16")
 
 
@@ -77,7 +76,7 @@ def resume(source, run_dir, corpus, *overrides, **launch) -> list[dict]:
 def test_a_checkpoint_resumes_in_the_other_precision(tmp_path, corpus, fp8_run, bf16_run, direction):
     if direction == "fp8 to bf16 at tp=2":
         source, resumed = fp8_run, resume(fp8_run, tmp_path, corpus, "train.precision=bf16", "parallel.tp=2",
-                                          kind="torchrun", nproc=2)
+                                          kind="ranks", nproc=2)
     else:
         source, resumed = bf16_run, resume(bf16_run, tmp_path, corpus, "train.precision=fp8",
                                            "train.fp8_recipe=rowwise")

@@ -2,8 +2,9 @@
 and in bf16 (train.precision=bf16: what a GPU runs by default, bf16 weights with fp32 masters in
 DeepSpeed's optimizer, forced here on the CPU).
 
-Each case starts `python -m train` under torchrun or the deepspeed launcher with gloo processes on
-the CPU and compares its metrics.jsonl with the one-process run of the same config, seed, data,
+Each case starts `python -m train` on gloo processes on the CPU (under torchrun or the deepspeed launcher,
+or as ranks forked with a launcher's environment by the warm interpreter, tests/helpers/warm.py) and
+compares its metrics.jsonl with the one-process run of the same config, seed, data,
 global batch (4 sequences) and precision: per-step training loss and gradient norm within the
 precision's tolerance (cli.TOLERANCES: 1e-5 and 1e-4 relative in fp32; one bf16 rounding of the loss,
 2^-8, and 1% of the norm in bf16).
@@ -46,17 +47,17 @@ def reference(request, precision: str) -> list[dict]:
 @pytest.mark.parametrize(
     "kind, nproc, layout",
     [
-        ("torchrun", 2, ["parallel.tp=2"]),
+        ("ranks", 2, ["parallel.tp=2"]),
         # (pp=2 alone: tests/end_to_end/test_zero_bubble.py, its steps under zb-h1 and, resumed, 1f1b)
-        ("torchrun", 3, ["parallel.pp=3"]),  # one block per stage
+        ("ranks", 3, ["parallel.pp=3"]),  # one block per stage
         ("torchrun", 4, ["parallel.tp=2", "parallel.pp=2"]),
-        ("torchrun", 2, ["parallel.zero_stage=1"]),
+        ("ranks", 2, ["parallel.zero_stage=1"]),
         ("deepspeed", 2, ["parallel.zero_stage=2"]),
-        ("torchrun", 2, ["parallel.zero_stage=3"]),
-        ("torchrun", 2, ["parallel.zero_stage=1", "parallel.offload_optimizer=true"]),
+        ("ranks", 2, ["parallel.zero_stage=3"]),
+        ("ranks", 2, ["parallel.zero_stage=1", "parallel.offload_optimizer=true"]),
         # ZeRO's reduction in small buckets, overlapped with backward as the planner sets it on GPUs
         # (train/planner/zero_buckets.py): several buckets per step
-        ("torchrun", 4, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.zero_stage=2",
+        ("ranks", 4, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.zero_stage=2",
                          "parallel.activation_checkpointing=selective",
                          "+deepspeed.zero_optimization={overlap_comm:true,contiguous_gradients:true,"
                          "reduce_bucket_size:20000,allgather_bucket_size:20000}"]),
@@ -80,11 +81,11 @@ def test_3d_layout_on_8_processes_matches_one_process_and_resumes_exactly(tmp_pa
     run = ["train.eval_interval=0", "logging.wandb.mode=disabled", "optim.warmup_tokens=16",  # same schedule for 2 or 4 steps
            f"train.precision={precision}"]
     train(one, corpus, *run, "train.max_steps=4", "train.checkpoint_interval=0")
-    train(straight, corpus, *run, "train.max_steps=4", "train.checkpoint_interval=0", *layout, kind="torchrun", nproc=8)
+    train(straight, corpus, *run, "train.max_steps=4", "train.checkpoint_interval=0", *layout, kind="ranks", nproc=8)
     assert [r["step"] for r in metrics(straight)] == [1, 2, 3, 4]
     assert_same_losses(metrics(straight), metrics(one), precision)
-    train(stopped, corpus, *run, "train.max_steps=2", *layout, kind="torchrun", nproc=8)
-    proc = train(stopped, corpus, *run, "train.max_steps=4", *layout, kind="torchrun", nproc=8)
+    train(stopped, corpus, *run, "train.max_steps=2", *layout, kind="ranks", nproc=8)
+    proc = train(stopped, corpus, *run, "train.max_steps=4", *layout, kind="ranks", nproc=8)
     assert "resumed from" in proc.stdout
     keys = ("step", "train/loss", "train/lr", "train/grad_norm")
     assert [[r[k] for k in keys] for r in metrics(stopped)] == [[r[k] for k in keys] for r in metrics(straight)]

@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from cli import assert_same_losses, kill_after_first_checkpoint, metrics, start_train, train
 from test_layouts import STEPS, corpus, one_process  # noqa: F401 (fixtures: the same runs)
 
@@ -69,7 +68,7 @@ def test_ramp_batches_tokens_and_learning_rate_follow_the_tokens_seen(ramp_one_p
 def test_ramp_at_a_layout_matches_one_process(tmp_path, corpus, ramp_one_process, nproc, layout):
     """DeepSpeed's gradient accumulation (1, 2, 4 micro batches per rank) and the pipeline's
     micro-batch count follow the batch."""
-    train(tmp_path, corpus, *STEPS, *RAMP, *layout, kind="torchrun", nproc=nproc)
+    train(tmp_path, corpus, *STEPS, *RAMP, *layout, kind="ranks", nproc=nproc)
     rows = metrics(tmp_path)
     assert_same_losses(rows, ramp_one_process)
     assert [r["train/batch_size"] for r in rows] == [r["train/batch_size"] for r in ramp_one_process]
@@ -90,7 +89,7 @@ def test_a_ramp_that_does_not_split_over_the_ranks_is_refused_early(tmp_path, co
 
 def test_background_workers_at_zero3_dp2_match_one_process(tmp_path, corpus, one_process):
     """The workers pack the same batches: the reference is test_layouts.py's one-process run (no workers)."""
-    train(tmp_path, corpus, *STEPS, "data.workers=1", "parallel.zero_stage=3", kind="torchrun", nproc=2)
+    train(tmp_path, corpus, *STEPS, "data.workers=1", "parallel.zero_stage=3", kind="ranks", nproc=2)
     rows = metrics(tmp_path)
     assert_same_losses(rows, one_process)
     assert_data_wait_logged(rows)
@@ -115,7 +114,7 @@ def test_a_mixture_logs_each_sources_share(mixture_one_process):
 
 
 def test_mixture_at_zero1_dp2_matches_one_process(tmp_path, corpus, mixture_one_process):
-    train(tmp_path, None, *STEPS, *mixture(corpus), "parallel.zero_stage=1", kind="torchrun", nproc=2)
+    train(tmp_path, None, *STEPS, *mixture(corpus), "parallel.zero_stage=1", kind="ranks", nproc=2)
     rows = metrics(tmp_path)
     assert_same_losses(rows, mixture_one_process)
     assert [{k: v for k, v in r.items() if k.startswith("data/")} for r in rows] == \
@@ -128,9 +127,9 @@ def test_resumed_at_dp2_from_a_dp4_checkpoint_continues_with_the_same_batches(tm
     """4 ranks (one stream each) save after step 2; 2 ranks (two streams each) resume there and train step 3.
     Both follow the one-process losses, so step 3 trained on the same global batch."""
     dp4, dp2 = tmp_path / "dp4", tmp_path / "dp2"
-    train(dp4, corpus, *STEPS, "train.checkpoint_interval=2", kind="torchrun", nproc=4)
+    train(dp4, corpus, *STEPS, "train.checkpoint_interval=2", kind="ranks", nproc=4)
     assert_same_losses(metrics(dp4), one_process)
-    proc = train(dp2, corpus, *STEPS, f"train.resume={dp4}/checkpoints/step00000002", kind="torchrun", nproc=2)
+    proc = train(dp2, corpus, *STEPS, f"train.resume={dp4}/checkpoints/step00000002", kind="ranks", nproc=2)
     assert "resumed from" in proc.stdout and "dp=2" in proc.stdout
     rows = metrics(dp2)
     assert [r["step"] for r in rows] == [3]

@@ -6,12 +6,10 @@ import base64
 import hashlib
 import json
 import math
-import subprocess
 
 import pytest
-
 import wandb_log
-from cli import REPO, TINY, assert_same_losses, clean_env, launcher, metrics, write_corpus
+from cli import REPO, TINY, assert_same_losses, metrics, run_module, write_corpus
 from cli import train as run_train
 
 # 2 layers, micro batches of 2 (accumulation 2), shorter warmup: the one-process path in detail.
@@ -29,7 +27,8 @@ def train(run_dir, corpus, *overrides, check=True):
 
 def test_run_writes_metrics_wandb_checkpoints_and_a_sample(tmp_path, corpus):
     run_dir = tmp_path / "run"
-    proc = train(run_dir, corpus, "train.max_steps=6", "train.eval_interval=3", "train.checkpoint_interval=3", "train.sample_tokens=8")
+    proc = train(run_dir, corpus, "train.max_steps=6", "train.eval_interval=3", "train.checkpoint_interval=3", "train.sample_tokens=8",
+                 kind="process")  # a fresh interpreter: what it prints at start-up too
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert [r["tokens"] for r in rows] == [128 * s for s in range(1, 7)]  # 4 sequences × 32 tokens per step
@@ -122,11 +121,11 @@ def book(tmp_path_factory):
 
 
 def book_run(run_dir, book, *overrides, kind="python", nproc=1, check=True):
-    cmd = [*launcher(kind, nproc), f"hydra.run.dir={run_dir}", *BOOK_DEFAULTS, f"data.paths=[{book}]",
-           "train.eval_interval=2", "train.checkpoint_interval=0", "logging.wandb.mode=disabled", *overrides]
-    proc = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=600)
+    args = [f"hydra.run.dir={run_dir}", *BOOK_DEFAULTS, f"data.paths=[{book}]", "train.eval_interval=2",
+            "train.checkpoint_interval=0", "logging.wandb.mode=disabled", *overrides]
+    proc = run_module("train", args, kind, nproc)
     if check:
-        assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        assert proc.returncode == 0, f"{' '.join(proc.args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return proc
 
 
@@ -135,7 +134,7 @@ def test_one_text_file_trains_with_default_data_settings_at_dp1_and_dp2_and_resu
     assert "data.streams" not in straight.stderr  # 4 streams fed: nothing lowered, nothing refused
     one = metrics(tmp_path / "dp1")
     assert [r["step"] for r in one if "val/loss" in r] == [2, 4]  # validation on the held-out end of the file
-    book_run(tmp_path / "dp2", book, "train.max_steps=4", kind="torchrun", nproc=2)
+    book_run(tmp_path / "dp2", book, "train.max_steps=4", kind="ranks", nproc=2)
     two = metrics(tmp_path / "dp2")
     assert_same_losses(two, one)  # the same global batches at dp=2
     assert [r["val/loss"] for r in two if "val/loss" in r] == pytest.approx([r["val/loss"] for r in one if "val/loss" in r], rel=1e-5)

@@ -1,6 +1,6 @@
 """parallel.pipeline_schedule=zb-h1 reproduces the one-process loss curve, and resumes across schedules.
 
-Each case starts `python -m train` under torchrun (gloo processes on the CPU) with the ZB-H1 schedule
+Each case starts `python -m train` on gloo ranks (forked with a launcher's environment, tests/helpers/warm.py) with the ZB-H1 schedule
 (parallel/zero_bubble.py: weight gradients deferred, asynchronous sends) and compares its metrics.jsonl
 with the one-process run of the same config, seed, data and precision, within the precision's
 tolerance (cli.TOLERANCES), in fp32 and in bf16 (DeepSpeed's bf16 optimizer, as on a GPU). The model
@@ -42,7 +42,7 @@ def one_process(tmp_path_factory, corpus):
 )
 def test_zb_h1_layout_matches_one_process(tmp_path, corpus, one_process, nproc, layout, precision):
     proc = train(tmp_path, corpus, *BASE, "train.max_steps=2", "train.checkpoint_interval=0", ZB, *layout,
-                 f"train.precision={precision}", kind="torchrun", nproc=nproc)
+                 f"train.precision={precision}", kind="ranks", nproc=nproc)
     assert "zb-h1)" in proc.stdout  # the run says which schedule it runs
     assert_same_losses(metrics(tmp_path), one_process[precision][:2], precision)
 
@@ -54,7 +54,7 @@ def test_pp2_zb_h1_resumes_1f1b_checkpoints_and_back(tmp_path, corpus, one_proce
     run = [*BASE, f"train.precision={precision}", "parallel.pp=2"]
     for last, schedule in ((2, "zb-h1"), (4, "1f1b"), (6, "zb-h1")):
         proc = train(tmp_path, corpus, *run, f"train.max_steps={last}", f"parallel.pipeline_schedule={schedule}",
-                     kind="torchrun", nproc=2)
+                     kind="ranks", nproc=2)
         assert last == 2 or "resumed from" in proc.stdout
     assert_same_losses(metrics(tmp_path), one_process[precision], precision)
 

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -44,10 +45,13 @@ def write_corpus(folder: Path) -> Path:
 
 
 def launcher(kind: str, nproc: int, module: str = "train") -> list[str]:
-    """The command prefix that starts `nproc` ranks of `-m <module>`."""
-    if kind == "python":
+    """The command prefix that starts `nproc` ranks of `-m <module>` (`python`: one process, forked by this
+    worker's warm interpreter; `process`: one fresh interpreter, which pays every import itself, for what
+    happens at start-up; `torchrun`, `deepspeed`: the launchers; `ranks`: the ranks forked by the warm
+    interpreter as a launcher starts them, shown as torchrun would take them)."""
+    if kind in ("python", "process"):
         return [sys.executable, "-m", module]
-    if kind == "torchrun":
+    if kind in ("torchrun", "ranks"):
         return [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(_free_port()), "-m", module]
     if kind == "deepspeed":
         return [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(_free_port()), "--module", module]
@@ -60,15 +64,38 @@ def arguments(run_dir: Path, corpus: Path | None, *overrides: str) -> list[str]:
     return [f"hydra.run.dir={run_dir}", *TINY, *data, *overrides]
 
 
+def run_module(module: str, args: list[str], kind: str = "python", nproc: int = 1, env: dict | None = None,
+               timeout: float = 600) -> subprocess.CompletedProcess:
+    """`python -m <module> <args>` started by `kind` (see `launcher`), in the repository, with `env` (default:
+    clean_env()); its exit code and output. `python` and `ranks` fork from the warm interpreter
+    (tests/helpers/warm.py): the same module run as `__main__`, without paying its imports again; `process`,
+    `torchrun` and `deepspeed` start fresh interpreters."""
+    env = clean_env() if env is None else env
+    cmd = [*launcher(kind, nproc, module), *args]
+    if kind not in ("python", "ranks"):
+        return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    from warm import Warm
+
+    warm = Warm.shared()
+    with tempfile.TemporaryDirectory(prefix="gpt3d-cmd-") as folder:
+        out, err = Path(folder) / "out", Path(folder) / "err"
+        ranks = nproc if kind == "ranks" else 0
+        child = warm.start([module, *args], env, REPO, out, err, ranks=ranks, port=_free_port() if ranks else None)
+        codes = warm.wait(child, timeout)
+        stdout, stderr = out.read_text() if out.exists() else "", err.read_text() if err.exists() else ""
+    if codes is None:
+        raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
+    failed = [code for code in codes if code != 0]
+    return subprocess.CompletedProcess(cmd, failed[0] if failed else 0, stdout, stderr)
+
+
 def train(
     run_dir: Path, corpus: Path | None, *overrides: str, kind: str = "python", nproc: int = 1, check: bool = True,
     env: dict | None = None,
 ) -> subprocess.CompletedProcess:
-    clean = clean_env(env or {})
-    cmd = [*launcher(kind, nproc), *arguments(run_dir, corpus, *overrides)]
-    proc = subprocess.run(cmd, cwd=REPO, env=clean, capture_output=True, text=True, timeout=600)
+    proc = run_module("train", arguments(run_dir, corpus, *overrides), kind, nproc, clean_env(env or {}))
     if check:
-        assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        assert proc.returncode == 0, f"{' '.join(proc.args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return proc
 
 
@@ -98,10 +125,9 @@ def generate(
     checkpoint: Path, *overrides: str, kind: str = "python", nproc: int = 1, check: bool = True
 ) -> subprocess.CompletedProcess:
     """`python -m train.generate` on a run's checkpoint (which gives the model)."""
-    cmd = [*launcher(kind, nproc, "train.generate"), f"generate.checkpoint={checkpoint}", *overrides]
-    proc = subprocess.run(cmd, cwd=REPO, env=clean_env({}), capture_output=True, text=True, timeout=600)
+    proc = run_module("train.generate", [f"generate.checkpoint={checkpoint}", *overrides], kind, nproc)
     if check:
-        assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        assert proc.returncode == 0, f"{' '.join(proc.args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return proc
 
 
@@ -162,8 +188,7 @@ def evaluate(
 ) -> subprocess.CompletedProcess:
     """`python -m train.evaluate` on a run's checkpoint, with the TINY model."""
     model = [o for o in TINY if o.startswith("model.")]
-    cmd = [*launcher(kind, nproc, "train.evaluate"), *model, f"evaluate.checkpoint={checkpoint}", *overrides]
-    proc = subprocess.run(cmd, cwd=REPO, env=clean_env({}), capture_output=True, text=True, timeout=600)
+    proc = run_module("train.evaluate", [*model, f"evaluate.checkpoint={checkpoint}", *overrides], kind, nproc)
     if check:
-        assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        assert proc.returncode == 0, f"{' '.join(proc.args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return proc

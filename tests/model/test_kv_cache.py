@@ -3,12 +3,12 @@ keys a banded layer keeps, generation past the local window and past the positio
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import os
 from pathlib import Path
 
 import pytest
 import torch
+from cli import run_module
 
 from model import GPTConfig, KVCache, build, generate
 from model.decoding import Decoder
@@ -91,8 +91,7 @@ def test_cache_past_the_position_table_is_refused():
 def test_generation_benchmark_quick_reports_cached_against_uncached():
     """The benchmark works (it checks that both modes produce the same tokens); figures come from
     full runs, not from a test."""
-    proc = subprocess.run([sys.executable, "-m", "bench.generate", "--quick", "--threads", "1"], cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
+    proc = run_module("bench.generate", ["--quick", "--threads", "1"], env=dict(os.environ))
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.startswith(("cached", "uncached"))}
     assert set(rows) == {"cached", "uncached"}, proc.stdout

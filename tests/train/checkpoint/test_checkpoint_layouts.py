@@ -13,7 +13,6 @@ the uninterrupted one-process bf16 run's curve within bf16's tolerance (cli.TOLE
 from __future__ import annotations
 
 import pytest
-
 from cli import TOLERANCES, metrics, train
 
 # 4 heads, so that tp=4 is a layout; checkpoints at steps 4 and 8.
@@ -32,7 +31,7 @@ def one_process(tmp_path_factory, corpus):
 @pytest.fixture(scope="module")
 def source(tmp_path_factory, corpus, one_process):
     run_dir = tmp_path_factory.mktemp("source")
-    train(run_dir, corpus, *RUN, "train.max_steps=4", *SOURCE, kind="torchrun", nproc=8)
+    train(run_dir, corpus, *RUN, "train.max_steps=4", *SOURCE, kind="ranks", nproc=8)
     assert_same_losses(metrics(run_dir), one_process[1][:4])
     return run_dir / "checkpoints"
 
@@ -51,7 +50,7 @@ def assert_same_losses(got: list[dict], expected: list[dict], precision: str = "
 
 def continue_at(run_dir, corpus, checkpoint, nproc: int, layout: list[str]):
     proc = train(run_dir, corpus, *RUN, "train.max_steps=8", f"train.resume={checkpoint}", *layout,
-                 kind="torchrun" if nproc > 1 else "python", nproc=nproc)
+                 kind="ranks" if nproc > 1 else "python", nproc=nproc)
     return proc, metrics(run_dir)
 
 
@@ -84,11 +83,11 @@ def test_a_bf16_3d_checkpoint_continues_at_other_layouts_in_bf16(tmp_path, corpu
     train(one, corpus, *RUN, "train.max_steps=4", *bf16)
     expected = metrics(one)
     source = tmp_path / "source"
-    train(source, corpus, *RUN, "train.max_steps=2", *SOURCE, *bf16, kind="torchrun", nproc=8)
+    train(source, corpus, *RUN, "train.max_steps=2", *SOURCE, *bf16, kind="ranks", nproc=8)
     assert_same_losses(metrics(source), expected[:2], "bf16")
     for name, nproc, layout in [("one", 1, []), ("tp2-dp2-zero2", 4, ["parallel.tp=2", "parallel.zero_stage=2"])]:
         proc = train(tmp_path / f"continued-{name}", corpus, *RUN, "train.max_steps=4", *bf16,
-                     f"train.resume={source / 'checkpoints'}", *layout, kind="torchrun" if nproc > 1 else "python",
+                     f"train.resume={source / 'checkpoints'}", *layout, kind="ranks" if nproc > 1 else "python",
                      nproc=nproc)
         assert "(saved at tp=2 pp=2 dp=2 zero=1, now" in proc.stdout, name
         assert_same_losses(metrics(tmp_path / f"continued-{name}"), expected[2:], "bf16")

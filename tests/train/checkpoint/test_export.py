@@ -11,12 +11,12 @@ bit for bit.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
-import sys
 
 import pytest
 import torch
-from cli import REPO, train
+from cli import run_module, train
 from distributed import run_distributed
 
 from model import GPTConfig, build, generate
@@ -26,8 +26,7 @@ LAYOUT = ["parallel.tp=2", "parallel.pp=2"]
 
 
 def export_cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "train.export", *map(str, args)], cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
+    return run_module("train.export", list(map(str, args)), env=dict(os.environ), timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +34,7 @@ def trained(tmp_path_factory, corpus):
     """2 steps at tp=2 × pp=2, 4 heads, a small LR (varied greedy continuations), then the export."""
     run_dir = tmp_path_factory.mktemp("trained")
     train(run_dir, corpus, "model.n_head=4", "train.max_steps=2", "train.eval_interval=0", "optim.lr=1e-4",
-          "logging.wandb.mode=disabled", *LAYOUT, kind="torchrun", nproc=4)
+          "logging.wandb.mode=disabled", *LAYOUT, kind="ranks", nproc=4)
     out = run_dir.parent / f"{run_dir.name}-hf"
     proc = export_cli(run_dir / "checkpoints", out)
     assert proc.returncode == 0, proc.stderr[-3000:]

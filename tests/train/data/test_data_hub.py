@@ -13,16 +13,16 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
-import signal
 from pathlib import Path
 
 import numpy as np
 import pytest
-
 from cli import assert_same_losses, clean_env, kill_after_first_checkpoint, metrics, start_train, train
 from data_corpus import hub_cfg, parquet_dataset, short_doc, take, token_stream
+
 from train.data import DataError, TrainBatches, check_data
 from train.data.records import records
 from train.data.sources import resolve
@@ -175,7 +175,7 @@ def hub_one_process(tmp_path_factory, cli_dataset):
 @pytest.mark.parametrize("nproc, layout", [(2, []), (4, ["parallel.tp=2"])], ids=["dp2", "tp2-dp2"])
 def test_hub_run_at_a_layout_matches_one_process_and_each_rank_opens_its_own_files(
         tmp_path, cli_dataset, hub_one_process, nproc, layout):
-    train(tmp_path / "run", None, *STEPS, *_hub(cli_dataset), *layout, kind="torchrun", nproc=nproc,
+    train(tmp_path / "run", None, *STEPS, *_hub(cli_dataset), *layout, kind="ranks", nproc=nproc,
           env=_env(tmp_path, cli_dataset))
     assert_same_losses(metrics(tmp_path / "run"), hub_one_process)
     tp = 2 if layout else 1
@@ -184,12 +184,12 @@ def test_hub_run_at_a_layout_matches_one_process_and_each_rank_opens_its_own_fil
 
 def test_hub_dp4_checkpoint_resumes_at_dp2_with_the_same_batches(tmp_path, cli_dataset, hub_one_process):
     dp4, dp2 = tmp_path / "dp4", tmp_path / "dp2"
-    train(dp4 / "run", None, *STEPS, *_hub(cli_dataset), "train.checkpoint_interval=3", kind="torchrun", nproc=4,
+    train(dp4 / "run", None, *STEPS, *_hub(cli_dataset), "train.checkpoint_interval=3", kind="ranks", nproc=4,
           env=_env(dp4, cli_dataset))
     assert_same_losses(metrics(dp4 / "run"), hub_one_process)
     assert _opened_by_rank(dp4) == {r: _own_files(r, 4) for r in range(4)}  # one stream, four files each
     proc = train(dp2 / "run", None, *STEPS, *_hub(cli_dataset), f"train.resume={dp4}/run/checkpoints/step00000003",
-                 kind="torchrun", nproc=2, env=_env(dp2, cli_dataset))
+                 kind="ranks", nproc=2, env=_env(dp2, cli_dataset))
     assert "resumed from" in proc.stdout and "dp=2" in proc.stdout
     rows = metrics(dp2 / "run")
     assert [r["step"] for r in rows] == [4, 5, 6]

@@ -4,14 +4,14 @@ save_to_disk, then the same windows, order, validation and resume as streaming t
 from __future__ import annotations
 
 import json
+import os
 import subprocess
-import sys
 
 import pytest
 import torch
-
-from cli import REPO
+from cli import run_module
 from data_corpus import doc, take, token_stream
+
 from train.data import DataError, TrainBatches, validation_batches
 from train.data.sources import resolve
 
@@ -19,8 +19,7 @@ SEQ = 16
 
 
 def prepare(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "train.prepare_data", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=600)
+    return run_module("train.prepare_data", list(args), env=dict(os.environ))
 
 
 @pytest.fixture(scope="module")

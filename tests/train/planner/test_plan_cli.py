@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
-import sys
 
 import pytest
 import torch
-from cli import REPO
+from cli import run_module
 
 from model import GPT, GPTConfig, count_parameters
 from parallel.naming import Shard
@@ -20,10 +20,9 @@ from train.planner.hardware import preset
 GPT3_175B = ["model=gpt3-175b", "parallel.tp=8", "parallel.pp=16", "plan.gpus=1024"]
 
 
-def plan(*overrides: str, check: bool = True) -> subprocess.CompletedProcess:
-    """`python -m train.plan` in a fresh process, as users run it."""
-    proc = subprocess.run([sys.executable, "-m", "train.plan", *overrides], cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
+def plan(*overrides: str, check: bool = True, kind: str = "python") -> subprocess.CompletedProcess:
+    """`python -m train.plan` as users run it (forked from the warm interpreter; `kind="process"`: a fresh one)."""
+    proc = run_module("train.plan", list(overrides), kind, env=dict(os.environ), timeout=300)
     if check:
         assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
@@ -109,7 +108,7 @@ def test_only_tp_rank_0_counts_a_replica_and_no_rank_the_tied_copy():
 
 def test_table_lists_first_middle_and_last_stage_and_fits_the_175b_paper_setting():
     proc = plan(*GPT3_175B, "train.global_batch_size=1536", "train.micro_batch_size=1", "parallel.zero_stage=1",
-                "parallel.activation_checkpointing=1")
+                "parallel.activation_checkpointing=1", kind="process")  # what a fresh interpreter prints
     header = next(line for line in proc.stdout.splitlines() if "first stage" in line)
     assert header.split() == ["first", "stage", "middle", "stage", "last", "stage"]
     assert "174.60B parameters" in proc.stdout and ": fits" in proc.stdout
