@@ -7,7 +7,7 @@ Examples:
 
 The config is checked and resolved once (train/run/spec.py) before anything is built; a bad
 value exits with EXIT_BAD_INPUT (2), a run that started and cannot go on with EXIT_FAILED (1), a
-checkpoint the disk refused with EXIT_CANNOT_SAVE (4) and a data file that stayed unreadable with
+checkpoint the disk refused with EXIT_CANNOT_SAVE (4) and a data file (or Hub) that stayed unreadable with
 EXIT_DATA_UNREADABLE (5), each with one line.
 """
 

@@ -2,7 +2,7 @@
 
 The loop reads `TrainBatches` and `validation_batches` (batches.py); the config checks call
 `check_data` (probe.py). `DataError` is a bad data setting or a bad record under
-data.on_bad_record=error; `DataUnavailable` (reading.py), a data file that stayed unreadable.
+data.on_bad_record=error; `DataUnavailable` (reading.py), a data file, or a Hub request, that stayed unreadable.
 """
 
 from train.data.batches import TrainBatches, validation_batches

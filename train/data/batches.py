@@ -311,7 +311,7 @@ def validation_batches(
         return []
     counts = spec.val_shares(need)
     keyed = []
-    reader = Reader(spec.read_retries, spec.read_retry_s)
+    reader = Reader.of(spec)
     for src, count in zip(spec.sources, counts):
         bad = BadRecords(spec.on_bad_record, warn=False)  # training reports the bad records; this is a prefix
         docs = documents(src, 0, 1, validation=True, bad=bad, reader=reader)

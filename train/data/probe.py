@@ -45,6 +45,7 @@ from train.data.records import (
     records,
     tokens_of,
 )
+from train.data.reading import Reader
 from train.data.sources import DataError, DataSpec, SourceSpec, resolve
 from train.monitor import report
 
@@ -123,7 +124,7 @@ def _probe(spec: DataSpec, evaluation: Evaluation | None) -> DataSpec:
     for j, (src, need) in enumerate(zip(spec.sources, asked)):
         if src.reader == "prepared":
             _probe_prepared(src, spec.streams, need > 0)
-        elif src.reader == "hub" and _hub_by_files(src, spec.streams):
+        elif src.reader == "hub" and _hub_by_files(src, spec):
             if need:
                 _probe_validation(src, spec)
         else:
@@ -168,7 +169,8 @@ def _probe_records(src: SourceSpec, spec: DataSpec, need: int, window: int) -> "
     missing, wanted = set(range(streams)), need * window
     n_records = n_empty = n_val = held = 0
     train_indices = []
-    for record in records(src, 0, 1):
+    # the Hub's requests are retried as training retries them; a local file is read once (no retry) here
+    for record in records(src, 0, 1, reader=Reader.of(spec) if src.reader == "hub" else None):
         n_records += 1
         if isinstance(record.text, Bad):
             bad.skip(record)  # raises with on_bad_record=error
@@ -295,12 +297,13 @@ def _batches_held(spec: DataSpec, tails: dict[int, Tail], evaluation: Evaluation
     return batches
 
 
-def _hub_by_files(src: SourceSpec, streams: int) -> bool:
+def _hub_by_files(src: SourceSpec, spec: DataSpec) -> bool:
     """Open a `datasets` source (reading no record) and say whether its streams are sets of files; if not (and
     streams > 1), say once what that costs."""
     from train.config.launch import is_rank_zero
 
-    files = open_hub(src).n_shards
+    streams = spec.streams
+    files = open_hub(src, Reader.of(spec)).n_shards
     if by_files(files, streams):
         return True
     if is_rank_zero():
@@ -316,7 +319,7 @@ def _hub_by_files(src: SourceSpec, streams: int) -> bool:
 def _probe_validation(src: SourceSpec, spec: DataSpec) -> None:
     """Read records in order (as validation does) until a validation document shows up."""
     bad, n_train = BadRecords(spec.on_bad_record, warn=False), 0
-    for record in records(src, 0, 1):
+    for record in records(src, 0, 1, reader=Reader.of(spec)):
         if isinstance(record.text, Bad):
             bad.skip(record)
         elif record.text and in_validation(record, src.val_permille):

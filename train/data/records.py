@@ -19,7 +19,8 @@ is a *bad record*: `BadRecords` counts it per file and reason and warns once per
 silently (they would only add an ``<|endoftext|>``).
 
 Files are opened through a `Reader` (train/data/reading.py), which tries a read that fails again for a
-while and then names the file (DataUnavailable).
+while and then names the file (DataUnavailable); so are the HTTP requests of a dataset streamed from the Hub
+(train/data/hub_client.py), which then name the URL.
 
 Every position is a plain dict (ints, strings; for the Hub, datasets' own state), fit for a checkpoint:
 reading resumes at a record without re-reading what came before it (a ``.jsonl`` file is entered by
@@ -28,6 +29,7 @@ its byte offset, parquet by row group).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import json
@@ -38,9 +40,9 @@ from typing import Iterator
 
 import numpy as np
 
-from train.data import docstrings, pieces
+from train.data import docstrings, hub_client, pieces
 from train.data.reading import Reader
-from train.data.sources import DataError, SourceSpec, hub_offline
+from train.data.sources import DataError, SourceSpec, hub_location, hub_offline
 from train.data.tokenizer import EOT, gpt2
 from train.monitor import report
 
@@ -132,12 +134,13 @@ def checked_text(value, field: str) -> str | Bad:
 def records(src: SourceSpec, stream: int, streams: int, pos: dict | None = None,
             reader: Reader | None = None) -> Iterator[Record]:
     """The records of `stream` (of `streams`) from position `pos` on (None: the start), in reading order.
-    Files are opened through `reader` (train/data/reading.py: retries; None: no retry)."""
+    Files are opened, and a dataset on the Hub is read, through `reader` (train/data/reading.py: retries;
+    None: no retry of a file, and huggingface_hub's own retries of the Hub's requests)."""
     read = {"text": _text_records, "docstrings": _docstring_records, "json": _json_records,
             "parquet": _parquet_records, "hub": _hub_records}
     if src.reader not in read:
         raise ValueError(f"records: {src.reader} sources hold tokens, not records")
-    return read[src.reader](src, stream, streams, pos, reader or Reader())
+    return read[src.reader](src, stream, streams, pos, reader if src.reader == "hub" else reader or Reader())
 
 
 def _text_records(src, stream, streams, pos, reader):
@@ -286,10 +289,12 @@ def _parquet_records(src, stream, streams, pos, reader):
 
 def _hub_records(src, stream, streams, pos, reader):
     """A `datasets` stream (a Hub name, a local dataset folder or a cached dataset); positions hold datasets'
-    own state (`datasets` reads its files itself: `reader` is not used). With at least `streams` data files, stream j is datasets' shard j of `streams` (files j, j+S,
-    j+2S, …) and its records are numbered within it; with fewer, every stream reads all records in order and
-    keeps record i when i mod S = j."""
-    dataset = open_hub(src)
+    own state. `datasets` reads the files itself; from the Hub its requests go through `reader`
+    (train/data/hub_client.py), and one that stays unanswered is DataUnavailable naming its URL. With at
+    least `streams` data files, stream j is datasets' shard j of `streams` (files j, j+S, j+2S, …) and its
+    records are numbered within it; with fewer, every stream reads all records in order and keeps record i
+    when i mod S = j."""
+    dataset = open_hub(src, reader)
     files = dataset.n_shards
     pos = pos or {"state": None, "index": 0, "files": files}
     if pos["files"] != files:
@@ -304,13 +309,14 @@ def _hub_records(src, stream, streams, pos, reader):
     if pos["state"] is not None:
         dataset.load_state_dict(pos["state"])
     index, before = pos["index"], pos["state"]
-    for record in dataset:
-        if index % streams == stream:
-            yield Record({"state": before, "index": index, "files": files}, index, label, f"record {index + 1}",
-                         checked_text(record.get(src.text_field), src.text_field))
-        index += 1
-        if index % streams == stream:
-            before = dataset.state_dict()
+    with _unreachable_as_data_unavailable():
+        for record in dataset:
+            if index % streams == stream:
+                yield Record({"state": before, "index": index, "files": files}, index, label, f"record {index + 1}",
+                             checked_text(record.get(src.text_field), src.text_field))
+            index += 1
+            if index % streams == stream:
+                before = dataset.state_dict()
 
 
 def by_files(files: int, streams: int) -> bool:
@@ -318,18 +324,37 @@ def by_files(files: int, streams: int) -> bool:
     return files >= streams
 
 
-def open_hub(src: SourceSpec):
-    """The dataset of `src` as a streaming `datasets.IterableDataset`, in its fixed order (files in order)."""
+def open_hub(src: SourceSpec, reader: Reader | None = None):
+    """The dataset of `src` as a streaming `datasets.IterableDataset`, in its fixed order (files in order). A
+    dataset on the Hub is read through `reader` (train/data/hub_client.py; None: as huggingface_hub reads)."""
     import datasets
 
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()
+    if reader is not None and hub_location(src.name) == "network":
+        hub_client.use(reader)
+    with _unreachable_as_data_unavailable():
+        try:
+            return datasets.load_dataset(src.name, src.config_name, split=src.split, streaming=True)
+        except (ConnectionError, OSError, ValueError) as e:
+            if hub_client.unreachable(e) is not None:
+                raise
+            valid = ("a local dataset folder, or a dataset already in the local datasets cache (offline mode is on)"
+                     if hub_offline() else "a Hub dataset or a local dataset folder")
+            raise DataError(f"data.source=hub: cannot open data.name={src.name!r} ({e}); it must be {valid}") from e
+
+
+@contextlib.contextmanager
+def _unreachable_as_data_unavailable():
+    """A Hub request that stayed unanswered, in whatever error `datasets` raised around it, as its
+    DataUnavailable (train/data/hub_client.py)."""
     try:
-        return datasets.load_dataset(src.name, src.config_name, split=src.split, streaming=True)
-    except (ConnectionError, OSError, ValueError) as e:
-        valid = ("a local dataset folder, or a dataset already in the local datasets cache (offline mode is on)"
-                 if hub_offline() else "a Hub dataset or a local dataset folder")
-        raise DataError(f"data.source=hub: cannot open data.name={src.name!r} ({e}); it must be {valid}") from e
+        yield
+    except Exception as err:
+        gone = hub_client.unreachable(err)
+        if gone is None:
+            raise
+        raise gone from None
 
 
 def is_validation(text: str, val_permille: int) -> bool:

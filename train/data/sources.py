@@ -16,7 +16,8 @@ Six kinds of source (``data.source``):
 Pipeline keys (top level only): ``streams`` (documents are dealt to this many streams by their index
 modulo it; global batches are assembled stream by stream), ``shuffle_buffer`` (windows shuffled
 together, over all streams), ``workers`` / ``prefetch`` (background packing), ``on_bad_record``,
-``read_retries`` / ``read_retry_s`` (a file that cannot be read, tried again: train/data/reading.py).
+``read_retries`` / ``read_retry_s`` / ``read_timeout_s`` (a file or Hub request that cannot be read, tried again:
+train/data/reading.py).
 Record keys (top level, or per mixture entry): ``text_field``, ``encoding``, ``val_permille``,
 ``piece_chars`` (a ``.txt`` document longer than this is cut into pieces: train/data/pieces.py).
 
@@ -130,6 +131,7 @@ class DataSpec:
     on_bad_record: str
     read_retries: int  # a file that cannot be read is tried again this many times (train/data/reading.py)
     read_retry_s: float  # the wait before the first retry, doubling after each
+    read_timeout_s: float  # data=hub: how long a request may wait for its next byte (train/data/hub_client.py)
     val_batches: int = 0  # global batches of validation windows the splits hold, as the probe found (train/data/probe.py)
 
     @property
@@ -150,7 +152,8 @@ class DataSpec:
         return counts
 
     def fingerprint(self) -> dict:
-        """What fixes the global order of windows (not dp, workers, prefetch, retries or the bad-record policy)."""
+        """What fixes the global order of windows (not dp, workers, prefetch, retries, timeouts or the bad-record
+        policy)."""
         return {
             "sources": [s.fingerprint() for s in self.sources],
             "weights": list(self.weights),
@@ -177,7 +180,8 @@ def resolve(data_cfg: DataConfig | Mapping | DataSpec) -> DataSpec:
         raise DataError(str(err)) from None
     pipeline = dict(streams=section.streams, shuffle_buffer=section.shuffle_buffer, workers=section.workers,
                     prefetch=section.prefetch, on_bad_record=getattr(section, "on_bad_record", NO_BAD_RECORDS),
-                    read_retries=section.read_retries, read_retry_s=float(section.read_retry_s))
+                    read_retries=section.read_retries, read_retry_s=float(section.read_retry_s),
+                    read_timeout_s=float(section.read_timeout_s))
     record = {key: getattr(section, key) for key in RECORD_KEYS if hasattr(section, key)}
     if section.source != "mixture":
         return DataSpec((_source(_values(section), section.source, section.source, "data", record),), (1.0,), **pipeline)

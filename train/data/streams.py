@@ -74,21 +74,23 @@ class LaneState:
 
 
 class LanePacker:
-    """Lane (source j, stream s) from a `LaneState` on: `next_chunk()` gives its chunks in order."""
+    """Lane (source j, stream s) from a `LaneState` on: `next_chunk()` gives its chunks in order, its data read
+    through `reader` (the lanes one process packs share one: a process's Hub requests go through one)."""
 
     def __init__(self, spec: DataSpec, lane: tuple[int, int], seq_len: int, seed: int, state: LaneState,
-                 warn: bool = True, warned: set | None = None):
+                 reader: Reader, warn: bool = True, warned: set | None = None):
         j, s = lane
         self.key, self.size = (seed, j, s), spec.chunk_windows
         self.index = state.served // self.size
         self.bad = BadRecords(spec.on_bad_record, warn, state.counts, warned)
-        self.reader = Reader(spec.read_retries, spec.read_retry_s, warn)
+        self.reader = reader
         docs = documents(spec.sources[j], s, spec.streams, validation=False, bad=self.bad, cursor=state.cursor,
                          repeat=True, reader=self.reader)
         self._chunks = pack(docs, seq_len + 1, self.size, self.bad)
 
     def next_chunk(self) -> Chunk:
-        """The lane's next chunk; DataUnavailable when a file it needs stays unreadable."""
+        """The lane's next chunk, with the reads retried while packing it (lanes are packed one at a time, so
+        they are this lane's); DataUnavailable when data it needs stays unreadable."""
         retried = self.reader.made
         windows, end, counts = next(self._chunks)  # (B, T+1)
         order = np.random.default_rng([*self.key, self.index]).permutation(self.size)

@@ -23,6 +23,7 @@ import queue
 import signal
 import traceback
 
+from train.data.reading import Reader
 from train.data.sources import DataError, DataSpec
 from train.data.streams import Chunk, LanePacker, LaneState
 
@@ -34,8 +35,9 @@ class InlineSupply:
 
     def __init__(self, spec: DataSpec, lanes: dict, seq_len: int, seed: int, warn: bool = True):
         warned: set = set()  # bad files already named, over all lanes
+        reader = Reader.of(spec, warn)  # one for all lanes (streams.LanePacker)
         start = {lane: copy.deepcopy(state) for lane, state in lanes.items()}  # the caller's states move on
-        self._make = lambda lane: LanePacker(spec, lane, seq_len, seed, start[lane], warn, warned)
+        self._make = lambda lane: LanePacker(spec, lane, seq_len, seed, start[lane], reader, warn, warned)
         self._packers: dict = {}
 
     def get(self, lane: tuple[int, int], index: int) -> Chunk:
@@ -118,8 +120,9 @@ def _work(spec: DataSpec, lanes: dict, slot: dict, seq_len: int, seed: int, warn
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
     try:
-        warned: set = set()
-        packers = {lane: LanePacker(spec, lane, seq_len, seed, state, warn, warned) for lane, state in lanes.items()}
+        warned, reader = set(), Reader.of(spec, warn)
+        packers = {lane: LanePacker(spec, lane, seq_len, seed, state, reader, warn, warned)
+                   for lane, state in lanes.items()}
         weight = {lane: spec.weights[lane[0]] for lane in lanes}
         rank = mp.parent_process()
         while not stop.is_set() and rank.is_alive():

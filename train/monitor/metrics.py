@@ -340,7 +340,9 @@ class Meter:
         elapsed = time.perf_counter() - self.clock
         tokens_per_s = self.tokens / elapsed
         self.eta_s = (self.run_tokens - progress.tokens) / tokens_per_s
-        loss_sum = mean_over_ranks(self.loss_sum)  # a collective: every rank takes part, skips or not
+        # one collective: every rank takes part, skips or not; the loss averaged, the data reads retried summed
+        loss_sum, read_retries = sums_over_ranks([self.loss_sum, self.batches.read_retries])
+        loss_sum /= self.world
         finite = result.grad_norm is not None and math.isfinite(result.grad_norm)
         return {
             "step": progress.step,
@@ -355,7 +357,7 @@ class Meter:
             "perf/mfu": mfu(tokens_per_s, self.flops_per_token, self.peak, self.world),
             "perf/max_mem_gib": max_memory_gib(self.device),
             "perf/data_wait_s": self.batches.pop_wait_seconds(),
-            "data/read_retries": self.batches.read_retries,  # reads of data files retried so far (this start)
+            "data/read_retries": int(read_retries),  # reads of data retried so far, by every rank (this start)
             **self._shares(),
             **({"perf/mfu_predicted": self.plan.predicted_mfu} if self.plan is not None else {}),
         }
@@ -370,12 +372,20 @@ def mean_over_ranks(value) -> float:
     """Mean of a per-rank number over all ranks (on the accelerator: nccl reduces no CPU tensors)."""
     import torch.distributed as dist
 
+    (total,) = sums_over_ranks([value])
+    return total / dist.get_world_size()
+
+
+def sums_over_ranks(values: list) -> list[float]:
+    """Each of several per-rank numbers (floats, ints or 0-d tensors) summed over all ranks, in one
+    all-reduce (on the accelerator: nccl reduces no CPU tensors)."""
+    import torch.distributed as dist
+
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    tensor = torch.as_tensor(value, dtype=torch.float64, device=device).reshape(1)
+    tensor = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in values])
     if dist.get_world_size() > 1:
         dist.all_reduce(tensor)
-        tensor /= dist.get_world_size()
-    return float(tensor)
+    return tensor.tolist()
 
 
 def max_memory_gib(device: torch.device) -> float:

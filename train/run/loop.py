@@ -147,13 +147,14 @@ def read_ahead(trainer: Trainer, progress: Progress) -> DataUnavailable | None:
 
 
 def _data_gone(err: DataUnavailable, progress: Progress, checkpoint: Path | None, trained: bool) -> DataUnavailable:
-    """What a data file that stayed unreadable stops the run with: where it stopped and the checkpoint it
-    resumes from (`trained`: after a step of this start, saved by now; else before its first step)."""
+    """What data that stayed unreadable (a file, or a Hub that stayed unanswered) stops the run with: where it
+    stopped, the checkpoint it resumes from (`trained`: after a step of this start, saved by now; else before
+    its first step) and what brings the data back."""
     if trained:
         where = f"stopped after step {progress.step}, checkpoint {checkpoint}"
     else:
         where = f"stopped before step {progress.step + 1}, nothing trained since {checkpoint or 'the start'}"
-    return err.stopped(f"{where}; put the file back and re-run the same command: it resumes there")
+    return err.stopped(f"{where}; {err.remedy}: it resumes there")
 
 
 def open_logger(trainer: Trainer, resumed_step: int | None) -> metrics.MetricsLogger:

@@ -18,7 +18,8 @@ from train.config.sections.data import KINDS, NOT_SET, RECORD_KEYS, data_section
 from train.config.settings import ConfigError
 from train.data.sources import resolve
 
-PIPELINE = ("streams", "shuffle_buffer", "workers", "prefetch", "on_bad_record", "read_retries", "read_retry_s")
+PIPELINE = ("streams", "shuffle_buffer", "workers", "prefetch", "on_bad_record", "read_retries", "read_retry_s",
+            "read_timeout_s")
 
 
 def composed(kind: str) -> dict:
@@ -69,6 +70,7 @@ def test_no_data_key_is_an_unchecked_any(kind):
     ({"source": "files", "paths": 3}, "data.paths=3: must be a path, a glob or a list of them"),
     ({"source": "stdlib", "streams": 0}, "data.streams=0 must be a whole number >= 1"),
     ({"source": "stdlib", "read_retry_s": -1}, "data.read_retry_s=-1 must be a number of seconds >= 0"),
+    ({"source": "hub", "name": "x", "read_timeout_s": 0}, "data.read_timeout_s=0 must be a number of seconds > 0"),
     ({"source": "files", "paths": ["a"], "piece_chars": -1}, "data.piece_chars=-1 must be a whole number >= 0"),
     ({"source": "hub", "name": "x", "paths": ["a"]}, "data.paths is for source=files, not source=hub; remove it"),
     ({"source": "mixture", "sources": ["x"]}, "data.sources[0] must be a mapping with source, weight"),

@@ -56,3 +56,20 @@ def test_without_retries_the_first_failure_is_data_unavailable(waits):
     with pytest.raises(DataUnavailable):
         Reader().call("/data/a.txt", failing(1))
     assert waits == []
+
+
+def test_a_wait_the_server_asks_for_is_kept_up_to_its_cap(waits):
+    class Busy(OSError):
+        def __init__(self, retry_after):
+            super().__init__("busy")
+            self.retry_after = retry_after
+
+    reader, asked = Reader(retries=3, wait_s=0.5, warn=False), iter([2.0, 0.1, 1e9])
+
+    def read(path):
+        if reader.made < 3:
+            raise Busy(next(asked))
+        return path
+
+    assert reader.call("https://hub/a.parquet", read) == "https://hub/a.parquet"
+    assert waits == [2.0, 1.0, reading.RETRY_AFTER_MAX_S]  # the longer of the asked and the doubling wait

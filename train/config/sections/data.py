@@ -65,6 +65,8 @@ PIECE_CHARS = _whole(0, " (0: never cut a document)")
 TEXT_FIELD = Check(lambda v: isinstance(v, str) and v != "", "must be the name of a record field (text)")
 SECONDS = Check(lambda v: is_number(v) and 0 <= v < float("inf"), "must be a number of seconds >= 0",
                 lambda key, v: f"{key}={v!r} must be a number of seconds >= 0")
+POSITIVE_SECONDS = Check(lambda v: is_number(v) and 0 < v < float("inf"), "must be a number of seconds > 0",
+                         lambda key, v: f"{key}={v!r} must be a number of seconds > 0")
 PATHS = Check(_paths, "must be a path, a glob or a list of them")
 NAME = Check(lambda v: isinstance(v, str) and v != "", "must be a dataset name or folder (text)")
 SOURCE_LIST = Check(_entries, "must be a list of sources, each a mapping with source, weight and the source's keys",
@@ -84,10 +86,14 @@ class DataConfig(Section):
     shuffle_buffer: int = setting(1024, "windows shuffled together, over all streams (a multiple of streams)", _whole(1))
     workers: int = setting(0, "background processes per rank that tokenize and pack ahead (GPU runs: 1-4)", _whole(0))
     prefetch: int = setting(2, "chunks per stream that workers keep ready ahead of training", _whole(1))
-    read_retries: int = setting(5, "a data file that cannot be read (gone, a network file system's hiccup) is tried "
-                                   "again this many times, each retry a warning; then the run saves a checkpoint "
-                                   "and stops (docs/faults.md)", _whole(0))
-    read_retry_s: float = setting(1.0, "seconds before the first retry of a data file, doubling after each", SECONDS)
+    read_retries: int = setting(5, "a data file that cannot be read (gone, a network file system's hiccup), or a Hub "
+                                   "request that fails (429, 5xx, a dropped connection, a stall), is tried again this "
+                                   "many times, each retry a warning; then the run saves a checkpoint and stops "
+                                   "(docs/faults.md)", _whole(0))
+    read_retry_s: float = setting(1.0, "seconds before the first retry of a data file or Hub request, doubling after "
+                                       "each (longer when the Hub asks for it with Retry-After)", SECONDS)
+    read_timeout_s: float = setting(10.0, "data=hub: seconds a request to the Hub may wait for its next byte before it "
+                                          "fails and is retried (a stall)", POSITIVE_SECONDS)
 
     def check(self) -> None:
         if self.shuffle_buffer % self.streams:
