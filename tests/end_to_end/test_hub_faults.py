@@ -11,8 +11,8 @@ reference: the batches are those of the files, whatever the network does.
   finishes on the local folder's losses, bit for bit. Its steps before the outage and after the Hub is back
   are the runs without faults: they too are the local folder's.
 
-Each case runs with data.workers=0 and 2. The outage runs are one process (under torchrun a rank's exit
-code 5 comes with torchrun's own traceback), so they have a one-process reference.
+Each case runs with data.workers=0 and 2. The outage runs are one process (under a launcher a rank's exit
+code 5 comes with the launcher's own traceback), so they have a one-process reference.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def local(tmp_path_factory, folder) -> dict[int, list]:
     """The reference: the same files read from the local folder, at dp=1 and dp=2, by curve."""
     root = tmp_path_factory.mktemp("local")
     train(root / "dp1", None, *RUN, f"data.name={folder}")
-    train(root / "dp2", None, *RUN, f"data.name={folder}", kind="torchrun", nproc=2)
+    train(root / "dp2", None, *RUN, f"data.name={folder}", kind="ranks", nproc=2)
     return {1: curve(root / "dp1"), 2: curve(root / "dp2")}
 
 
@@ -83,7 +83,7 @@ def passing(request, tmp_path_factory, hub):
     """The faults that pass, at dp=2: the run, its folder and the faults the Hub injected."""
     run_dir = tmp_path_factory.mktemp("passing") / "run"
     hub.inject(*passing_faults())
-    proc = hub_run(run_dir, hub, request.param, kind="torchrun", nproc=2)
+    proc = hub_run(run_dir, hub, request.param, kind="ranks", nproc=2)
     return proc, run_dir, list(hub.injected)
 
 

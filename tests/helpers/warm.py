@@ -129,11 +129,11 @@ class _Server:
         self.pids: dict[int, list[int]] = {}  # request id → its children's pids
         self.status: dict[int, int] = {}  # pid → exit code
         self.next_id = 0
-        self.ready = False
+        self.ended = False  # its report pipe closed: it has ended
         threading.Thread(target=self._read, daemon=True).start()
 
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        return not self.ended and self.proc.poll() is None
 
     def request(self, request: dict) -> _Child:
         with self.lock:
@@ -184,6 +184,7 @@ class _Server:
                     self.status[report["pid"]] = report["exit"]
                 self.lock.notify_all()
         with self.lock:
+            self.ended = True
             self.lock.notify_all()
 
 

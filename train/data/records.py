@@ -40,7 +40,7 @@ from typing import Iterator
 
 import numpy as np
 
-from train.data import docstrings, hub_client, pieces
+from train.data import docstrings, pieces
 from train.data.reading import Reader
 from train.data.sources import DataError, SourceSpec, hub_location, hub_offline
 from train.data.tokenizer import EOT, gpt2
@@ -329,6 +329,8 @@ def open_hub(src: SourceSpec, reader: Reader | None = None):
     dataset on the Hub is read through `reader` (train/data/hub_client.py; None: as huggingface_hub reads)."""
     import datasets
 
+    from train.data import hub_client  # (huggingface_hub: imported by a run that streams from the Hub only)
+
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()
     if reader is not None and hub_location(src.name) == "network":
@@ -348,6 +350,8 @@ def open_hub(src: SourceSpec, reader: Reader | None = None):
 def _unreachable_as_data_unavailable():
     """A Hub request that stayed unanswered, in whatever error `datasets` raised around it, as its
     DataUnavailable (train/data/hub_client.py)."""
+    from train.data import hub_client
+
     try:
         yield
     except Exception as err:
