@@ -93,6 +93,14 @@ class SourceSpec:
     # (train/data/probe.py); None: the split by hash (and a cut file's last pieces)
     val_tail: tuple[int, int, int] | None = None
 
+    def summary(self) -> str:
+        """This source in a few words: its label and how many files, its Hub dataset, or its prepared folder."""
+        if self.kind == "hub":
+            return f"{self.label} {self.name}" + (f" ({self.config_name})" if self.config_name else "")
+        if self.kind == "prepared":
+            return f"{self.label} {self.path}"
+        return f"{self.label} ({len(self.files):,} file{'s' if len(self.files) != 1 else ''})"
+
     def fingerprint(self) -> dict:
         """What fixes this source's documents; a resume state must come from a source with the same one."""
         names = "\n".join(os.path.basename(f) for f in self.files)
@@ -148,6 +156,13 @@ class DataSpec:
         for k in sorted(range(len(exact)), key=lambda k: counts[k] - exact[k])[: windows - sum(counts)]:
             counts[k] += 1
         return counts
+
+    def summary(self) -> str:
+        """The data in a few words, for a run's first line: each source and its size (files, a dataset's name, a
+        prepared folder), a mixture's weights."""
+        if not self.mixture:
+            return self.sources[0].summary()
+        return "mixture of " + ", ".join(f"{s.summary()} {w:.0%}" for s, w in zip(self.sources, self.weights))
 
     def fingerprint(self) -> dict:
         """What fixes the global order of windows (not dp, workers, prefetch, retries or the bad-record policy)."""
