@@ -198,14 +198,15 @@ def checked_state(folder: Path) -> dict:
     return state
 
 
-def check_model(saved: dict, model_cfg, folder: Path) -> None:
-    """One error naming every model setting that differs from the checkpoint's."""
+def check_model(saved: dict, model_cfg, folder: Path,
+                advice: str = "resume with the same model settings, or start a new run") -> None:
+    """One error naming every model setting that differs from the checkpoint's, then `advice`."""
     differing = model_differences(saved, model_cfg)
     if differing:
         raise CheckpointError(
             f"checkpoint {folder} holds another model: it was saved with "
             + ", ".join(f"model.{k}={saved.get(k)!r} (now {getattr(model_cfg, k, None)!r})" for k in differing)
-            + "; resume with the same model settings, or start a new run"
+            + f"; {advice}"
         )
 
 
