@@ -416,16 +416,26 @@ def _check_hub_reachable(name: str) -> None:
     the dataset is opened (`data_probe.check_data`, before any model is built)."""
     if hub_location(name) != "network":
         return
+    unreachable = hub_unreachable()
+    if unreachable:
+        raise DataError(
+            f"data.source=hub needs the Hugging Face Hub to stream {name!r}, but this machine cannot reach it "
+            f"({unreachable}). data.name also takes a local dataset folder, or a dataset already in the "
+            "local datasets cache with HF_DATASETS_OFFLINE=1; or train on local files: data=files "
+            "'data.paths=[/path/to/*.jsonl]' (or data=stdlib)."
+        ) from None
+
+
+def hub_unreachable() -> str | None:
+    """Why this machine cannot reach the Hugging Face Hub (its endpoint, HF_ENDPOINT, refused one TCP connect
+    within 5 s), or None when it can, or behind a proxy, where a direct connection proves nothing (loading then
+    reports any failure)."""
     if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
-        return  # behind a proxy a direct connection proves nothing; loading reports any failure
+        return None
     url = urlparse(os.environ.get("HF_ENDPOINT") or HUB_ENDPOINT)
     port = url.port or (443 if url.scheme == "https" else 80)
     try:
         socket.create_connection((url.hostname, port), timeout=5).close()
     except OSError as e:
-        raise DataError(
-            f"data.source=hub needs the Hugging Face Hub to stream {name!r}, but this machine cannot reach it "
-            f"({url.hostname}:{port}: {e}). data.name also takes a local dataset folder, or a dataset already in the "
-            "local datasets cache with HF_DATASETS_OFFLINE=1; or train on local files: data=files "
-            "'data.paths=[/path/to/*.jsonl]' (or data=stdlib)."
-        ) from None
+        return f"{url.hostname}:{port}: {e}"
+    return None
