@@ -22,14 +22,14 @@ _status_shown = False  # a status line is on the terminal, to be cleared before 
 def say(text: str, speaks: bool = True) -> None:
     """Print one line of the run's story on stdout, when this process speaks."""
     if speaks:
-        _clear_status()
+        clear_status()
         print(text, flush=True)
 
 
 def warn(text: str, speaks: bool = True) -> None:
     """Print one warning on stderr, when this process speaks."""
     if speaks:
-        _clear_status()
+        clear_status()
         print(f"gpt3d: warning: {text}", file=sys.stderr, flush=True)
 
 
@@ -43,7 +43,8 @@ def status(text: str, speaks: bool = True) -> None:
         _status_shown = True
 
 
-def _clear_status() -> None:
+def clear_status() -> None:
+    """Take the status line off the terminal, if one is there (before a line printed elsewhere: an error)."""
     global _status_shown
     if _status_shown:
         sys.stdout.write("\r\033[K")

@@ -52,6 +52,7 @@ def run(spec: RunSpec) -> Progress:
     try:
         stopped = loop(trainer, progress, logger, meter, guard)
     except BaseException as err:
+        report.clear_status()  # the error's line starts a line of its own
         if isinstance(err, Exception):  # not on a second Ctrl-C
             checkpoints.close()
         trainer.batches.close()
