@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -51,7 +52,8 @@ def check_given(cfg: DictConfig, command: str = "python -m train") -> None:
     data.path): else ConfigError saying which choice needs which setting, with an example of `command`."""
     from train.config.sections import DATA_KINDS, SECTIONS
 
-    missing = sorted(key for root in cfg if root not in SKIPPED_ROOTS and isinstance(cfg[root], DictConfig)
+    missing = sorted(re.sub(r"\[(\d+)\]", r".\1", key)  # data.sources[0].paths as the command line writes it
+                     for root in cfg if root not in SKIPPED_ROOTS and isinstance(cfg[root], DictConfig)
                      for key in OmegaConf.missing_keys(cfg[root]))
     if not missing:
         return
