@@ -117,11 +117,9 @@ def _discard_if_empty(run_dir: Path) -> None:
 
 if __name__ == "__main__":
     sys.argv = drop_launcher_arguments(sys.argv)
-    if {"--help", "-h"} & set(sys.argv[1:]):  # (--hydra-help still gives Hydra's own)
-        from train.config.usage import train_usage
+    from train.config.usage import answer_help, train_help
 
-        print(train_usage())
-        raise SystemExit(0)
+    answer_help(sys.argv[1:], train_help)  # (--hydra-help still gives Hydra's own)
     register_config()
     _check_command_line(sys.argv[1:])
     quiet_library_warnings()

@@ -19,13 +19,11 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import hydra
-import torch
 from omegaconf import DictConfig
 
-from model import GPTConfig
-from train.checkpoint.model_part import checkpoint_weights, model_part
 from train.config.entry import (
     CONFIG_DIR,
     EXIT_BAD_INPUT,
@@ -35,11 +33,32 @@ from train.config.entry import (
 )
 from train.config.sections import Sections
 from train.config.sections.evaluate import EvaluateConfig
-from train.evaluation import TaskError, prepare_tasks, score_tasks
-from train.evaluation.references import TABLE, paper_size, reference
-from train.monitor.metrics import write_atomically
-from train.runtime.process_group import shutdown_distributed
-from train.runtime.resolve import Runtime
+from train.config.usage import Help, answer_help, section_settings
+
+if TYPE_CHECKING:
+    import torch
+
+    from model import GPTConfig
+    from train.runtime.resolve import Runtime
+
+
+def command_help() -> Help:
+    """What `python -m train.evaluate --help` says."""
+    return Help(
+        usage=("python -m train.evaluate evaluate.checkpoint=RUN [KEY=VALUE ...]",
+               "torchrun --nproc_per_node N -m train.evaluate parallel.tp=T parallel.pp=P [...]"),
+        purpose="Scores a trained run's checkpoint on GPT-3's zero- and few-shot tasks (LAMBADA, HellaSwag, PIQA, "
+                "ARC, StoryCloze, COPA, Winogrande) at any layout, and prints each metric beside the paper's figure. "
+                "The tasks' data comes from local files, evaluate.data_dir=DIR holding DIR/<task>/<split>.jsonl, or "
+                "from the Hugging Face Hub (which needs the network). The model is the run's (model.*, or "
+                "model=NAME); parallel.*, train.device, train.seed and train.precision are training's.",
+        settings_title="settings (KEY=VALUE)",
+        settings=section_settings(EvaluateConfig),
+        examples=("python -m train.evaluate evaluate.checkpoint=runs/toy/2026-01-01_12-00-00 evaluate.data_dir=evals",
+                  "python -m train.evaluate evaluate.checkpoint=runs/toy/2026-01-01_12-00-00 evaluate.data_dir=evals "
+                  "'evaluate.tasks=[lambada,piqa]' evaluate.num_fewshot=5"),
+        more="the tasks, their files' forms and the scoring rules: docs/evaluation.md",
+    )
 
 
 def resolve(cfg: DictConfig) -> tuple[Sections, Runtime, GPTConfig, EvaluateConfig, Path]:
@@ -80,6 +99,10 @@ def counts(tasks, seq_len: int) -> list[str]:
 def run(sections: Sections, runtime: Runtime, model_cfg: GPTConfig, settings: EvaluateConfig, tasks,
         weights: dict[str, torch.Tensor]):
     """Build this rank's part at the parallel section's layout, give it its slices of `weights`, score the tasks."""
+    from train.checkpoint.model_part import model_part
+    from train.evaluation import score_tasks
+    from train.runtime.process_group import shutdown_distributed
+
     parallel = sections.parallel
     part, topology = model_part(weights, model_cfg, parallel.tp, parallel.pp, runtime, sections.train.seed,
                                 parallel.sequence_parallel)
@@ -91,6 +114,8 @@ def run(sections: Sections, runtime: Runtime, model_cfg: GPTConfig, settings: Ev
 
 def table(results, model_cfg: GPTConfig, fewshot: int) -> str:
     """The metrics (acc in percent) beside the paper's zero-shot figure for the same task and size."""
+    from train.evaluation.references import TABLE, paper_size, reference
+
     size = paper_size(model_cfg.n_layer, model_cfg.d_model) if fewshot == 0 else None
     paper = f"GPT-3 {size} ({TABLE})" if size else "GPT-3 (no zero-shot figure for this shape and setting)"
     lines = [f"{'task':<14} {'metric':<9} {'value':>9}   {paper}"]
@@ -117,8 +142,11 @@ def record(results, settings: EvaluateConfig, folder: Path, layout: dict) -> dic
 
 @hydra.main(version_base=None, config_path=str(CONFIG_DIR), config_name="evaluate")
 def main(cfg: DictConfig) -> None:
+    from train.checkpoint.model_part import checkpoint_weights
     from train.config.launch import is_rank_zero
     from train.config.settings import ConfigError
+    from train.evaluation import TaskError, prepare_tasks
+    from train.monitor.metrics import write_atomically
 
     try:
         sections, runtime, model_cfg, settings, folder = resolve(cfg)
@@ -139,6 +167,7 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     sys.argv = drop_launcher_arguments(sys.argv)
+    answer_help(sys.argv[1:], command_help)
     register_config()
     quiet_library_warnings()
     main()

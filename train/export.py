@@ -11,15 +11,37 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from train.checkpoint.hugging_face import ExportError, export
 from train.config.entry import EXIT_BAD_INPUT
+from train.config.usage import Help, answer_help
+
+USAGE = "python -m train.export CHECKPOINT OUT_DIR"
+
+
+def command_help() -> Help:
+    """What `python -m train.export --help` says."""
+    return Help(
+        usage=(USAGE,),
+        purpose="Writes a run's checkpoint, whatever layout trained it, as a Hugging Face GPT-2 folder "
+                "(GPT2LMHeadModel, its config and the GPT-2 tokenizer's files), which transformers loads and "
+                "train.init_from starts a new run from.",
+        settings_title="arguments",
+        settings=(("CHECKPOINT", "a run folder, its checkpoints/ folder (its newest intact checkpoint) or one step "
+                                 "folder"),
+                  ("OUT_DIR", "the folder to write (new, or empty)")),
+        examples=("python -m train.export runs/toy/2026-01-01_12-00-00/checkpoints hf/toy",
+                  "python -m train.export runs/toy/2026-01-01_12-00-00/checkpoints/step00000200 hf/toy-200"),
+        more="what is exported and what cannot be: docs/checkpoints.md",
+    )
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2 or argv[0] in ("-h", "--help"):
-        print("usage: python -m train.export <checkpoint> <out_dir>\n  <checkpoint>: a run's checkpoints/ folder "
-              "(its newest intact checkpoint) or one step folder", file=sys.stderr)
+    answer_help(argv, command_help)
+    if len(argv) != 2:
+        print(f"gpt3d: error: {USAGE} takes two arguments, not {len(argv)} (python -m train.export --help)",
+              file=sys.stderr)
         return EXIT_BAD_INPUT
+    from train.checkpoint.hugging_face import ExportError, export
+
     try:
         folder = export(Path(argv[0]), Path(argv[1]))
     except ExportError as err:

@@ -19,13 +19,11 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import hydra
-import torch
 from omegaconf import DictConfig
 
-from model import GPTConfig
-from train.checkpoint.model_part import checkpoint_weights, model_part
 from train.config.entry import (
     CONFIG_DIR,
     EXIT_BAD_INPUT,
@@ -34,16 +32,41 @@ from train.config.entry import (
     register_config,
 )
 from train.config.sections import GenerateConfig, Sections
-from train.evaluation.sample import sample_text
-from train.monitor.metrics import write_atomically
-from train.runtime.process_group import shutdown_distributed
-from train.runtime.resolve import Runtime
+from train.config.usage import Help, answer_help, section_settings
+
+if TYPE_CHECKING:
+    import torch
+
+    from model import GPTConfig
+    from train.runtime.resolve import Runtime
+
+
+def command_help() -> Help:
+    """What `python -m train.generate --help` says."""
+    return Help(
+        usage=("python -m train.generate generate.checkpoint=RUN [KEY=VALUE ...]",
+               "torchrun --nproc_per_node N -m train.generate parallel.tp=T parallel.pp=P [...]"),
+        purpose="Continues a prompt with a trained run's model, at any layout, and prints the text. The model is "
+                "the checkpoint's own, so model.* need not be given; parallel.*, train.device and train.seed are "
+                "training's.",
+        settings_title="settings (KEY=VALUE)",
+        settings=section_settings(GenerateConfig),
+        examples=("python -m train.generate generate.checkpoint=runs/toy/2026-01-01_12-00-00 generate.prompt='Return the'",
+                  "python -m train.generate generate.checkpoint=runs/toy/2026-01-01_12-00-00 generate.temperature=0 "
+                  "generate.max_new_tokens=32"),
+        more="sampling, the KV cache and layouts: docs/generation.md",
+    )
 
 
 def run(sections: Sections, runtime: Runtime, gen: GenerateConfig, model_cfg: GPTConfig, folder: Path,
         weights: dict[str, torch.Tensor]) -> str:
     """Build this rank's part at the parallel section's layout, give it its slices of `weights`, generate
     as the generate section (`gen`) says."""
+    from train.checkpoint.model_part import model_part
+    from train.evaluation.sample import sample_text
+    from train.monitor.metrics import write_atomically
+    from train.runtime.process_group import shutdown_distributed
+
     train, parallel = sections.train, sections.parallel
     part, topology = model_part(weights, model_cfg, parallel.tp, parallel.pp, runtime, train.seed,
                                 parallel.sequence_parallel)
@@ -61,6 +84,7 @@ def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
+    from train.checkpoint.model_part import checkpoint_weights
     from train.config.settings import ConfigError
     from train.run.checks import check_generation, check_keys, check_runtime
 
@@ -84,6 +108,7 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     sys.argv = drop_launcher_arguments(sys.argv)
+    answer_help(sys.argv[1:], command_help)
     register_config()
     quiet_library_warnings()
     main()

@@ -11,13 +11,35 @@ import sys
 from pathlib import Path
 
 from train.config.entry import CONFIG_DIR, EXIT_BAD_INPUT, register_config
-from train.data.prepare import bad_summary, prepare
-from train.data.sources import DataError, resolve
+from train.config.usage import Help, answer_help
 
 USAGE = "usage: python -m train.prepare_data [data=KIND] [data.KEY=VALUE ...] out=FOLDER [num_proc=N]"
 
 
+def command_help() -> Help:
+    """What `python -m train.prepare_data --help` says."""
+    return Help(
+        usage=(USAGE.removeprefix("usage: "),),
+        purpose="Tokenizes one source of documents once (GPT-2 BPE), with its validation split, into a folder that "
+                "data=prepared trains from without tokenizing again; the windows are the same as streaming the "
+                "source gives.",
+        settings_title="arguments",
+        settings=(("data=KIND, data.KEY=VALUE", "the source, as for training: data=stdlib, files or hub, and its "
+                                                "keys (docs/configuration.md)"),
+                  ("out=FOLDER", "the folder to write (new; required)"),
+                  ("num_proc=N", "processes that tokenize (default: this machine's CPUs)")),
+        examples=("python -m train.prepare_data data=files 'data.paths=[/data/owt/*.jsonl]' out=data/owt-gpt2",
+                  "python -m train.prepare_data data=hub data.name=HuggingFaceFW/fineweb data.config_name=sample-10BT "
+                  "out=data/fineweb num_proc=16"),
+        more="then: python -m train data=prepared data.path=FOLDER (docs/data.md)",
+    )
+
+
 def main(argv: list[str]) -> int:
+    answer_help(argv, command_help)
+    from train.data.prepare import bad_summary, prepare
+    from train.data.sources import DataError
+
     try:
         out, num_proc, overrides = _parse(argv)
         src, policy = _source(overrides)
@@ -34,6 +56,8 @@ def main(argv: list[str]) -> int:
 
 
 def _parse(argv: list[str]) -> tuple[Path, int, list[str]]:
+    from train.data.sources import DataError
+
     out, num_proc, overrides = None, os.cpu_count() or 1, []
     for arg in argv:
         key, _, value = arg.partition("=")
@@ -58,11 +82,19 @@ def _source(overrides: list[str]):
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    from train.config.command_line import check_given
+    from train.config.settings import ConfigError
+    from train.data.sources import DataError, resolve
+
     register_config()  # the schema the data groups start from
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
             cfg = compose(config_name="config", overrides=overrides)
     except (HydraException, OmegaConfBaseException) as err:
+        raise DataError(str(err)) from None
+    try:
+        check_given(cfg, "python -m train.prepare_data")
+    except ConfigError as err:
         raise DataError(str(err)) from None
     if cfg.data.get("source") in ("mixture", "prepared"):
         raise DataError(f"prepare_data prepares one source (stdlib, files or hub), not data.source={cfg.data.source}; "

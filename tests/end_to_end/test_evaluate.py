@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import inspect
 import json
+import socket
+from pathlib import Path
 
 import pytest
-from cli import clean_env, evaluate, run_module, train
+from cli import REPO, clean_env, evaluate, run_module, train
 
 TRAIN = ["train.max_steps=60", "train.micro_batch_size=4", "optim.lr=1e-2", "optim.decay_tokens=1000000",
          "train.eval_interval=0", "train.checkpoint_interval=60", "logging.wandb.mode=disabled"]
@@ -150,18 +152,29 @@ def test_evaluate_at_any_layout_equals_one_process(fixture, one_process, tmp_pat
         assert got[task]["greedy"] == expected[task]["greedy"]
 
 
+def documented_task(data: Path) -> str:
+    """docs/evaluation.md's local task YAML as written there, reading `data`'s LAMBADA file instead of evals/'s."""
+    text = (REPO / "docs" / "evaluation.md").read_text()
+    yaml = next(block for block in text.split("```yaml\n")[1:] if block.startswith("# tasks/my_lambada.yaml"))
+    return yaml.split("```")[0].replace("evals/lambada/test.jsonl", str(data / "lambada" / "test.jsonl"))
+
+
 def test_lm_eval_command_line_runs_gpt3d_on_local_tasks_as_hf_does(fixture, hf_reference, tmp_path):
-    """`lm_eval --model gpt3d` (python -m train.harness) over the local YAMLs: loglikelihood, multiple
-    choice, loglikelihood_rolling and generate_until, each response as lm-eval's hf model gives it."""
+    """python -m train.harness (gpt3d its default model) over the local YAMLs: loglikelihood, multiple
+    choice, loglikelihood_rolling and generate_until, each response as lm-eval's hf model gives it; and
+    docs/evaluation.md's local task, on the same file as gpt3d_lambada, scoring as it does."""
     run_dir, _, _, tasks = fixture
     results, samples = hf_reference
-    args = ["--model", "gpt3d", "--model_args", f"checkpoint={run_dir}", "--tasks", *TASKS, "--include_path",
-            str(tasks), "--device", "cpu", "--log_samples", "--output_path", str(tmp_path / "lm_eval")]
+    (tasks / "my_lambada.yaml").write_text(documented_task(tasks.parent / "clean"))
+    args = ["--model_args", f"checkpoint={run_dir}", "--tasks", *TASKS, "my_lambada", "--include_path", str(tasks),
+            "--device", "cpu", "--log_samples", "--output_path", str(tmp_path / "lm_eval")]
     proc = run_module("train.harness", args, env=clean_env(OFFLINE))
     assert proc.returncode == 0, proc.stderr[-5000:]
     assert "gpt3d_piqa" in proc.stdout and "acc_norm" in proc.stdout
     (results_file,) = (tmp_path / "lm_eval").rglob("results_*.json")
     ours = json.loads(results_file.read_text())["results"]
+    assert ours["my_lambada"]["acc,none"] == ours["gpt3d_lambada"]["acc,none"]
+    assert ours["my_lambada"]["perplexity,none"] == pytest.approx(ours["gpt3d_lambada"]["perplexity,none"], rel=1e-9)
     for task in TASKS:
         (file,) = (tmp_path / "lm_eval").rglob(f"samples_{task}_*.jsonl")
         got = responses([json.loads(line) for line in file.read_text().splitlines()])
@@ -196,6 +209,26 @@ def test_evaluate_refuses_bad_input_in_one_line_before_any_model_is_built(fixtur
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert proc.stderr.count("gpt3d: error") == 1 and not out.exists()
+
+
+def test_without_data_dir_and_without_the_hub_evaluate_names_the_local_files_in_one_line(fixture, tmp_path):
+    """No evaluate.data_dir, and a Hub that refuses connections (HF_ENDPOINT: a closed local port; no network is
+    reached): one line naming evaluate.data_dir and the files it would read, exit 2, no retries, no traceback."""
+    run_dir, _, _, _ = fixture
+    with socket.socket() as sock:  # a port that was free a moment ago: nothing listens there
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {"HF_ENDPOINT": f"http://127.0.0.1:{port}", "HF_HUB_OFFLINE": "", "HF_DATASETS_OFFLINE": "", "HTTPS_PROXY": "",
+           "https_proxy": "", "ALL_PROXY": "", "all_proxy": "",
+           "HF_DATASETS_CACHE": str(tmp_path / "cache"), "HF_HOME": str(tmp_path / "home")}
+    proc = evaluate(run_dir, "evaluate.tasks=[hellaswag]", "evaluate.num_fewshot=2", check=False, env=env)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-3000:]
+    assert proc.stderr.splitlines() == [
+        "gpt3d: error: hellaswag: cannot load Rowan/hellaswag (validation) from the Hugging Face Hub: it is not in the "
+        f"local datasets cache and the Hub cannot be reached (127.0.0.1:{port}: [Errno 111] Connection refused). To "
+        "score from local files, set evaluate.data_dir=DIR holding DIR/hellaswag/validation.jsonl (and "
+        "DIR/hellaswag/train.jsonl for evaluate.num_fewshot > 0), one JSON record per line in the task's published "
+        "form (docs/evaluation.md)"]
 
 
 def test_bench_prints_items_per_second_against_lm_eval_hf(fixture, tmp_path):

@@ -184,11 +184,14 @@ def _free_port() -> int:
 
 
 def evaluate(
-    checkpoint: Path, *overrides: str, kind: str = "python", nproc: int = 1, check: bool = True
+    checkpoint: Path, *overrides: str, kind: str = "python", nproc: int = 1, check: bool = True, env: dict | None = None
 ) -> subprocess.CompletedProcess:
-    """`python -m train.evaluate` on a run's checkpoint, with the TINY model."""
+    """`python -m train.evaluate` on a run's checkpoint, with the TINY model (`env`: variables to set; an empty
+    value removes one)."""
     model = [o for o in TINY if o.startswith("model.")]
-    proc = run_module("train.evaluate", [*model, f"evaluate.checkpoint={checkpoint}", *overrides], kind, nproc)
+    variables = {key: value for key, value in clean_env(env).items() if value != ""}
+    proc = run_module("train.evaluate", [*model, f"evaluate.checkpoint={checkpoint}", *overrides], kind, nproc,
+                      variables)
     if check:
         assert proc.returncode == 0, f"{' '.join(proc.args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return proc

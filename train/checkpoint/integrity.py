@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from train.checkpoint import files, schema, tensors
+from train.checkpoint import files, schema
 from train.checkpoint.files import CheckpointError, checkpoint_dir
 from train.checkpoint.optimizer_state import KINDS
 from train.monitor import report
@@ -174,6 +174,8 @@ def _content_problems(folder: Path, manifest: dict) -> tuple[list[str], dict | N
     except (TypeError, ValueError) as err:
         return [f"state.json: model describes no valid model ({err})"], None
     shard_files = sorted(name for name in manifest["files"] if name.endswith(files.SHARD_SUFFIX))
+    from train.checkpoint import tensors  # deferred: see train/checkpoint/tensors.py
+
     problems = tensors.layout_problems(folder, shard_files, saved_shapes(model_cfg))
     return ([f"tensors: {'; '.join(problems[:3])}"], None) if problems else ([], state)
 
@@ -198,14 +200,15 @@ def checked_state(folder: Path) -> dict:
     return state
 
 
-def check_model(saved: dict, model_cfg, folder: Path) -> None:
-    """One error naming every model setting that differs from the checkpoint's."""
+def check_model(saved: dict, model_cfg, folder: Path,
+                advice: str = "resume with the same model settings, or start a new run") -> None:
+    """One error naming every model setting that differs from the checkpoint's, then `advice`."""
     differing = model_differences(saved, model_cfg)
     if differing:
         raise CheckpointError(
             f"checkpoint {folder} holds another model: it was saved with "
             + ", ".join(f"model.{k}={saved.get(k)!r} (now {getattr(model_cfg, k, None)!r})" for k in differing)
-            + "; resume with the same model settings, or start a new run"
+            + f"; {advice}"
         )
 
 

@@ -16,13 +16,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from model import GPTConfig
-from train.checkpoint import files, integrity, tensors
+from train.checkpoint import files, integrity
 from train.checkpoint.files import CheckpointError
 from train.checkpoint.optimizer_state import KINDS, ParameterState
 from train.checkpoint.parts import CheckpointParts
 from train.monitor import report
 
 if TYPE_CHECKING:
+    from train.checkpoint import tensors
     from train.checkpoint.resume_point import ResumePoint
 
 LOAD_BATCH_BYTES = 1 << 30  # fp32 state read per DCP load call on one rank
@@ -34,6 +35,8 @@ def load(engine, topology, model_cfg, point: ResumePoint, parts: CheckpointParts
     fp32 master weights, Adam moments and step count, then every registered part (this rank's per-rank
     ones last). The folder is loaded once all ranks together find it intact (`_intact`). Returns (the
     folder used, its state.json)."""
+    from train.checkpoint import tensors  # deferred: see train/checkpoint/tensors.py
+
     import torch.distributed as dist
 
     folder, state = _intact(point, report.warner(dist.get_rank() == 0))
@@ -72,6 +75,8 @@ def _intact(point: ResumePoint, warn) -> tuple[Path, dict]:
 def _restore(part, model_cfg, topology, params: ParameterState, reader: tensors.ShardReader) -> None:
     """Every local parameter (each Parameter once) from its region of the saved full tensors, in
     batches; every rank makes the same number of DCP calls (a collective), some with nothing to read."""
+    from train.checkpoint import tensors  # deferred: see train/checkpoint/tensors.py
+
     import torch.distributed as dist
 
     from parallel.naming import parameter_map
@@ -120,6 +125,8 @@ def read_model_weights(folder: Path, config: GPTConfig) -> dict[str, torch.Tenso
     """{full parameter name: fp32 tensor} of the whole model from a checkpoint folder that `select`
     verified (so its tensors tile this model exactly), written at any layout, in this process (no
     process group needed)."""
+    from train.checkpoint import tensors  # deferred: see train/checkpoint/tensors.py
+
     from parallel.naming import full_shapes
 
     reader = tensors.ShardReader(folder)

@@ -18,6 +18,10 @@ from train.checkpoint.files import CheckpointError
 from train.config.launch import is_rank_zero
 from train.monitor import report
 
+# How a resume refused for another model shape goes on: the same model, or a fresh start elsewhere or here
+FRESH_START = ("resume with the same model settings; to train this model instead, start a new run: another run "
+               "folder (hydra.run.dir=PATH), or train.resume=overwrite (moves the old run aside)")
+
 
 @dataclass(frozen=True)
 class ResumePoint:
@@ -39,7 +43,7 @@ def resume_point(resume: str, run_dir: Path, model_cfg: GPTConfig) -> ResumePoin
         return None
     # every file but the shards' bytes, which loading hashes, shared by all ranks (train/checkpoint/loading.py)
     folder, state = integrity.select(path, warn=report.warner(is_rank_zero()), hash_shards=False)
-    integrity.check_model(state["model"], model_cfg, folder)
+    integrity.check_model(state["model"], model_cfg, folder, FRESH_START)
     missing = sorted(schema.RESUME_KEYS - set(state))
     if missing:
         raise CheckpointError(f"checkpoint {folder} holds weights but no run to resume (its state.json lacks "

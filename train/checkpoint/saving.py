@@ -23,16 +23,19 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from torch.distributed.checkpoint.api import CheckpointException
 
-from train.checkpoint import files, tensors
+from train.checkpoint import files
 from train.checkpoint.files import checkpoint_dir, step_tag
 from train.checkpoint.optimizer_state import KINDS, ParameterState
 from train.checkpoint.parts import CheckpointParts
 from train.checkpoint.schema import FORMAT, FORMAT_VERSION
 from train.checkpoint.storage import SaveFailed, first_cause
+
+if TYPE_CHECKING:
+    from train.checkpoint import tensors
 
 
 def save(engine, topology, model_cfg, run_dir: Path, parts: CheckpointParts, *, keep: int = 3,
@@ -110,6 +113,9 @@ def write(staged: Staged, *, keep: int = 3, keep_every: int = 0, group=None) -> 
     published, or raises SaveFailed when any rank failed (every rank alike, naming the first rank's error),
     after rank 0 removed the temporary folder: a failed save leaves the checkpoints as they were."""
     import torch.distributed as dist
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from train.checkpoint import tensors  # deferred: see train/checkpoint/tensors.py
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     root, tag, tmp = staged.tmp.parent, step_tag(staged.step), staged.tmp
@@ -190,6 +196,8 @@ def _collect(part, model_cfg, topology, params: ParameterState, host_copy=None) 
     """This rank's share of the tensors to save: for every parameter it speaks for (not a tied copy;
     tp rank 0 for replicated ones) whose data-parallel writer it is, the fp32 weights and moments of
     its region of the full tensor (vocabulary padding left out), through `host_copy` when given."""
+    from train.checkpoint import tensors  # deferred: see train/checkpoint/tensors.py
+
     from parallel.naming import parameter_map
 
     spoken = [(local, shard) for local, shard in parameter_map(part, model_cfg, topology).items()
@@ -211,6 +219,8 @@ def _collect(part, model_cfg, topology, params: ParameterState, host_copy=None) 
 def _writers(shards: list, dp: int) -> list[int]:
     """The data-parallel rank that writes each shard: the least loaded so far, so each rank writes
     about 1/dp of the bytes (the same answer on every rank)."""
+    from train.checkpoint import tensors  # deferred: see train/checkpoint/tensors.py
+
     load, writers = [0] * dp, []
     for shard in shards:
         _, sizes = tensors.region(shard.index)

@@ -13,6 +13,10 @@ Storage is DCP's Hugging Face safetensors backend in its distributed mode: each 
 every chunk in it. Reading rebuilds DCP's metadata from those headers alone. Nothing on either side
 is pickled (DCP's default file system backend would pickle its `.metadata` file, and reading that
 would unpickle; the safetensors backend writes no such file).
+
+torch.distributed.checkpoint takes most of a second to import, so this module is imported only where a
+checkpoint is written, read or its tensors verified (saving.py, loading.py, integrity.py), never when a
+command starts.
 """
 
 from __future__ import annotations

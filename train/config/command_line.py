@@ -7,14 +7,17 @@ Hydra reports a misspelled key (`train.max_step=5`) by advising `+` to add it, a
 NotADirectoryError, all with exit code 1. `check_command_line` composes the same config first with
 Hydra's compose API (milliseconds); only when that fails does it look at each override to name the
 bad one: a value of the wrong type in the words of its field's own check (train/config/settings.py),
-the nearest existing key (difflib over every dotted key of the config), or the group's configs.
+the nearest existing key (difflib over every dotted key of the config), or the group's configs. A
+setting that has no default and is not given (`data=files` without data.paths) is named with an example.
 Command lines with Hydra's own flags (--help, --cfg, -m, ...) are left to Hydra.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -40,7 +43,27 @@ def check_command_line(arguments: list[str], config_name: str = "config") -> Non
         except (HydraException, OmegaConfBaseException) as err:
             raise ConfigError(_explain(arguments, config_name, err)) from None
         run_dir = Path(str(cfg.hydra.run.dir))
+    check_given(cfg)
     check_usable(run_dir)
+
+
+def check_given(cfg: DictConfig, command: str = "python -m train") -> None:
+    """Every setting without a default is given (data=files' data.paths, data=hub's data.name, data=prepared's
+    data.path): else ConfigError saying which choice needs which setting, with an example of `command`."""
+    from train.config.sections import DATA_KINDS, SECTIONS
+
+    missing = sorted(re.sub(r"\[(\d+)\]", r".\1", key)  # data.sources[0].paths as the command line writes it
+                     for root in cfg if root not in SKIPPED_ROOTS and isinstance(cfg[root], DictConfig)
+                     for key in OmegaConf.missing_keys(cfg[root]))
+    if not missing:
+        return
+    prefix, _, name = missing[0].rpartition(".")
+    if prefix == "data" and cfg.data.get("source") in DATA_KINDS:
+        raise ConfigError(DATA_KINDS[cfg.data.source].needed(name, f"data={cfg.data.source}", command))
+    section = next((s for s in SECTIONS if s.PREFIX == prefix), None)
+    if section is not None and name in {f.name for f in dataclasses.fields(section)}:
+        raise ConfigError(section.needed(name, prefix, command))
+    raise ConfigError(f"{missing[0]} is not set; give it on the command line ({missing[0]}=…)")
 
 
 def explain(arguments: list[str], config_name: str, err: Exception) -> str:

@@ -47,7 +47,7 @@ def _unknown(cfg: DictConfig, reference: DictConfig, prefix: str):
         path = f"{prefix}{key}"
         if not prefix and key in PASS_THROUGH:
             continue
-        if key not in reference:  # the valid keys: those this command's config holds (not another's, left null)
+        if key not in reference.keys():  # (`in` alone misses a key left '???'); the valid keys: those this command's config holds (not another's, left null)
             yield path, sorted(str(k) for k in reference if OmegaConf.is_missing(reference, k) or reference[k] is not None)
             continue
         value, known = cfg[key], reference[key]

@@ -84,10 +84,12 @@ def number(low: float | None = None, high: float | None = None, *, low_open: boo
     return Check(test, f"must be {text}")
 
 
-def setting(default=NOT_SET, doc: str = "", check: Check | None = None, *, factory: Callable | None = None):
+def setting(default=NOT_SET, doc: str = "", check: Check | None = None, *, factory: Callable | None = None,
+            example: str = ""):
     """A section's field: its default (or a factory for lists and dicts), its doc for the key table and
-    the check its value must pass."""
-    metadata = {"doc": doc, "check": check}
+    the check its value must pass; a setting without a default (one the user must give) has an `example`
+    of it, as written on the command line."""
+    metadata = {"doc": doc, "check": check, "example": example}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=metadata)
     if default is NOT_SET:
@@ -119,8 +121,42 @@ class Section:
         object.__setattr__(self, name, value)
 
     @classmethod
+    def needed(cls, name: str, choice: str, command: str = "python -m train") -> str:
+        """The refusal of a command line that leaves field `name` unset, where `choice` (a group's choice, such
+        as data=files) asks for it: what it is and an example of `command` with it."""
+        field = next(f for f in dataclasses.fields(cls) if f.name == name)
+        example = field.metadata.get("example")
+        return (f"{choice} needs {cls.PREFIX}.{name}: {field.metadata.get('doc')}"
+                + (f"; e.g. {command} {choice} {example}" if example else ""))
+
+    @classmethod
     def must(cls, name: str) -> str | None:
         """What a valid value of field `name` is ("must be …"), or None when it has no check."""
         check = next((f.metadata.get("check") for f in dataclasses.fields(cls) if f.name == name), None)
         return None if check is None else check.must
 
+
+def describe_default(field) -> str:
+    """A section field's default as the table writes it ("(required)" for a setting without one)."""
+    if field.default_factory is not dataclasses.MISSING:
+        value = field.default_factory()
+    elif field.default is dataclasses.MISSING:
+        return "(required)"
+    else:
+        value = field.default
+    return shown(value)
+
+
+def shown(value) -> str:
+    """A default value as the settings table and the commands' help write it."""
+    if value is None:
+        return "null"
+    if value == "???":  # omegaconf's MISSING
+        return "(required)"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, str):
+        return f"`{value}`" if value.strip() == value else f"`{value!r}`"
+    if isinstance(value, int) and abs(value) >= 1_000_000:
+        return f"{value:,}"
+    return str(value)

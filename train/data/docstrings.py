@@ -13,20 +13,33 @@ kept when it is prose:
 A kept paragraph's lines are joined by single spaces (docstrings wrap at ~72 columns; the wrap is not
 part of the text), and paragraphs are separated by a blank line. A module without such prose gives an
 empty document, which the pipeline skips.
+
+A run reads the same files several times before its first step (the corpus probe, the validation
+windows, the training streams), so each source is parsed once per process: its prose is kept by a digest
+of the source text.
 """
 
 from __future__ import annotations
 
 import ast
+import hashlib
 
 MIN_WORDS = 8  # shorter paragraphs are headings, one-line summaries of arguments, "Return x." stubs
 DOCUMENTED = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
 STATEMENT_LISTS = ("body", "handlers", "orelse", "finalbody", "cases")  # a statement's statements, in source order
+_PARSED: dict[bytes, str] = {}  # a source's digest → its prose (see the module docstring)
 
 
 def prose(source: str) -> str:
     """The prose paragraphs of every docstring of `source` (the text of a .py file), in source order;
-    raises SyntaxError when it is not Python."""
+    raises SyntaxError when it is not Python. A source seen before in this process is not parsed again."""
+    key = hashlib.blake2b(source.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+    if key not in _PARSED:
+        _PARSED[key] = _parsed_prose(source)
+    return _PARSED[key]
+
+
+def _parsed_prose(source: str) -> str:
     paragraphs = []
     for node in _documented(ast.parse(source)):
         doc = ast.get_docstring(node, clean=True)

@@ -94,6 +94,14 @@ class SourceSpec:
     # (train/data/probe.py); None: the split by hash (and a cut file's last pieces)
     val_tail: tuple[int, int, int] | None = None
 
+    def summary(self) -> str:
+        """This source in a few words: its label and how many files, its Hub dataset, or its prepared folder."""
+        if self.kind == "hub":
+            return f"{self.label} {self.name}" + (f" ({self.config_name})" if self.config_name else "")
+        if self.kind == "prepared":
+            return f"{self.label} {self.path}"
+        return f"{self.label} ({len(self.files):,} file{'s' if len(self.files) != 1 else ''})"
+
     def fingerprint(self) -> dict:
         """What fixes this source's documents; a resume state must come from a source with the same one."""
         names = "\n".join(os.path.basename(f) for f in self.files)
@@ -150,6 +158,13 @@ class DataSpec:
         for k in sorted(range(len(exact)), key=lambda k: counts[k] - exact[k])[: windows - sum(counts)]:
             counts[k] += 1
         return counts
+
+    def summary(self) -> str:
+        """The data in a few words, for a run's first line: each source and its size (files, a dataset's name, a
+        prepared folder), a mixture's weights."""
+        if not self.mixture:
+            return self.sources[0].summary()
+        return "mixture of " + ", ".join(f"{s.summary()} {w:.0%}" for s, w in zip(self.sources, self.weights))
 
     def fingerprint(self) -> dict:
         """What fixes the global order of windows (not dp, workers, prefetch, retries, timeouts or the bad-record
@@ -405,16 +420,26 @@ def _check_hub_reachable(name: str) -> None:
     the dataset is opened (`data_probe.check_data`, before any model is built)."""
     if hub_location(name) != "network":
         return
+    unreachable = hub_unreachable()
+    if unreachable:
+        raise DataError(
+            f"data.source=hub needs the Hugging Face Hub to stream {name!r}, but this machine cannot reach it "
+            f"({unreachable}). data.name also takes a local dataset folder, or a dataset already in the "
+            "local datasets cache with HF_DATASETS_OFFLINE=1; or train on local files: data=files "
+            "'data.paths=[/path/to/*.jsonl]' (or data=stdlib)."
+        ) from None
+
+
+def hub_unreachable() -> str | None:
+    """Why this machine cannot reach the Hugging Face Hub (its endpoint, HF_ENDPOINT, refused one TCP connect
+    within 5 s), or None when it can, or behind a proxy, where a direct connection proves nothing (loading then
+    reports any failure)."""
     if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
-        return  # behind a proxy a direct connection proves nothing; loading reports any failure
+        return None
     url = urlparse(os.environ.get("HF_ENDPOINT") or HUB_ENDPOINT)
     port = url.port or (443 if url.scheme == "https" else 80)
     try:
         socket.create_connection((url.hostname, port), timeout=5).close()
     except OSError as e:
-        raise DataError(
-            f"data.source=hub needs the Hugging Face Hub to stream {name!r}, but this machine cannot reach it "
-            f"({url.hostname}:{port}: {e}). data.name also takes a local dataset folder, or a dataset already in the "
-            "local datasets cache with HF_DATASETS_OFFLINE=1; or train on local files: data=files "
-            "'data.paths=[/path/to/*.jsonl]' (or data=stdlib)."
-        ) from None
+        return f"{url.hostname}:{port}: {e}"
+    return None

@@ -6,7 +6,9 @@ Each task names its published record form (train/evaluation/formats.py), its fam
 scored split itself, leaving out the item being scored) and its copy on the Hugging Face Hub.
 
 Data comes from local files, `<data_dir>/<task>/<split>.jsonl`, one record per line in the task's
-published form, or, with no data_dir, from the Hub through `datasets` (where the network allows).
+published form, or, with no data_dir, from the Hub through `datasets` (where the network allows; where it
+does not, from the local datasets cache alone, and a split that is not there is one error naming the local
+files that would do).
 A line that is not a JSON object, or a record that lacks what its form needs, is skipped and counted;
 a task left with no item is an error, as are an unknown task and a missing file.
 """
@@ -14,6 +16,8 @@ a task left with no item is an error, as are an unknown task and a missing file.
 from __future__ import annotations
 
 import json
+import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -71,7 +75,7 @@ def load_split(task: str, split: str, data_dir: Path | None) -> Split:
     check_task_names([task])
     spec = TASKS[task]
     if data_dir is None:
-        records, source = _hub_records(spec, split), f"{spec.hub[0]} ({split})"
+        records, source = _hub_records(task, spec, split), f"{spec.hub[0]} ({split})"
     else:
         path = split_path(data_dir, task, split)
         if not path.is_file():
@@ -102,11 +106,34 @@ def _file_records(path: Path):
                     yield None
 
 
-def _hub_records(spec: TaskSpec, split: str):
-    import datasets
+def _hub_records(task: str, spec: TaskSpec, split: str):
+    """The split from the Hub through `datasets`; where offline mode is on or the Hub cannot be reached, from the
+    local datasets cache alone, without trying (and retrying) the network. TaskError naming the local files
+    that would do instead."""
+    from train.data.sources import hub_offline, hub_unreachable
 
     path, name = spec.hub
+    offline = "offline mode is on" if hub_offline() else hub_unreachable()
+    if offline is not None:
+        _cache_only()
+    import datasets
+
     try:
         return datasets.load_dataset(path, name, split=split)
     except Exception as err:  # no network, no such split, a gated dataset: one line, not a traceback
-        raise TaskError(f"cannot load {path} ({split}) from the Hub: {type(err).__name__}: {err}".splitlines()[0]) from None
+        why = (f"it is not in the local datasets cache and the Hub cannot be reached ({offline})" if offline
+               else f"{type(err).__name__}: {err}".splitlines()[0])
+        fewshot = (f" (and DIR/{task}/{spec.fewshot_split}.jsonl for evaluate.num_fewshot > 0)"
+                   if spec.fewshot_split else "")
+        raise TaskError(f"{task}: cannot load {path} ({split}) from the Hugging Face Hub: {why}. To score from local "
+                        f"files, set evaluate.data_dir=DIR holding DIR/{task}/{split}.jsonl{fewshot}, one JSON record "
+                        f"per line in the task's published form (docs/evaluation.md)") from None
+
+
+def _cache_only() -> None:
+    """Hugging Face's offline mode, for `datasets` imported now or before: it reads its local cache and never
+    the network."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    for module in ("huggingface_hub.constants", "datasets.config"):
+        if module in sys.modules:
+            sys.modules[module].HF_HUB_OFFLINE = True

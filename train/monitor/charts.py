@@ -2,9 +2,13 @@
 loss, the learning rate, tokens/s and the gradient norm against tokens seen, one panel each (the two
 losses share one), one colour per run, drawn into a PNG with matplotlib (the `curves` extra).
 
+Several runs are told apart by their folders' names and the settings in which they differ: each run's
+composed config (<run dir>/.hydra/config.yaml) is compared with the others', and its label names up to
+LABEL_SETTINGS of the keys whose values are not the same in every run.
+
 The PNG also carries the numbers it shows, as JSON in a text chunk (`DATA_KEY`: {"runs": [{"run": folder,
-"series": {metric: [tokens, values]}}]}), so what a picture shows can be read back exactly
-(`read_back`). `python -m train.curves` draws any runs; a run draws its own at its end
+"label": its label, "series": {metric: [tokens, values]}}]}), so what a picture shows can be read back
+exactly (`read_back`). `python -m train.curves` draws any runs; a run draws its own at its end
 (logging.curves, `after_run`).
 """
 
@@ -19,6 +23,7 @@ PANELS = ((("train/loss", "val/loss"), "loss"), (("train/lr",), "learning rate")
 DATA_KEY = "gpt3d curves"  # the PNG text chunk holding the series drawn
 FILE_NAME = "curves.png"
 MISSING = "needs matplotlib: pip install -e '.[curves]'"
+LABEL_SETTINGS = 3  # the differing settings a run's label names (then "…")
 
 
 class CurvesError(ValueError):
@@ -40,6 +45,43 @@ def series(run_dir: Path) -> dict[str, list[list]]:
     return out
 
 
+def labels(run_dirs: list[Path]) -> list[str]:
+    """Each run's label: its folder's name, then, with several runs, `key=value` for each setting (up to
+    LABEL_SETTINGS) whose value is not the same in every run's .hydra/config.yaml (a run without one: its name)."""
+    names = [Path(run_dir).name for run_dir in run_dirs]
+    if len(run_dirs) < 2:
+        return names
+    settings = [_settings(Path(run_dir)) for run_dir in run_dirs]
+    keys = sorted({key for values in settings for key in values})
+    differing = [key for key in keys if len({repr(values.get(key)) for values in settings}) > 1]
+    out = []
+    for name, values in zip(names, settings):
+        shown = [f"{key}={values[key]}" for key in differing if key in values]
+        more = " …" if len(shown) > LABEL_SETTINGS else ""
+        out.append(" ".join([name, *shown[:LABEL_SETTINGS]]) + more)
+    return out
+
+
+def _settings(run_dir: Path) -> dict:
+    """{dotted key: value} of a run's composed config ({} without one)."""
+    from omegaconf import OmegaConf
+
+    path = run_dir / ".hydra" / "config.yaml"
+    if not path.is_file():
+        return {}
+    flat = {}
+
+    def walk(node, prefix: str) -> None:
+        for key, value in node.items():
+            if isinstance(value, dict):
+                walk(value, f"{prefix}{key}.")
+            else:
+                flat[f"{prefix}{key}"] = value
+
+    walk(OmegaConf.to_container(OmegaConf.load(path)), "")
+    return flat
+
+
 def draw(run_dirs: list[Path], out: Path) -> Path:
     """The curves of `run_dirs` into the PNG `out`; returns it. CurvesError without matplotlib."""
     try:
@@ -50,10 +92,11 @@ def draw(run_dirs: list[Path], out: Path) -> Path:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import EngFormatter
 
-    runs = [{"run": str(run_dir), "series": series(run_dir)} for run_dir in run_dirs]
+    runs = [{"run": str(run_dir), "label": label, "series": series(run_dir)}
+            for run_dir, label in zip(run_dirs, labels(run_dirs))]
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
     for colour, run in enumerate(runs):
-        name = Path(run["run"]).name if len(runs) > 1 else ""
+        name = run["label"] if len(runs) > 1 else ""
         for ax, (keys, title) in zip(axes.flat, PANELS):
             for key in keys:
                 tokens, values = run["series"][key]
@@ -80,7 +123,8 @@ def draw(run_dirs: list[Path], out: Path) -> Path:
 
 
 def read_back(png: Path) -> dict:
-    """The series a PNG of `draw` shows: {"runs": [{"run": folder, "series": {metric: [tokens, values]}}]}."""
+    """The series a PNG of `draw` shows: {"runs": [{"run": folder, "label": its label, "series": {metric: [tokens,
+    values]}}]}."""
     from PIL import Image
 
     with Image.open(png) as image:

@@ -334,12 +334,14 @@ class Meter:
         yield
         self.clock += time.perf_counter() - started
 
-    def take(self, progress, result, skipped_steps: int) -> dict:
-        """The metrics record of the steps since the last one (mean loss over the applied steps and the
-        ranks; None when every step since was skipped) and the run's skipped steps so far."""
+    def glance(self, progress, result, skipped_steps: int) -> dict:
+        """The first keys of the record of the steps since the last one (step, tokens, mean loss over the
+        applied steps and the ranks, None when every step since was skipped; learning rate, gradient norm,
+        skipped steps so far, batch, throughput, MFU; and the data reads retried by every rank), without
+        starting a new record: a line can show them before the record is due. Averaging the loss is a
+        collective: every rank calls this alike."""
         elapsed = time.perf_counter() - self.clock
         tokens_per_s = self.tokens / elapsed
-        self.eta_s = (self.run_tokens - progress.tokens) / tokens_per_s
         # one collective: every rank takes part, skips or not; the loss averaged, the data reads retried summed
         loss_sum, read_retries = sums_over_ranks([self.loss_sum, self.batches.read_retries])
         loss_sum /= self.world
@@ -355,12 +357,31 @@ class Meter:
             "perf/tokens_per_s": tokens_per_s,
             "perf/tflops": tokens_per_s * self.flops_per_token / self.world / 1e12,
             "perf/mfu": mfu(tokens_per_s, self.flops_per_token, self.peak, self.world),
+            "data/read_retries": int(read_retries),  # reads of data retried so far, by every rank (this start)
+        }
+
+    def take(self, progress, result, skipped_steps: int) -> dict:
+        """The metrics record of the steps since the last one (`glance`'s keys, then memory, data wait, read
+        retries, mixture shares and the predicted MFU); the time left (`eta_s`) at its throughput."""
+        record = self.glance(progress, result, skipped_steps)
+        self.eta_s = self.eta(progress.tokens, record["perf/tokens_per_s"])
+        read_retries = record.pop("data/read_retries")
+        record.update({
             "perf/max_mem_gib": max_memory_gib(self.device),
             "perf/data_wait_s": self.batches.pop_wait_seconds(),
-            "data/read_retries": int(read_retries),  # reads of data retried so far, by every rank (this start)
+            "data/read_retries": read_retries,
             **self._shares(),
             **({"perf/mfu_predicted": self.plan.predicted_mfu} if self.plan is not None else {}),
-        }
+        })
+        return record
+
+    def eta(self, tokens: int, tokens_per_s: float | None = None) -> float:
+        """Seconds until train.max_steps from `tokens` trained on, at `tokens_per_s` (None: the throughput since
+        the last record, read on this rank alone: no collective)."""
+        if tokens_per_s is None:
+            elapsed = time.perf_counter() - self.clock
+            tokens_per_s = self.tokens / elapsed if self.tokens and elapsed > 0 else 0.0
+        return (self.run_tokens - tokens) / tokens_per_s if tokens_per_s > 0 else math.nan
 
 
 def full_shapes_model(model_cfg) -> GPT:

@@ -30,6 +30,7 @@ from train.checkpoint import (
     read_init_weights,
 )
 from train.config.sections import Sections
+from train.config.sections.parallel import ZB_H1
 from train.monitor import metrics, report
 from train.monitor.metrics import full_shapes_model
 from train.run import batch_ramp
@@ -109,7 +110,6 @@ def build(spec: RunSpec) -> Trainer:
     from parallel.build import BuildOptions, build_model
     from parallel.topology import Topology
     from parallel.zero_bubble_engine import ZeroBubbleEngine
-    from train.config.sections.parallel import ZB_H1
 
     settings, model_cfg, ramp, runtime = spec.sections, spec.model, spec.ramp, spec.runtime
     device = runtime.device
@@ -166,13 +166,18 @@ def build(spec: RunSpec) -> Trainer:
     trainer = Trainer(spec, topology, engine, step, batches, val_batches, lr, progress, checkpointer)
     if spec.plan is not None and topology.rank == 0:
         metrics.write_atomically(spec.run_dir / "plan.json", json.dumps(spec.plan.to_json(), indent=2) + "\n")
-    trainer.say(
-        f"model {model_cfg.name}: {count_parameters(full_shapes_model(model_cfg)) / 1e6:.2f}M parameters | "
-        f"{topology.world_size} process(es) on {device} (tp={topology.tp_size} pp={topology.pp_size} "
-        f"dp={topology.dp_size} zero={settings.parallel.zero_stage}{' zb-h1' if zero_bubble else ''}) | {_batch_line(ramp)} | "
-        f"run dir {spec.run_dir}",
-    )
     return trainer
+
+
+def header(spec: RunSpec) -> str:
+    """The run's first line, from its specification alone (printed before anything is built): the model and its
+    size, the processes and layout, the data, the tokens per step and the run folder."""
+    par = spec.sections.parallel
+    zero_bubble = par.pp > 1 and par.pipeline_schedule == ZB_H1
+    return (f"model {spec.model.name}: {count_parameters(full_shapes_model(spec.model)) / 1e6:.2f}M parameters | "
+            f"{par.tp * par.pp * spec.dp} process(es) on {spec.runtime.device} (tp={par.tp} pp={par.pp} dp={spec.dp} "
+            f"zero={par.zero_stage}{' zb-h1' if zero_bubble else ''}) | data {spec.data.summary()} | "
+            f"{_batch_line(spec.ramp)} | run dir {spec.run_dir}")
 
 
 def checkpoint_parts(progress: Progress, batches: data.TrainBatches, lr: TokenLR, engine, schedule: dict

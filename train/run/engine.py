@@ -10,6 +10,8 @@ part (train/checkpoint/parts.py).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from train.config.sections import OptimConfig, ParallelConfig, TrainConfig
@@ -140,14 +142,25 @@ def create_engine(model, optimizer, lr_scheduler, ds_config: dict, mpu=None):
     """deepspeed.initialize with our optimizer and scheduler; a PipelineModule gives a PipelineEngine.
 
     DeepSpeed's bf16 optimizer prints memory figures to stdout while it is set up, past its logger's
-    level; they are left out of the run's output."""
+    level; they are left out of the run's output, as is the warning that ZeRO runs an optimizer DeepSpeed
+    has not tested (ours, allowed by zero_allow_untested_optimizer: gpt3d's own tests cover it)."""
     import contextlib
     import io
 
     import deepspeed
+    from deepspeed.utils import logger
 
+    if not any(isinstance(f, _OurOptimizerIsTested) for f in logger.filters):
+        logger.addFilter(_OurOptimizerIsTested())
     with contextlib.redirect_stdout(io.StringIO()):
         engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=ds_config, mpu=mpu
         )
     return engine
+
+
+class _OurOptimizerIsTested(logging.Filter):
+    """Drops DeepSpeed's warning "You are using ZeRO with an untested optimizer" (see create_engine)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "untested optimizer" not in record.getMessage()

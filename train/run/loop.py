@@ -5,6 +5,10 @@ ramp (`train.batch_ramp`, train/run/batch_ramp.py), of the ramp's size at the to
 rank takes its data-parallel slice (global / dp windows) and runs it as micro batches of
 `train.micro_batch_size` (train/run/step.py); DeepSpeed accumulates and steps at the boundary. The
 learning rate follows the tokens seen (train/run/optimizer.py: TokenLR).
+
+The run speaks at once: its first line (the model, layout, data, tokens per step and run folder) comes
+before anything is built, the first step of each start has its line as soon as it ends, then one every
+`logging.log_interval` steps, each with the time left; on a terminal a progress bar shows the steps between.
 """
 
 from __future__ import annotations
@@ -15,17 +19,21 @@ from pathlib import Path
 
 import torch
 
+from train.config.launch import is_rank_zero
 from train.data import DataUnavailable
 from train.data.records import ENCODING_HINT
 from train.guard.safeguards import Safeguards
-from train.monitor import charts, metrics
+from train.monitor import charts, metrics, report
 from train.monitor.metrics import Meter, mean_over_ranks
-from train.run.build import Progress, Trainer, build
+from train.run.build import Progress, Trainer, build, header
 from train.run.spec import RunSpec
+
+BAR_WIDTH = 24  # the progress bar's cells
 
 
 def run(spec: RunSpec) -> Progress:
     """Train per `spec` (train/run/spec.py: resolve); returns the final step and token count."""
+    report.say(header(spec), is_rank_zero())
     trainer = build(spec)
     checkpoints = trainer.checkpointer
     resumed_from = checkpoints.restore()
@@ -44,6 +52,7 @@ def run(spec: RunSpec) -> Progress:
     try:
         stopped = loop(trainer, progress, logger, meter, guard)
     except BaseException as err:
+        report.clear_status()  # the error's line starts a line of its own
         if isinstance(err, Exception):  # not on a second Ctrl-C
             checkpoints.close()
         trainer.batches.close()
@@ -75,6 +84,7 @@ def loop(trainer: Trainer, progress: Progress, logger: metrics.MetricsLogger, me
     with a checkpoint, raising DataUnavailable (train/data/reading.py); at the first step of a start there
     is nothing new to save."""
     settings, last, checkpoints = trainer.sections, trainer.sections.train.max_steps, trainer.checkpointer
+    first = progress.step + 1  # this start's first step: its line comes as soon as it ends
     while progress.step < last:
         guard.step_begins(progress.step + 1)
         try:
@@ -97,6 +107,11 @@ def loop(trainer: Trainer, progress: Progress, logger: metrics.MetricsLogger, me
                 record.update(score_tasks(trainer))
             trainer.say(_progress_line(record, last, meter.eta_s))
             meter.restart()
+        elif progress.step == first:  # not a record: the next one still covers this step
+            glance = meter.glance(progress, result, guard.skips.total)
+            trainer.say(_progress_line(glance, last, meter.eta(progress.tokens, glance["perf/tokens_per_s"])))
+        else:
+            report.status(_bar(progress.step, last, meter.eta(progress.tokens)), trainer.topology.rank == 0)
         if record is not None and progress.step < last:
             # before the save: a checkpoint is never published ahead of the records of the steps it holds
             logger.log({**record, **checkpoints.times()})
@@ -244,6 +259,12 @@ def _progress_line(record: dict, max_steps: int, eta: float) -> str:
         parts.append(f"mfu {100 * record['perf/mfu']:.1f}%{plan}")
     parts.append(f"eta {_duration(eta)}")
     return " | ".join(parts)
+
+
+def _bar(step: int, max_steps: int, eta: float) -> str:
+    """The terminal's progress bar after `step` of `max_steps`."""
+    done = BAR_WIDTH * step // max_steps
+    return f"step {step}/{max_steps} [{'#' * done}{'.' * (BAR_WIDTH - done)}] {100 * step // max_steps}% | eta {_duration(eta)}"
 
 
 def _duration(seconds: float) -> str:

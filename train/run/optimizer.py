@@ -62,16 +62,25 @@ def resolve_peak_lr(optim_cfg: OptimConfig, model_name: str) -> float:
     return PAPER_PEAK_LR[model_name]
 
 
-def make_schedule(optim_cfg: OptimConfig, model_name: str, run_tokens: int) -> Schedule:
-    """The schedule of a run of `run_tokens` tokens (with a batch ramp, BatchRamp.tokens_after(max_steps));
-    warmup is capped at 10% of the run so short runs still decay."""
+def make_schedule(optim_cfg: OptimConfig, model_name: str, run_tokens: int, warmup_set: bool = False) -> Schedule:
+    """The schedule of a run of `run_tokens` tokens (with a batch ramp, BatchRamp.tokens_after(max_steps)).
+
+    optim.warmup_tokens as the user set it (`warmup_set`) is used as given; its default (GPT-3's 375M) is
+    capped at 10% of the run, so that a short run still decays. The decay horizon is optim.decay_tokens, or
+    the run's tokens; ValueError, naming the values, when the warmup does not end before it."""
     decay = int(optim_cfg.decay_tokens) if optim_cfg.decay_tokens is not None else run_tokens
-    warmup = min(int(optim_cfg.warmup_tokens), max(run_tokens // 10, 1))
+    warmup = int(optim_cfg.warmup_tokens) if warmup_set else min(int(optim_cfg.warmup_tokens), max(run_tokens // 10, 1))
     if decay <= warmup:
-        raise ValueError(
-            f"optim.decay_tokens={decay} must exceed the warmup ({warmup} tokens); "
-            f"raise it or lower optim.warmup_tokens"
-        )
+        horizon = (f"optim.decay_tokens={decay:,}" if optim_cfg.decay_tokens is not None
+                   else f"the run's {decay:,} tokens (the decay horizon when optim.decay_tokens is null)")
+        if warmup_set:
+            raise ValueError(
+                f"optim.warmup_tokens={warmup:,} does not end before {horizon}: the learning rate would never "
+                f"decay; lower optim.warmup_tokens, raise optim.decay_tokens or train.max_steps, or leave "
+                f"optim.warmup_tokens out (its default warms up over at most 10% of the run)"
+            )
+        raise ValueError(f"the default warmup ({warmup:,} tokens: GPT-3's 375M, at most 10% of the run) does not end "
+                         f"before {horizon}; raise optim.decay_tokens, or set optim.warmup_tokens")
     return Schedule(resolve_peak_lr(optim_cfg, model_name), warmup, decay, float(optim_cfg.min_lr_ratio))
 
 

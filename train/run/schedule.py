@@ -97,12 +97,14 @@ def _ramp_text(config: dict) -> str:
             f"{config['train.batch_ramp.tokens']:,} tokens")
 
 
-def schedule_for_run(sections: Sections, model_name: str, run_tokens: int, kept: KeptSchedule, saved: dict | None) -> RunSchedule:
+def schedule_for_run(sections: Sections, model_name: str, run_tokens: int, kept: KeptSchedule, saved: dict | None,
+                     warmup_set: bool = False) -> RunSchedule:
     """The checkpoint's schedule when the resume keeps it (`kept.lr`; `saved` is what the checkpoint
     records), else the configured one for a run of `run_tokens` tokens (ValueError if none can be
-    built). The LR follows the tokens trained on (train/run/optimizer.py: TokenLR), which the checkpoint
-    restores: a reset schedule applies at once from the tokens reached."""
-    configured = make_schedule(sections.optim, model_name, run_tokens)
+    built; `warmup_set`: the user set optim.warmup_tokens, train/run/optimizer.py: make_schedule). The LR
+    follows the tokens trained on (train/run/optimizer.py: TokenLR), which the checkpoint restores: a reset
+    schedule applies at once from the tokens reached."""
+    configured = make_schedule(sections.optim, model_name, run_tokens, warmup_set)
     if kept.lr is not None:
         return RunSchedule(kept.lr, saved)
     state = {"config": {key: sections.value(key) for key in SCHEDULE_KEYS},

@@ -11,7 +11,7 @@
                 checkpoint already at train.max_steps ends here (checks.RunFinished); a Hugging Face
                 start (train.init_from) of this model's shape
   4. schedule   a resume that keeps its checkpoint's schedule takes back its batch settings (global
-                batch, ramp), with one note saying so
+                batch, ramp), with one note saying so, printed once every check below has passed
   5. layout     parallel.layout=auto: the layout train/planner/elastic.py chooses for WORLD_SIZE on this
                 device, in place of the keys it sets; then the layout against the model and the
                 world size, giving dp, and the batch against dp
@@ -20,7 +20,8 @@
                 the validation split sized to train.eval_batches (a small corpus: its tail, at most 10%
                 of it, and train.eval_batches lowered to the batches that fit, with one note); a resume's
                 checkpoint must have trained on the same data in the same order
-  7. ramp, LR   the batch ramp against the model, dp and streams; the LR schedule of the run
+  7. ramp, LR   the batch ramp against the model, dp and streams; the LR schedule of the run (a warmup
+                the user set is used as given, the default one fits a short run: train/run/optimizer.py)
   8. tasks      train.eval_tasks read and made into requests, as evaluate.* says (train/evaluation/)
   9. plan       on CUDA the planner's prediction, which must fit the device (pre-flight)
 
@@ -88,8 +89,6 @@ def resolve(cfg: DictConfig, run_dir: Path, overrides: tuple[str, ...] | list[st
     checks.check_init_from(sections.train, model_cfg)
     saved_schedule = recorded_schedule(resume.state if resume is not None else None)
     kept = kept_schedule(saved_schedule, sections)
-    if kept.note and is_rank_zero():
-        print(f"gpt3d: note: {kept.note}", flush=True)
     sections = sections.replaced(kept.batch)
     layout = _auto_layout(sections, model_cfg, set_keys, runtime)
     if layout is not None:
@@ -105,12 +104,16 @@ def resolve(cfg: DictConfig, run_dir: Path, overrides: tuple[str, ...] | list[st
     ramp = checks.check_batch_ramp(sections.train, model_cfg, dp, data.streams)
     try:
         run_tokens = ramp.tokens_after(sections.train.max_steps)
-        schedule = schedule_for_run(sections, model_cfg.name, run_tokens, kept, saved_schedule)
+        schedule = schedule_for_run(sections, model_cfg.name, run_tokens, kept, saved_schedule,
+                                    warmup_set="optim.warmup_tokens" in set_keys)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     tasks = _eval_tasks(sections, model_cfg)
-    return RunSpec(sections, runtime, run_dir, model_cfg, dp, resume, folder, ramp, schedule,
-                   _plan(sections, model_cfg, runtime), data, layout, tasks)
+    plan = _plan(sections, model_cfg, runtime)
+    if kept.note and is_rank_zero():  # once every check has passed: a refused resume keeps no schedule
+        print(f"gpt3d: note: {kept.note}", flush=True)
+    return RunSpec(sections, runtime, run_dir, model_cfg, dp, resume, folder, ramp, schedule, plan, data, layout,
+                   tasks)
 
 
 def _eval_tasks(sections: Sections, model_cfg: GPTConfig) -> tuple:

@@ -78,3 +78,22 @@ def test_its_documents_are_prose():
     assert all(isinstance(t, str) for t in texts) and sum(len(t) for t in texts) > 10_000
     lines = [line for t in texts for line in t.split("\n")]
     assert not any(line[:1].isspace() or line.startswith(">>>") for line in lines)
+
+
+def test_a_run_parses_each_file_once_before_its_first_step(monkeypatch):
+    """A run's start: the probe, the validation windows and the first training batch read the same files; each
+    file's source is parsed once (the quickstart parsed 548 files three times before its first step)."""
+    from train import data
+    from train.data import docstrings
+    from train.data.probe import Evaluation
+
+    parses, parse = [], docstrings._parsed_prose
+    monkeypatch.setattr(docstrings, "_PARSED", {})
+    monkeypatch.setattr(docstrings, "_parsed_prose", lambda source: parses.append(hash(source)) or parse(source))
+    # the toy's windows and batch, one validation batch and a small shuffle buffer: the same reads, fewer files
+    spec = data.check_data({"source": "docstrings", "val_permille": 10, "shuffle_buffer": 64}, global_batch=8,
+                           evaluation=Evaluation(129, 8, 1))
+    validation = data.validation_batches(spec, 128, 8, 1, 0, 1)
+    batch = data.TrainBatches(spec, 128, 8, 0, 1, 1234).next_batch(8)
+    assert len(validation) == 1 and batch.shape == (8, 129)
+    assert parses and len(parses) == len(set(parses))

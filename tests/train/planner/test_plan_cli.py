@@ -154,6 +154,41 @@ def test_search_ranks_valid_layouts_by_throughput():
         assert float(row.split()[-2]) <= 40 - 2  # fits with the reserved headroom
 
 
+def test_175b_without_a_recipe_does_not_fit_says_what_would_and_exits_1():
+    """The default one GPU: the plan ends DOES NOT FIT and names the model's recipe, which fits."""
+    proc = plan("model=gpt3-175b", check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = proc.stdout.splitlines()[-1]
+    assert last.startswith("DOES NOT FIT; instead: no layout of gpt3-175b fits on 1 GPU(s) of h100-80g with a global "
+                           "batch of 8; its recipe does: python -m train.plan +recipe="), last
+    suggested = plan_here(*last.rsplit("python -m train.plan ", 1)[1].split())
+    assert suggested.returncode == 0 and "174.60B parameters" in suggested.stdout and ": fits" in suggested.stdout
+
+
+def test_a_layout_that_does_not_fit_names_the_fastest_that_does_on_the_same_gpus():
+    proc = plan_here("model=gpt3-1.3b", "plan.gpus=8", "train.global_batch_size=64", "plan.hardware=a100-40g", check=False)
+    assert proc.returncode == 1 and "DOES NOT FIT" in proc.stdout
+    last = proc.stdout.splitlines()[-1]
+    assert last.startswith("DOES NOT FIT; instead: the fastest layout that fits on 8 GPU(s) of a100-40g"), last
+    overrides = [word for word in last.split(": ", 2)[2].split(" (")[0].split()]
+    instead = json.loads(plan_here("model=gpt3-1.3b", "plan.gpus=8", "train.global_batch_size=64", "plan.hardware=a100-40g",
+                                   "plan.format=json", *overrides).stdout)
+    assert instead["fits"] and f"{instead['tokens_per_s']:,.0f} tokens/s" in last
+
+
+def test_search_chooses_the_micro_batch_the_configured_one_cannot_split():
+    """The default micro batch (8) does not divide the default global batch (8) over 16 GPUs at dp > 1: the search
+    is not refused for it, and every layout it ranks splits the batch."""
+    proc = plan_here("model=gpt3-1.3b", "plan.gpus=16", "plan.search=true", "plan.top=5")
+    assert ("the configured layout is not one the trainer takes (train.global_batch_size=8 is not divisible by "
+            "train.micro_batch_size=8 × data-parallel size 16); the search's fastest layout is shown") in proc.stdout
+    ranked = [line for line in proc.stdout.splitlines() if line.split()[:1] and line.split()[0].isdigit() and "tp=" in line]
+    rows = [dict(part.split("=") for part in line.split() if "=" in part) for line in ranked]
+    assert len(rows) == 5 and all(8 % (int(r["micro"]) * int(r["dp"])) == 0 for r in rows)
+    shown = next(line for line in proc.stdout.splitlines() if line.startswith("layout: "))  # the plan in full
+    assert shown.removeprefix("layout: ").split(" on ")[0] in ranked[0]
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -175,8 +210,8 @@ def test_bad_input_fails_with_one_clear_message(overrides, message):
 
 
 def test_hardware_figures_can_be_overridden():
-    doc = json.loads(plan_here("plan.format=json", "plan.device.memory_gib=1", "plan.device.peak_tflops=100").stdout)
-    assert doc["hardware"]["memory_gib"] == 1 and doc["hardware"]["peak_tflops"] == 100
+    doc = json.loads(plan_here("plan.format=json", "plan.device.memory_gib=40", "plan.device.peak_tflops=100").stdout)
+    assert doc["hardware"]["memory_gib"] == 40 and doc["hardware"]["peak_tflops"] == 100
     assert doc["hardware"]["sources"]["memory_gib"] == "overridden on the command line"
 
 

@@ -36,6 +36,14 @@ def test_short_runs_cap_warmup_at_a_tenth_and_decay_over_the_run():
     assert s.warmup_tokens == 1024 * 20 and s.decay_tokens == 1024 * 200 and s.peak_lr == 1e-3
 
 
+def test_a_warmup_set_by_hand_is_used_as_given_or_refused_when_it_outlasts_the_decay():
+    cfg = OmegaConf.merge(OPTIM, {"warmup_tokens": 50_000, "decay_tokens": None, "lr": 1e-3})
+    s = make_schedule(cfg, "toy", run_tokens=1024 * 200, warmup_set=True)
+    assert s.warmup_tokens == 50_000 and s.decay_tokens == 1024 * 200  # not the tenth of the run, 20,480
+    with pytest.raises(ValueError, match="optim.warmup_tokens=375,000,000 does not end before the run's 204,800 tokens"):
+        make_schedule(OmegaConf.merge(cfg, {"warmup_tokens": 375_000_000}), "toy", 1024 * 200, warmup_set=True)
+
+
 def test_explicit_lr_overrides_the_paper_and_unknown_names_need_one():
     assert make_schedule(OmegaConf.merge(OPTIM, {"lr": 3e-4}), "gpt3-175b", 100_000).peak_lr == 3e-4
     with pytest.raises(ValueError, match="optim.lr is null and model.name='mine'"):

@@ -165,7 +165,7 @@ class FilesData(RecordFiles):
 
     source: str = setting("files", "the kind of source", SOURCE)
     paths: Any = setting(NOT_SET, "files or globs (.txt: one document per file; .jsonl/.json/.parquet: one per record)",
-                         PATHS)
+                         PATHS, example="'data.paths=[input.txt]'")
     piece_chars: int = _piece_chars(16384)
     val_permille: int = _val_permille(5)
 
@@ -176,7 +176,8 @@ class HubData(DataConfig):
 
     source: str = setting("hub", "the kind of source", SOURCE)
     shuffle_buffer: int = setting(4096, "windows shuffled together, over all streams (a multiple of streams)", _whole(1))
-    name: str = setting(NOT_SET, "the dataset: a Hub name (e.g. HuggingFaceFW/fineweb) or a local dataset folder", NAME)
+    name: str = setting(NOT_SET, "the dataset: a Hub name (e.g. HuggingFaceFW/fineweb) or a local dataset folder", NAME,
+                        example="data.name=HuggingFaceFW/fineweb data.config_name=sample-10BT")
     config_name: Optional[str] = setting(None, "the dataset's configuration", OPTIONAL_TEXT)
     split: str = setting("train", "the split to stream", NAME)
     text_field: str = _text_field()
@@ -189,7 +190,7 @@ class PreparedData(DataConfig):
     """`data=prepared`: a corpus tokenized once by python -m train.prepare_data."""
 
     source: str = setting("prepared", "the kind of source", SOURCE)
-    path: str = setting(NOT_SET, "the folder python -m train.prepare_data wrote", NAME)
+    path: str = setting(NOT_SET, "the folder python -m train.prepare_data wrote", NAME, example="data.path=data/owt-gpt2")
 
 
 @dataclass

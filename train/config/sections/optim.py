@@ -24,8 +24,10 @@ class OptimConfig(Section):
     eps: Any = setting(1.0e-8, "AdamW's ε", number(0, low_open=True, text="> 0"))
     weight_decay: Any = setting(0.1, "decoupled weight decay, on matrices only", number(0, text="≥ 0"))
     grad_clip: Any = setting(1.0, "the global gradient norm is clipped to this", number(0, text="≥ 0 (0: no clipping)"))
-    warmup_tokens: Any = setting(375_000_000, "linear warmup, in tokens (GPT-3: 375M); capped at 10% of the run's "
-                                              "tokens for short runs", number(0, text="≥ 0"))
+    warmup_tokens: Any = setting(375_000_000, "linear warmup, in tokens (GPT-3: 375M); the default is capped at 10% "
+                                              "of the run's tokens so a short run still decays; a value set on the "
+                                              "command line is used as given (refused if it does not end before the "
+                                              "decay horizon)", number(0, text="≥ 0"))
     decay_tokens: Any = setting(None, "cosine decay horizon in tokens; null: the run's tokens (max_steps · "
                                       "global_batch_size · seq_len; fewer under a batch ramp)")
     min_lr_ratio: Any = setting(0.1, "the decay's floor, as a share of the peak", number(0, 1, text="in [0, 1]"))

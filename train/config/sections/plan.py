@@ -39,7 +39,8 @@ class PlanConfig(Section):
                                     factory=DeviceFigures)
     tokens: Any = setting(300_000_000_000, "tokens to train, for the days estimate (GPT-3: 300B)",
                           number(0, text="a non-negative number"))
-    search: bool = setting(False, "rank every valid layout on plan.gpus by predicted throughput", BOOLEAN)
+    search: bool = setting(False, "rank every valid layout on plan.gpus by predicted throughput (the micro batch "
+                                  "chosen too)", BOOLEAN)
     top: int = setting(10, "layouts the search prints", POSITIVE_INT)
     format: str = setting("table", "`table` or `json`", one_of(*FORMATS))
     dry_run: bool = setting(False, "build every distinct rank's shard on meta and check they cover the model", BOOLEAN)
