@@ -21,4 +21,5 @@ def test_each_change_is_named_by_its_setting_and_what_follows_from_other_files_i
         "data.paths: 1 → 2 file(s)"]
     assert changes(then, stream_id(resolve({**files, "paths": [str(tmp_path / "c.jsonl")]}), 128, 1)) == [
         "data.paths: text → json files"]  # (not the cut of text files, which only they have)
-    assert changes(then, stream_id(resolve({"source": "stdlib", "streams": 4}), 128, 1)) == ["data.source files → stdlib"]
+    stdlib = {"source": "stdlib", "streams": 4, "shuffle_buffer": 1024}  # (data=stdlib's own default is 256)
+    assert changes(then, stream_id(resolve(stdlib), 128, 1)) == ["data.source files → stdlib"]
