@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import hydra
@@ -31,7 +32,9 @@ from train.config.entry import (
     quiet_library_warnings,
     register_config,
 )
-from train.config.launch import is_rank_zero
+from train.config.launch import is_rank_zero, launched_by_launcher
+
+REPORT_GRACE_S = 30  # the longest another rank waits for rank 0 to report bad input (see _refuse)
 
 
 @hydra.main(version_base=None, config_path=str(CONFIG_DIR), config_name="config")
@@ -92,9 +95,15 @@ def main(cfg: DictConfig) -> None:
 
 
 def _refuse(err: Exception) -> None:
-    """Bad input: one line on rank 0 (every rank finds the same), exit EXIT_BAD_INPUT on every rank."""
+    """Bad input: one line on rank 0 (every rank finds the same), exit EXIT_BAD_INPUT on every rank.
+
+    Under a launcher the other ranks exit only after REPORT_GRACE_S (or when the launcher stops them, once
+    rank 0 has exited): a launcher stops every rank as soon as one fails, so a rank that ended first could
+    get rank 0 stopped before its line was written."""
     if is_rank_zero():
         print(f"gpt3d: error: {err}", file=sys.stderr, flush=True)
+    elif launched_by_launcher():
+        time.sleep(REPORT_GRACE_S)
     raise SystemExit(EXIT_BAD_INPUT) from None
 
 

@@ -21,8 +21,8 @@ def corpus(tmp_path_factory):
     return write_corpus(tmp_path_factory.mktemp("corpus"))
 
 
-def train(run_dir, corpus, *overrides, check=True):
-    return run_train(run_dir, corpus, *ONE_PROCESS, *overrides, check=check)
+def train(run_dir, corpus, *overrides, check=True, kind="python"):
+    return run_train(run_dir, corpus, *ONE_PROCESS, *overrides, check=check, kind=kind)
 
 
 def test_run_writes_metrics_wandb_checkpoints_and_a_sample(tmp_path, corpus):

@@ -44,8 +44,10 @@ PRELOAD = ("torch", "torch.distributed", "deepspeed", "hydra", "omegaconf", "num
            "train.run.loop", "train.run.spec", "train.run.build", "train.checkpoint.model_part", "train.evaluation")
 # Never imported by the interpreter: they read settings from the environment when imported
 NOT_PRELOADED = ("datasets", "huggingface_hub", "transformers", "wandb", "lm_eval")
-# Environment read when the preloaded modules are imported: commands that differ here get another interpreter
-SENSITIVE = ("TRITON_", "GPT3D_TRITON_", "DS_", "OMP_", "MKL_", "PYTORCH_", "TORCH_", "CUDA_", "PYTHON")
+# Environment read when the interpreter starts (PYTHON*, the test hooks' GPT3D_TEST_* read by a sitecustomize)
+# or imports the preloaded modules: commands that differ here get another interpreter
+SENSITIVE = ("TRITON_", "GPT3D_TRITON_", "GPT3D_TEST_", "DS_", "OMP_", "MKL_", "PYTORCH_", "TORCH_", "CUDA_",
+             "PYTHON")
 MAX_SERVERS = 3  # interpreters kept at once, each about 300 MB
 LAUNCHER = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
             "ROLE_RANK", "ROLE_WORLD_SIZE")

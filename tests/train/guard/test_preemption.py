@@ -179,13 +179,12 @@ def test_a_second_interrupt_exits_at_once_and_a_launchers_duplicate_does_not():
         time.sleep(30)
         print("not reached", flush=True)
     """)
-    started = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env(), capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 128 + signal.SIGINT, proc.stderr
+    # at once: had the second interrupt waited, the 30 s sleep would have ended with "not reached"
     assert proc.stdout.splitlines() == ["still running, stop requested: True"]
     assert "second interrupt: exiting now, without a checkpoint" in proc.stderr
-    assert time.monotonic() - started < 25  # at once, not after the 30 s sleep
 
 
 def test_a_hung_rank_makes_the_live_one_write_its_stacks_and_exit(tmp_path, corpus):
