@@ -75,20 +75,19 @@ def test_layout_matches_one_process(request, tmp_path, corpus, kind, nproc, layo
 def test_3d_layout_on_8_processes_matches_one_process_and_resumes_exactly(tmp_path, corpus, precision):
     """tp=2 × pp=2 × dp=2 with ZeRO-1, selective recomputation and tensor-parallel overlap (the
     default): its 4 steps follow the one-process run of the same precision, and the same layout
-    stopped after 2 steps and resumed continues with exactly the uninterrupted 8-process run's losses."""
+    resumed from its step-2 checkpoint in another process group continues with exactly the
+    uninterrupted 8-process run's losses."""
     layout = ["parallel.tp=2", "parallel.pp=2", "parallel.zero_stage=1", "parallel.activation_checkpointing=selective"]
-    one, straight, stopped = tmp_path / "one", tmp_path / "straight", tmp_path / "stopped"
-    run = ["train.eval_interval=0", "logging.wandb.mode=disabled", "optim.warmup_tokens=16",  # same schedule for 2 or 4 steps
-           f"train.precision={precision}"]
-    train(one, corpus, *run, "train.max_steps=4", "train.checkpoint_interval=0")
-    train(straight, corpus, *run, "train.max_steps=4", "train.checkpoint_interval=0", *layout, kind="ranks", nproc=8)
+    one, straight, resumed = tmp_path / "one", tmp_path / "straight", tmp_path / "resumed"
+    run = ["train.eval_interval=0", "logging.wandb.mode=disabled", "train.max_steps=4", f"train.precision={precision}"]
+    train(one, corpus, *run, "train.checkpoint_interval=0")
+    train(straight, corpus, *run, "train.checkpoint_interval=2", *layout, kind="ranks", nproc=8)
     assert [r["step"] for r in metrics(straight)] == [1, 2, 3, 4]
     assert_same_losses(metrics(straight), metrics(one), precision)
-    train(stopped, corpus, *run, "train.max_steps=2", *layout, kind="ranks", nproc=8)
-    proc = train(stopped, corpus, *run, "train.max_steps=4", *layout, kind="ranks", nproc=8)
+    proc = train(resumed, corpus, *run, f"train.resume={straight}/checkpoints/step00000002", *layout, kind="ranks", nproc=8)
     assert "resumed from" in proc.stdout
     keys = ("step", "train/loss", "train/lr", "train/grad_norm")
-    assert [[r[k] for k in keys] for r in metrics(stopped)] == [[r[k] for k in keys] for r in metrics(straight)]
+    assert [[r[k] for k in keys] for r in metrics(resumed)] == [[r[k] for k in keys] for r in metrics(straight)[2:]]
 
 
 @pytest.mark.parametrize(

@@ -67,9 +67,9 @@ def test_resume_continues_bit_for_bit(tmp_path, corpus):
 def test_a_resumed_process_with_deterministic_triton_attention_continues_bit_for_bit(tmp_path, corpus):
     """The GPU's kernel path, on the Triton interpreter (TRITON_INTERPRET=1): the fused attention with its
     deterministic backward. A second process resumed from the first one's step-2 checkpoint computes
-    steps 3 and 4 to the same bits (its kernel choices are the first process's: model/kernel_choices.py)."""
+    step 3 to the same bits (its kernel choices are the first process's: model/kernel_choices.py)."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    common = ("model.attention_impl=triton", "model.deterministic_attention=true", "train.max_steps=4",
+    common = ("model.attention_impl=triton", "model.deterministic_attention=true", "train.max_steps=3",
               "train.eval_interval=0", "logging.wandb.mode=disabled", "optim.warmup_tokens=16")
     env = {"TRITON_INTERPRET": "1"}
     run_train(straight, corpus, *common, "train.checkpoint_interval=2", env=env)
