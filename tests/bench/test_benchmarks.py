@@ -5,6 +5,7 @@ runs on real hardware, never from a test.
 """
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -81,15 +82,34 @@ def test_pipeline_memory_benchmark_quick_measures_each_stage_under_both_schedule
     assert record["max_ratio"] == record["zb-h1_max_bytes"] / record["1f1b_max_bytes"]
 
 
-def test_train_speed_json_has_every_row_with_the_engine_rows_of_the_cpus_precisions(tmp_path):
-    """--json writes one record per printed row: the plain rows and gpt3d's DeepSpeed step at fp32, bf16
-    and fp8 (the CPU's precisions; fp8's products emulated there)."""
+@pytest.fixture(scope="module")
+def train_speed(tmp_path_factory) -> tuple[str, list[dict]]:
+    """bench.train_speed on the toy at T=16, micro batch 1, 2 timed steps: what it prints and its --json rows."""
     import json
 
-    path = tmp_path / "rows.json"
+    path = tmp_path_factory.mktemp("train_speed") / "rows.json"
     out = run_bench("bench.train_speed", "model=toy", "--device", "cpu", "--seq-len", "16", "--micro-batch", "1",
-                    "--steps", "1", "--warmup", "0", "--json", str(path))
-    records = json.loads(path.read_text())
+                    "--steps", "2", "--warmup", "0", "--json", str(path))
+    return out, json.loads(path.read_text())
+
+
+def test_train_speed_runs_every_row_on_the_same_batches(train_speed):
+    """One model, one seed, one batch: both attentions (and the plain loss) give the same losses, step after
+    step; Hugging Face's GPT-2 is the baseline row."""
+    out, _ = train_speed
+    rows = {cells[0]: cells for cells in (re.split(r"\s{2,}", line.strip()) for line in out.splitlines())
+            if cells[0].startswith(("hf-gpt2 sdpa", "gpt3d attention_impl"))}
+    assert set(rows) == {"hf-gpt2 sdpa *", "gpt3d attention_impl=torch", "gpt3d attention_impl=torch plain loss",
+                         "gpt3d attention_impl=sdpa"}, out
+    assert rows["hf-gpt2 sdpa *"][-1] == "1.00", out
+    losses = {row[-2] for name, row in rows.items() if name.startswith("gpt3d")}  # "first→last"
+    assert len(losses) == 1 and "→" in losses.pop(), out
+
+
+def test_train_speed_json_has_every_row_with_the_engine_rows_of_the_cpus_precisions(train_speed):
+    """--json writes one record per printed row: the plain rows and gpt3d's DeepSpeed step at fp32, bf16
+    and fp8 (the CPU's precisions; fp8's products emulated there)."""
+    out, records = train_speed
     expected = ["hf-gpt2 sdpa", "gpt3d attention_impl=torch", "gpt3d attention_impl=torch plain loss",
                 "gpt3d attention_impl=sdpa",
                 "gpt3d deepspeed precision=fp32", "gpt3d deepspeed precision=bf16", "gpt3d deepspeed precision=fp8"]

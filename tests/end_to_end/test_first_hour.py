@@ -18,7 +18,7 @@ import math
 import subprocess
 
 import pytest
-from cli import REPO, assert_same_losses, clean_env, generate, launcher, metrics
+from cli import assert_same_losses, generate, metrics, run_module
 from data_corpus import prose, write_small_corpora
 
 from train.config.sections import EvaluateConfig, GenerateConfig, PlanConfig
@@ -37,8 +37,9 @@ COMMANDS = ["train", "train.evaluate", "train.harness", "train.generate", "train
 
 
 def run(*args: str, module: str = "train", kind: str = "python", nproc: int = 1) -> subprocess.CompletedProcess:
-    cmd = [*launcher(kind, nproc, module), *args]
-    return subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=600)
+    """`python -m <module> <args>` started as `kind` says (cli.launcher: by default forked from the warm
+    interpreter, the same code run as __main__; `process`: the fresh interpreter a newcomer starts)."""
+    return run_module(module, list(args), kind, nproc)
 
 
 def train(run_dir, path, *overrides, **launch) -> subprocess.CompletedProcess:
@@ -63,7 +64,7 @@ def corpora(tmp_path_factory):
 def first(tmp_path_factory, corpora):
     """The 100 KB file at dp=1, W&B offline, TensorBoard events on: (run folder, its output)."""
     run_dir = tmp_path_factory.mktemp("first") / "run"
-    proc = train(run_dir, corpora["100k"], "logging.tensorboard=true")
+    proc = train(run_dir, corpora["100k"], "logging.tensorboard=true", kind="process")  # all a first command prints
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir, proc
 

@@ -39,15 +39,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 HELPERS = Path(__file__).resolve().parent
 # What the interpreter imports before it forks: the libraries and gpt3d's modules every run imports
-# (not the commands themselves: each is run as __main__, as python -m runs it)
-PRELOAD = ("torch", "torch.distributed", "deepspeed", "hydra", "omegaconf", "numpy", "tiktoken",
+# (not the commands themselves: each is run as __main__, as python -m runs it). torch._dynamo: torch imports
+# it at a run's first random init on the meta device (1.4 s of CPU a process, the most of any import left).
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "deepspeed", "hydra", "omegaconf", "numpy", "tiktoken",
            "train.run.loop", "train.run.spec", "train.run.build", "train.checkpoint.model_part", "train.evaluation")
 # Never imported by the interpreter: they read settings from the environment when imported
 NOT_PRELOADED = ("datasets", "huggingface_hub", "transformers", "wandb", "lm_eval")
 # Environment read when the interpreter starts (PYTHON*, the test hooks' GPT3D_TEST_* read by a sitecustomize)
 # or imports the preloaded modules: commands that differ here get another interpreter
-SENSITIVE = ("TRITON_", "GPT3D_TRITON_", "GPT3D_TEST_", "DS_", "OMP_", "MKL_", "PYTORCH_", "TORCH_", "CUDA_",
-             "PYTHON")
+SENSITIVE = ("TRITON_", "GPT3D_TRITON_", "GPT3D_TEST_", "DS_", "OMP_", "MKL_", "PYTORCH_", "TORCH_", "TORCHDYNAMO_",
+             "TORCHINDUCTOR_", "CUDA_", "PYTHON")
 MAX_SERVERS = 3  # interpreters kept at once, each about 300 MB
 LAUNCHER = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
             "ROLE_RANK", "ROLE_WORLD_SIZE")

@@ -3,8 +3,9 @@
 Hydra composes the config in struct mode, so a misspelled `train.max_step=5` fails there; but
 `+train.max_step=5` adds a key that nothing reads, and the run would silently ignore it. The keys a
 run may have are those of the same composition without the command line's key additions (group
-selections such as `data=files` are kept): `check_known_keys` composes that again with Hydra's
-compose API (milliseconds) and refuses any key beyond it, naming the valid ones of its group. The
+selections such as `data=files` are kept): where the command line adds keys, `check_known_keys` composes
+that again with Hydra's compose API (about a second of CPU, so only then) and refuses any key beyond it,
+naming the valid ones of its group. The
 `deepspeed` group is DeepSpeed's pass-through, checked against DeepSpeed's own settings in
 train/run/checks.py; lists (e.g. data.sources) are checked by the code that reads them.
 """
@@ -27,6 +28,8 @@ def check_known_keys(cfg: DictConfig, config_name: str, overrides: list[str]) ->
 
     parsed = OverridesParser.create().parse_overrides(overrides)
     kept = [text for text, o in zip(overrides, parsed) if not (o.is_add() or o.is_force_add()) or _is_group(o.key_or_group)]
+    if len(kept) == len(overrides):  # no key added: the reference would be `cfg`'s own composition
+        return
     reference = compose(config_name=config_name, overrides=kept)
     for key, valid in _unknown(cfg, reference, ""):
         group, _, name = key.rpartition(".")
