@@ -164,12 +164,14 @@ def test_tuning_key_buckets_lengths_and_keys_on_the_band():
 
 
 def _gradients(packed, causal, window, deterministic, dtype=torch.float32):
-    """Output and input gradients of one forward and backward on fixed inputs (seed 0): (B=2, H=3,
-    T=77, D=96) as three tensors, or as slices of one fused projection when `packed`."""
+    """Output and input gradients of one forward and backward on fixed inputs (seed 0): (B=1, H=2,
+    T=77, D=96) as three tensors, or as slices of one fused projection when `packed` (several key and
+    query blocks along T, where the two backwards sum dQ in different orders; two heads, so that the
+    head strides are used)."""
     gen = torch.Generator().manual_seed(0)
-    qkv = torch.randn(2, 77, 3 * 3 * 96, generator=gen).to(dtype).requires_grad_()  # (B, T, H·3·D)
-    do = torch.randn(2, 3, 77, 96, generator=gen).to(dtype)  # (B, H, T, D)
-    q, k, v = split_heads(qkv, 3, 96)  # each (B, H, T, D)
+    qkv = torch.randn(1, 77, 2 * 3 * 96, generator=gen).to(dtype).requires_grad_()  # (B, T, H·3·D)
+    do = torch.randn(1, 2, 77, 96, generator=gen).to(dtype)  # (B, H, T, D)
+    q, k, v = split_heads(qkv, 2, 96)  # each (B, H, T, D)
     ins = (qkv,) if packed else tuple(x.detach().contiguous().requires_grad_() for x in (q, k, v))
     if not packed:
         q, k, v = ins
