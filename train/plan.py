@@ -21,11 +21,15 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+from typing import TYPE_CHECKING
 
 from train.config.entry import CONFIG_DIR, EXIT_BAD_INPUT, EXIT_FAILED, quiet_library_warnings, register_config
-from train.config.sections import PlanConfig
+from train.config.sections import ParallelConfig, PlanConfig, Sections
 from train.config.settings import ConfigError
 from train.config.usage import Help, answer_help, section_settings
+
+if TYPE_CHECKING:  # (model imports torch: --help answers before the heavy imports)
+    from model import GPTConfig
 
 
 def command_help() -> Help:
@@ -60,7 +64,6 @@ def load(overrides: list[str]):
     from omegaconf import OmegaConf
 
     from train.config.command_line import check_given, explain
-    from train.config.sections import Sections
     from train.run.checks import check_model
 
     try:
@@ -117,7 +120,7 @@ def run(overrides: list[str], out=sys.stdout, err=sys.stderr) -> int:
     return 0 if (plan is not None and plan.fits) or plans else EXIT_FAILED
 
 
-def _searched(sections, plan_cfg: PlanConfig, model_cfg):
+def _searched(sections: Sections, plan_cfg: PlanConfig, model_cfg: GPTConfig):
     """plan.search=true: (the plan to show in full, the layouts that fit fastest first, a note or None). The plan
     shown is the configured layout's when the trainer would take it, else the search's fastest (None if none
     fits), with a note saying why."""
@@ -137,7 +140,7 @@ def _searched(sections, plan_cfg: PlanConfig, model_cfg):
         return best, plans, f"the configured layout is not one the trainer takes ({problem}); {shown}"
 
 
-def _dry_run(model_cfg, par, plan_cfg: PlanConfig, out, err) -> int:
+def _dry_run(model_cfg: GPTConfig, par: ParallelConfig, plan_cfg: PlanConfig, out, err) -> int:
     """plan.dry_run=true: build and check the layout's shards (the batch does not matter here)."""
     from parallel.topology import check_layout
     from train.planner.dry_run import dry_run
