@@ -16,9 +16,6 @@ from functools import partial
 from typing import Callable
 
 
-_status_shown = False  # a status line is on the terminal, to be cleared before the next line
-
-
 def say(text: str, speaks: bool = True) -> None:
     """Print one line of the run's story on stdout, when this process speaks."""
     if speaks:
@@ -36,20 +33,17 @@ def warn(text: str, speaks: bool = True) -> None:
 def status(text: str, speaks: bool = True) -> None:
     """Show `text` as the terminal's live line, rewritten in place, when this process speaks and stdout is a
     terminal; otherwise nothing."""
-    global _status_shown
     if speaks and sys.stdout.isatty():
         sys.stdout.write(f"\r{text}\033[K")
         sys.stdout.flush()
-        _status_shown = True
 
 
 def clear_status() -> None:
-    """Take the status line off the terminal, if one is there (before a line printed elsewhere: an error)."""
-    global _status_shown
-    if _status_shown:
+    """Take a status line off the terminal (before a line printed elsewhere: an error). Where none is shown the
+    cursor is at the start of an empty line, which the same erase leaves as it is: nothing to remember."""
+    if sys.stdout.isatty():
         sys.stdout.write("\r\033[K")
         sys.stdout.flush()
-        _status_shown = False
 
 
 def warner(speaks: bool) -> Callable[[str], None]:
