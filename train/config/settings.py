@@ -136,6 +136,12 @@ class Section:
         return None if check is None else check.must
 
 
+def nested_section(field) -> type | None:
+    """The section a field holds as a section of its own (train.batch_ramp, logging.wandb, plan.device), or None."""
+    factory = field.default_factory
+    return factory if factory is not dataclasses.MISSING and dataclasses.is_dataclass(factory) else None
+
+
 def describe_default(field) -> str:
     """A section field's default as the table writes it ("(required)" for a setting without one)."""
     if field.default_factory is not dataclasses.MISSING:

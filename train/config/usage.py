@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from train.config.entry import CONFIG_DIR
-from train.config.settings import describe_default
+from train.config.settings import Section, describe_default, nested_section
 
 HELP_FLAGS = ("--help", "-h")
 WIDTH = 100  # the text's width
@@ -57,13 +57,13 @@ class Help:
         return "\n".join(lines)
 
 
-def section_settings(section) -> tuple[tuple[str, str], ...]:
+def section_settings(section: type[Section]) -> tuple[tuple[str, str], ...]:
     """(KEY, its doc and default) for every field of a section (a nested section's fields, prefixed)."""
     rows = []
     for field in dataclasses.fields(section):
-        factory = field.default_factory
-        if factory is not dataclasses.MISSING and dataclasses.is_dataclass(factory):
-            nested = section_settings(factory)
+        inner = nested_section(field)
+        if inner is not None:
+            nested = section_settings(inner)
             rows += [(f"{section.PREFIX}.{field.name}.{key.rpartition('.')[2]}", meaning) for key, meaning in nested]
             continue
         rows.append((f"{section.PREFIX}.{field.name}", f"{field.metadata.get('doc', '')} (default: "
