@@ -23,14 +23,13 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from cli import BIN, REPO, TINY, assert_same_losses, clean_env, launcher, metrics, read_log, start, train
+from cli import BIN, REPO, TINY, assert_same_losses, clean_env, free_port, launcher, metrics, read_log, start, train
 
 STEPS = ["train.max_steps=4", "train.checkpoint_interval=2", "train.eval_interval=0", "logging.wandb.mode=disabled",
          "train.global_batch_size=24", "data.streams=4"]
@@ -126,9 +125,7 @@ def test_torchrun_elastic_restart_after_a_killed_worker_finishes_the_run(request
     # the run folder named by the launch stamp, as by default: restarted workers must find the same one
     arguments = [*auto_arguments(runs, corpus), f"train.precision={precision}"]
     arguments[0] = f"hydra.run.dir={runs}/${{launch_stamp:}}"
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     # launch/torchrun.sh's elastic form: torchrun --nproc_per_node 2 --max-restarts 1 --rdzv-backend c10d
     # --rdzv-endpoint 127.0.0.1:PORT -m train ...
     env = {"NPROC_PER_NODE": "2", "MAX_RESTARTS": "1", "MASTER_PORT": str(port), "PATH": f"{BIN}:{os.environ['PATH']}"}

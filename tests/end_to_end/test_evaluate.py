@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import inspect
 import json
-import socket
 from pathlib import Path
 
 import pytest
-from cli import REPO, clean_env, evaluate, run_module, train
+from cli import REPO, clean_env, evaluate, free_port, run_module, train
 
 TRAIN = ["train.max_steps=60", "train.micro_batch_size=4", "optim.lr=1e-2", "optim.decay_tokens=1000000",
          "train.eval_interval=0", "train.checkpoint_interval=60", "logging.wandb.mode=disabled"]
@@ -215,9 +214,7 @@ def test_without_data_dir_and_without_the_hub_evaluate_names_the_local_files_in_
     """No evaluate.data_dir, and a Hub that refuses connections (HF_ENDPOINT: a closed local port; no network is
     reached): one line naming evaluate.data_dir and the files it would read, exit 2, no retries, no traceback."""
     run_dir, _, _, _ = fixture
-    with socket.socket() as sock:  # a port that was free a moment ago: nothing listens there
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()  # free a moment ago: nothing listens there
     env = {"HF_ENDPOINT": f"http://127.0.0.1:{port}", "HF_HUB_OFFLINE": "", "HF_DATASETS_OFFLINE": "", "HTTPS_PROXY": "",
            "https_proxy": "", "ALL_PROXY": "", "all_proxy": "",
            "HF_DATASETS_CACHE": str(tmp_path / "cache"), "HF_HOME": str(tmp_path / "home")}

@@ -52,9 +52,9 @@ def launcher(kind: str, nproc: int, module: str = "train") -> list[str]:
     if kind in ("python", "process"):
         return [sys.executable, "-m", module]
     if kind in ("torchrun", "ranks"):
-        return [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(_free_port()), "-m", module]
+        return [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(free_port()), "-m", module]
     if kind == "deepspeed":
-        return [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(_free_port()), "--module", module]
+        return [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()), "--module", module]
     raise ValueError(kind)
 
 
@@ -80,7 +80,7 @@ def run_module(module: str, args: list[str], kind: str = "python", nproc: int = 
     with tempfile.TemporaryDirectory(prefix="gpt3d-cmd-") as folder:
         out, err = Path(folder) / "out", Path(folder) / "err"
         ranks = nproc if kind == "ranks" else 0
-        child = warm.start([module, *args], env, REPO, out, err, ranks=ranks, port=_free_port() if ranks else None)
+        child = warm.start([module, *args], env, REPO, out, err, ranks=ranks, port=free_port() if ranks else None)
         codes = warm.wait(child, timeout)
         stdout, stderr = out.read_text() if out.exists() else "", err.read_text() if err.exists() else ""
     if codes is None:
@@ -175,7 +175,8 @@ def assert_same_losses(got: list[dict], expected: list[dict], precision: str = "
         assert g["train/lr"] == pytest.approx(e["train/lr"], rel=1e-12)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
     import socket
 
     with socket.socket() as sock:

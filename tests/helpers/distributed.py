@@ -14,22 +14,15 @@ so. Each rank runs torch with one thread (`threads` to change it).
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 from pathlib import Path
 
 import torch
+from cli import free_port
 
 
 class RankFailed(RuntimeError):
     """A rank of a distributed test raised, crashed or timed out."""
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, threads: int = 1) -> list:
