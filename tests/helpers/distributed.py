@@ -13,12 +13,11 @@ so. Each rank runs torch with one thread (`threads` to change it).
 
 from __future__ import annotations
 
-import os
 import tempfile
 from pathlib import Path
 
 import torch
-from cli import free_port
+from cli import clean_env, free_port
 
 
 class RankFailed(RuntimeError):
@@ -38,7 +37,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, threads:
     with tempfile.TemporaryDirectory(prefix="gpt3d-dist-") as result_dir:
         args_file = Path(result_dir) / "args.pkl"
         args_file.write_bytes(pickle.dumps(args))
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+        env = clean_env()  # the environment of the commands the tests start: the same warm interpreter forks both
         warm = Warm.shared()
         ranks = warm.call(module.__file__, fn.__module__, fn.__qualname__, args_file, world_size, free_port(),
                           Path(result_dir), threads, timeout, env, err=str(Path(result_dir) / "rank{rank}.err"))
