@@ -18,8 +18,10 @@ Implementations (`impl`):
   "auto"       "triton" for bf16/fp16 CUDA tensors, "sdpa" for other CUDA tensors (float32: the
                kernel takes half precision only), "torch" on the CPU
 
-Under torch.compile (model.compile) "triton" and "torch" run as torch.library custom ops
-(model/attention_op.py), which the compiler treats as single calls with their own backward.
+A block's attention enters through `packed_attention`, on the QKV projection's packed output: "triton"
+and "torch" then run as torch.library custom ops (model/attention_op.py) that read q, k, v in place and
+return the heads merged, eager and under torch.compile alike (the compiler treats each as one call with
+its own backward). `attention` takes q, k, v apart, as the KV cache and the benchmarks hold them.
 
 deterministic=True asks for gradients that are the same bits on every run. "triton" then computes
 dQ in a pass of its own instead of with atomic adds (model/attention_triton.py); "torch" and
@@ -42,30 +44,50 @@ from model.config import ATTENTION_IMPLS
 def attention(q, k, v, causal: bool = True, window: int | None = None, impl: str = "auto",
               deterministic: bool = False):
     """Scaled dot-product attention; q, k, v: (B, H, T, D). Returns (B, H, T, D)."""
-    if impl not in ATTENTION_IMPLS:
-        raise ValueError(f"attention impl={impl!r}: must be one of {list(ATTENTION_IMPLS)}")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"attention window={window!r}: must be None or a positive integer")
-    if impl == "auto":
-        impl = "torch" if not q.is_cuda else "triton" if q.dtype in (torch.bfloat16, torch.float16) else "sdpa"
-    if deterministic and impl == "sdpa":
-        raise ValueError(f"attention deterministic=True with impl='sdpa' (for {q.dtype} on {q.device}): PyTorch's "
-                         "SDPA backward is not deterministic on every backend; use impl='triton' with bf16/fp16 "
-                         "inputs, or impl='torch'")
+    impl = _resolved_impl(q, window, impl, deterministic)
     if impl == "reference":
         return reference_attention(q, k, v, causal=causal, window=window)
     if impl == "sdpa":
         return sdpa_attention(q, k, v, causal=causal, window=window)
     lo, hi = band_limits(q.shape[-2], causal, window)
-    if torch.compiler.is_compiling():  # one opaque op with its own backward for the compiler (model/compile.py)
-        from model.attention_op import compiled_attention
-
-        return compiled_attention(q, k, v, lo, hi, impl, deterministic)
     if impl == "torch":
         return attention_torch.banded_attention(q, k, v, lo, hi)
     from model import attention_triton  # triton is imported only when the kernel is used
 
     return attention_triton.banded_attention(q, k, v, lo, hi, deterministic=deterministic)
+
+
+def packed_attention(qkv: torch.Tensor, head_dim: int, causal: bool = True, window: int | None = None,
+                     impl: str = "auto", deterministic: bool = False) -> torch.Tensor:
+    """The same attention on a QKV projection's output qkv (B, T, H·3·D), its rows ordered (head, {q, k, v},
+    d_head): returns (B, T, H·D), the heads merged, as the output projection reads them. "triton" and "torch"
+    read q, k, v in place and write the merged heads (model/attention_op.py); the others unpack and merge."""
+    b, t, width = qkv.shape
+    heads = width // (3 * head_dim)
+    impl = _resolved_impl(qkv, window, impl, deterministic)
+    if impl in ("triton", "torch"):
+        from model.attention_op import attention_forward
+
+        lo, hi = band_limits(t, causal, window)
+        return attention_forward(qkv, head_dim, lo, hi, impl, deterministic)[0]  # (B, T, H·D)
+    q, k, v = qkv.view(b, t, heads, 3, head_dim).permute(3, 0, 2, 1, 4).unbind(0)  # each (B, H, T, D)
+    y = attention(q, k, v, causal=causal, window=window, impl=impl, deterministic=deterministic)  # (B, H, T, D)
+    return y.transpose(1, 2).reshape(b, t, heads * head_dim)  # (B, T, H·D)
+
+
+def _resolved_impl(x: torch.Tensor, window: int | None, impl: str, deterministic: bool) -> str:
+    """impl checked against its choices and the window, "auto" resolved for x's device and dtype."""
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention impl={impl!r}: must be one of {list(ATTENTION_IMPLS)}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"attention window={window!r}: must be None or a positive integer")
+    if impl == "auto":
+        impl = "torch" if not x.is_cuda else "triton" if x.dtype in (torch.bfloat16, torch.float16) else "sdpa"
+    if deterministic and impl == "sdpa":
+        raise ValueError(f"attention deterministic=True with impl='sdpa' (for {x.dtype} on {x.device}): PyTorch's "
+                         "SDPA backward is not deterministic on every backend; use impl='triton' with bf16/fp16 "
+                         "inputs, or impl='torch'")
+    return impl
 
 
 def band_limits(t: int, causal: bool, window: int | None) -> tuple[int, int]:

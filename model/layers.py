@@ -20,7 +20,7 @@ import math
 import torch
 from torch import nn
 
-from model.attention import attention
+from model.attention import packed_attention
 from model.config import GPTConfig
 from model.modes import Fixed, Float8
 from model.recompute import Linear, Recompute
@@ -64,16 +64,15 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cache=None, recompute: Recompute | None = None) -> torch.Tensor:
         """recompute: how backward gets x back instead of keeping it (see model/recompute.py)."""
-        qkv = self.qkv(x, recompute)  # (B, T, 3·nh·hd); x may be this rank's piece of the sequence
-        b, t, _ = qkv.shape
-        qkv = qkv.view(b, t, -1, 3, self.d_head)  # (B, T, nh, 3, hd)
-        q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each (B, nh, T, hd)
+        qkv = self.qkv(x, recompute)  # (B, T, nh·3·hd); x may be this rank's piece of the sequence
         if cache is None:
-            y = attention(q, k, v, causal=True, window=self.window, impl=self.impl,
-                          deterministic=self.deterministic)  # (B, nh, T, hd)
+            y = packed_attention(qkv, self.d_head, causal=True, window=self.window, impl=self.impl,
+                                 deterministic=self.deterministic)  # (B, T, nh·hd)
         else:  # the new queries against the cached keys and the new ones
+            b, t, _ = qkv.shape
+            q, k, v = qkv.view(b, t, -1, 3, self.d_head).permute(3, 0, 2, 1, 4).unbind(0)  # each (B, nh, T, hd)
             y = cache.attend(self.layer_index, q, k, v, window=self.window, impl=self.impl)  # (B, nh, T, hd)
-        y = y.transpose(1, 2).reshape(b, t, -1)  # (B, T, nh·hd)
+            y = y.transpose(1, 2).reshape(b, t, -1)  # (B, T, nh·hd)
         return self.drop(self.proj(y))  # (B, T, d)
 
 

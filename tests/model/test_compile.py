@@ -49,15 +49,17 @@ def test_compiled_blocks_equal_eager_loss_and_every_gradient():
 
 
 def test_attention_custom_op_passes_the_library_checks():
-    """Schema, fake (meta) shapes, registered autograd against the op's own eager run."""
-    q, k, v = (torch.randn(1, 2, 6, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    """Schema, fake (meta) shapes, registered autograd against the op's own eager run, on the packed layouts:
+    qkv (B, T, H·3·D) in, the merged heads (B, T, H·D) out."""
+    qkv = torch.randn(1, 6, 2 * 3 * 4, dtype=torch.float64, requires_grad=True)  # (B, T, H·3·D), H=2, D=4
     lo, hi = band_limits(6, True, 3)
-    torch.library.opcheck(attention_forward, (q, k, v, lo, hi, "torch", False))
-    o = attention_forward(q, k, v, lo, hi, "torch", False)[0]
+    torch.library.opcheck(attention_forward, (qkv, 4, lo, hi, "torch", False))
+    o = attention_forward(qkv, 4, lo, hi, "torch", False)[0]  # (B, T, H·D)
+    q, k, v = qkv.view(1, 6, 2, 3, 4).permute(3, 0, 2, 1, 4).unbind(0)  # each (B, H, T, D)
     mask = torch.ones(6, 6, dtype=torch.bool).tril() & ~torch.ones(6, 6, dtype=torch.bool).tril(-3)
-    reference = (q @ k.transpose(-1, -2) / 2.0).masked_fill(~mask, float("-inf")).softmax(-1) @ v
-    assert torch.autograd.gradcheck(lambda *x: attention_forward(*x, lo, hi, "torch", False)[0], (q, k, v))
-    assert rel_err(o, reference) <= 1e-12
+    reference = (q @ k.transpose(-1, -2) / 2.0).masked_fill(~mask, float("-inf")).softmax(-1) @ v  # (B, H, T, D)
+    assert torch.autograd.gradcheck(lambda x: attention_forward(x, 4, lo, hi, "torch", False)[0], (qkv,))
+    assert rel_err(o, reference.transpose(1, 2).reshape(1, 6, 8)) <= 1e-12
 
 
 def test_without_a_working_compiler_the_blocks_run_eager_with_one_warning(monkeypatch):

@@ -31,6 +31,7 @@ class Hardware:
     gemm_efficiency: float
     hbm_efficiency: float
     link_efficiency: float
+    multiprocessors: int  # streaming multiprocessors: a kernel's tiles run on these in waves (kernel_costs.py)
     sources: dict = dataclasses.field(default_factory=dict, compare=False)
 
     @property

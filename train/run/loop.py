@@ -31,10 +31,12 @@ from train.run.spec import RunSpec
 BAR_WIDTH = 24  # the progress bar's cells
 
 
-def run(spec: RunSpec) -> Progress:
-    """Train per `spec` (train/run/spec.py: resolve); returns the final step and token count."""
+def run(spec: RunSpec, trainer: Trainer | None = None) -> Progress:
+    """Train per `spec` (train/run/spec.py: resolve); returns the final step and token count. `trainer`: the run
+    already built from `spec` (train/run/build.py), as bench/step_bill.py builds it before its loop runs on
+    fake tensors; else built here."""
     report.say(header(spec), is_rank_zero())
-    trainer = build(spec)
+    trainer = trainer if trainer is not None else build(spec)
     checkpoints = trainer.checkpointer
     resumed_from = checkpoints.restore()
     if resumed_from is not None:

@@ -24,6 +24,7 @@ class DeviceFigures(Section):
     gemm_efficiency: Any = setting(None, "share of peak a large GEMM reaches")
     hbm_efficiency: Any = setting(None, "share of memory bandwidth a large copy reaches")
     link_efficiency: Any = setting(None, "share of link bandwidth a collective reaches")
+    multiprocessors: Any = setting(None, "streaming multiprocessors per GPU")
 
 
 @dataclass
