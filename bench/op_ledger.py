@@ -31,6 +31,7 @@ accelerator synchronize count as reads too.
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from contextlib import contextmanager
@@ -262,15 +263,21 @@ def _first_named(frames) -> str | None:
 def _name(path: str, line: int) -> str | None:
     """"model/fused_loss.py:95", "deepspeed/runtime/bf16_optimizer.py:402", "torch/optim/adam.py:528", or
     None for a frame of plumbing (torch's own modules, autograd, the dispatcher, this ledger)."""
-    file = Path(path)
+    relative = _relative(path)
+    return None if relative is None else f"{relative}:{line}"
+
+
+@functools.lru_cache(maxsize=None)
+def _relative(path: str) -> str | None:
+    """A named file's path as the bill prints it, or None (see `_name`)."""
+    file = Path(path).resolve()
     if file.is_relative_to(SITE_PACKAGES):  # first: a virtual environment may live inside the repository
         relative = file.relative_to(SITE_PACKAGES).as_posix()
-        if relative.startswith(("deepspeed/", "torch/optim/", "torch/distributed/")) and not relative.startswith(PLUMBING):
-            return f"{relative}:{line}"
-        return None
+        named = relative.startswith(("deepspeed/", "torch/optim/", "torch/distributed/"))
+        return relative if named and not relative.startswith(PLUMBING) else None
     if file.is_relative_to(REPO):
         relative = file.relative_to(REPO).as_posix()
-        return f"{relative}:{line}" if relative.split("/")[0] in LOCATIONS else None
+        return relative if relative.split("/")[0] in LOCATIONS else None
     return None
 
 

@@ -24,8 +24,8 @@ final LayerNorm's input and statistics, and what the loss (train.fused_loss) kee
 W has Vp/p rows on a rank (the vocabulary V padded to a multiple of 128·p, model/vocab.py, also at
 p = 1). Dropout with p = 0 saves nothing.
 
-  fused loss      ∂L/∂h (n, d) and ∂L/∂W (Vp/p, d) in fp32, made in the forward (model/fused_loss.py):
-                  4·d a token (the full sequence under σ) and 4·(Vp/p)·d a micro batch
+  fused loss      ∂L/∂h (n, d) in the matmul dtype and ∂L/∂W (Vp/p, d) in fp32, made in the forward
+                  (model/fused_loss.py): a·d a token (the full sequence under σ) and 4·(Vp/p)·d a micro batch
   plain loss      the unembedding's input (a·d) and the log-softmax (4·V; at p > 1 the vocab-parallel
                   softmax, 4·Vp/p, and its target index and masks, 10 bytes), plus the targets (8)
 
@@ -128,7 +128,7 @@ def _head_bytes(config: GPTConfig, tp: int, sequence_parallel: bool, a: int, r: 
     d = config.d_model
     norm = (r * d + 2 * FP32) / sigma * n
     if fused_loss:
-        return norm + FP32 * (n + unembedding_rows(config, tp)) * d  # ∂L/∂h, ∂L/∂W
+        return norm + a * n * d + FP32 * unembedding_rows(config, tp) * d  # ∂L/∂h, ∂L/∂W
     if tp > 1:
         loss = FP32 * unembedding_rows(config, tp) + INT64 + 2  # softmax, target index, masks
     else:
@@ -142,15 +142,11 @@ def loss_transient(config: GPTConfig, tp: int, n: int, a: int, r: int, fused_los
     weights' (a < r: autocast). Tensors of Vp/p = Vl columns or d-sized rows; per-token vectors
     (targets, masks, maxima) left out. Read off the code as written:
 
-    fused (model/fused_loss.py), C = token_chunk(n, d, Vl) tokens a chunk, k = ⌈n/C⌉ chunks:
-      forward   under autocast the casts of h and W (a·(n + Vl)·d), plus the larger of
-                making a chunk's logits: the product (a·C·Vl), its fp32 copy (4·C·Vl when a < 4) and,
-                  from k ≥ 2 on, the previous chunk's fp32 logits and gradient cast (4 + a when
-                  a < 4)·C·Vl, which are still referenced then
-                ∂L/∂W's update: the chunk's logits and gradient ((4 + a when a < 4)·C·Vl) and
-                  gᵀx (a·Vl·d) with its fp32 copy (4·Vl·d when a < 4)
-      backward  ∂L/∂h·∂out/∂L (4·n·d, cast to h's r when r < 4), then ∂L/∂W's (4·Vl·d, cast to r
-                when r < 4) beside the returned ∂L/∂h (r·n·d)
+    fused (model/fused_loss.py), C = token_chunk(n, Vl, a) tokens a chunk:
+      forward   under autocast the casts of h and W (a·(n + Vl)·d), plus one chunk's logits (a·C·Vl),
+                which its gradient overwrites; on a GPU ∂L/∂W's products sum in fp32 into ∂L/∂W itself
+      backward  ∂L/∂h·∂out/∂L (a·n·d, and its cast to h's r when r ≠ a), then ∂L/∂W·∂out/∂L (4·Vl·d,
+                and its cast to r when r < 4) beside the returned ∂L/∂h (r·n·d)
     plain, p = 1 (model/vocab.py's unembedding, then model/layers.py lm_loss):
       forward   the logits (a·n·Vp) and their fp32 copy cut to V columns (4·n·V when a < 4)
       backward  the gradients of nll_loss and of log_softmax (4·n·V each), or later the logits'
@@ -165,15 +161,12 @@ def loss_transient(config: GPTConfig, tp: int, n: int, a: int, r: int, fused_los
     cast = a if a < FP32 else 0  # bytes of a bf16 copy of an fp32 tensor (none in fp32)
     copy = FP32 if a < FP32 else 0  # bytes of an fp32 copy of a bf16 tensor (none in fp32)
     if fused_loss:
-        chunk = token_chunk(n, d, rows)
-        logits = (FP32 + cast) * chunk * rows  # a chunk's fp32 logits and their gradient's cast
-        previous = logits if n > chunk else 0
-        make = (a + copy) * chunk * rows + previous
-        update = logits + (a + copy) * rows * d
         inputs = a * (n + rows) * d if a < r else 0
-        r_cast = r if r < FP32 else 0
-        backward = max(FP32 * n * d + r_cast * n * d, r * n * d + (FP32 + r_cast) * rows * d)
-        return max(inputs + max(make, update), backward)
+        forward = inputs + a * token_chunk(n, rows, a) * rows
+        h_cast = r * n * d if r != a else 0
+        w_cast = r * rows * d if r < FP32 else 0
+        backward = max(a * n * d + h_cast, r * n * d + FP32 * rows * d + w_cast)
+        return max(forward, backward)
     if tp == 1:
         forward = a * n * rows + copy * n * vocab  # logits (n, Vp), their fp32 copy (n, V)
         backward = max(2 * FP32 * n * vocab, a * n * (vocab + rows))

@@ -112,7 +112,8 @@ def tensor_parallel(
         else:
             out.append(t("all_reduce", "backward", act32, 1, "input gradient of the unembedding"))
         what = "vocab-parallel loss (max, target logit, sum)"
-        chunk = token_chunk(n, config.d_model, unembedding_rows(config, tp)) if fused_loss else n
+        matmul_bytes = 2 if autocast or residual_bytes == 2 else FP32
+        chunk = token_chunk(n, unembedding_rows(config, tp), matmul_bytes) if fused_loss else n
         full, rest = divmod(n, chunk)
         out.append(t("all_reduce", "forward", chunk * FP32, 3 * full, what))
         out.append(t("all_reduce", "forward", rest * FP32, 3 if rest else 0, what))
