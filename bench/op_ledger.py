@@ -6,17 +6,21 @@ Used inside torch's FakeTensorMode (tensors with shapes, dtypes and strides but 
 gpt3-125m step at its real shape costs seconds on a laptop), an `OpLedger` sees each aten operator
 below autograd, as the GPU's stream would receive it, and keeps one `Op` for it:
 
-  kind      view (an alias or a metadata query: no kernel), alloc (empty memory: no kernel), gemm (a matrix
+  kind      query (a tensor's metadata, dispatched only because the tensors are fake, or a profiler's mark:
+            nothing on a GPU), view (an alias: no kernel), alloc (empty memory, or a Python number wrapped
+            as a 0-d host tensor: no kernel), gemm (a matrix
             product), attention (gpt3d's attention ops: model/attention_op.py), loss (gpt3d's loss rows:
             model/loss_kernel.py), multi_tensor (torch's _foreach_* and fused optimizer kernels), collective
             (c10d), memory (every other kernel: elementwise, reductions, copies, gathers), read (a device→host
-            read: `.item()`, `float()`, `int()`, `bool()` and `.tolist()` of a device tensor, a synchronize)
+            read: `.item()`, `float()`, `int()`, `bool()` and `.tolist()` of a device tensor, a synchronize),
+            late read (a read of a tensor an earlier step made: it waits for that step's work only)
   kernels   launches on a CUDA GPU: 1, but multi_tensor (chunks of 65,536 elements, at most 320 chunks and a
             few dozen tensors a launch, as torch's multi_tensor_apply packs them) and the kernel counts of the
             custom ops (their `kernels` in LAUNCHES)
   bytes     read + written: each input's elements once (a broadcast dimension read once), each output's
-            written once; an in-place operator reads and writes its first argument; `copy_`, `fill_` and
-            `zero_` only write it
+            written once; an in-place operator reads and writes what it mutates (its schema's `Tensor(a!)`
+            arguments: the first of `add_`, every tensor of `_foreach_add_`); `copy_`, `fill_` and `zero_`
+            only write it
   flops     torch.utils.flop_counter's count for the matrix products; the attention ops' from their band
   where     the innermost line of gpt3d, DeepSpeed or torch.optim whose call reached the operator; in
             backward, for operators autograd runs for a forward one, that forward line (anomaly mode
@@ -24,8 +28,8 @@ below autograd, as the GPU's stream would receive it, and keeps one `Op` for it:
 
 A read is counted when its tensor is fake, i.e. on the device: tensors that were real before the ledger
 began (a batch in host memory, torch's host-side step counters) are host memory and reading them waits
-for nothing. The read's value is made up (False, 0, or 1.0 for a float), as a step without faults
-would read: the code goes on along its usual path. `torch.cuda.synchronize` and DeepSpeed's
+for nothing. The read's value is made up (False, 0 or 0.0), as a step without faults would read: the code
+goes on along its usual path. `torch.cuda.synchronize` and DeepSpeed's
 accelerator synchronize count as reads too.
 """
 
@@ -34,6 +38,7 @@ from __future__ import annotations
 import functools
 import math
 import sys
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,8 +57,7 @@ TENSORS_PER_LAUNCH = {1: 110, 2: 64, 3: 48, 4: 36, 5: 30}  # and tensors per lau
 # preprocess, the key-block kernel and the dQ pass (a cast, or the deterministic kernel).
 LAUNCHES = {"gpt3d::attention": 1, "gpt3d::attention_backward": 3}
 WRITE_ONLY = {"copy_", "fill_", "zero_", "normal_", "uniform_", "random_", "bernoulli_", "exponential_"}
-NO_KERNEL = {"empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like", "lift_fresh",
-             "_local_scalar_dense", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "record_stream",
+NO_KERNEL = {"empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like", "lift_fresh", "record_stream",
              "set_", "resize_"}
 GEMMS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_addmm_activation"}
 LOCATIONS = ("model", "parallel", "train")  # gpt3d's own code, where a line is named in the bill
@@ -61,6 +65,7 @@ PLUMBING = ("torch/nn/modules/", "torch/nn/functional.py", "torch/_tensor.py", "
             "torch/_ops.py", "torch/_library/", "torch/overrides.py", "torch/_compile.py", "torch/_dynamo/",
             "torch/amp/", "torch/_prims_common/", "torch/_refs/", "torch/_decomp/", "torch/_subclasses/",
             "torch/functional.py", "torch/_jit_internal.py", "torch/library.py", "deepspeed/utils/nvtx.py")
+PASS_THROUGH = ("train/runtime/late_read.py",)  # gpt3d's own plumbing: its caller is named instead
 
 
 @dataclass
@@ -85,7 +90,8 @@ class OpLedger(TorchDispatchMode):
         super().__init__()
         self.ops: list[Op] = []
         self.recording = False  # answers reads with made-up values always; records while True
-        self._quiet = 0  # > 0 inside a read already recorded whole (tolist)
+        self._quiet = 0  # > 0 inside a read already recorded whole (tolist: its unbind and reads are the read)
+        self._made = weakref.WeakValueDictionary()  # id → a tensor the recorded operators made
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -93,16 +99,20 @@ class OpLedger(TorchDispatchMode):
         if name == "_local_scalar_dense":
             tensor = args[0]
             if isinstance(tensor, FakeTensor) and not self._quiet:
-                self.read(f"{func._schema.name}")
+                self.read(func._schema.name, tensor)
             return _made_up(tensor) if isinstance(tensor, FakeTensor) else func(*args, **kwargs)
         out = func(*args, **kwargs)
-        if self.recording:
+        if self.recording and not self._quiet:
             self.ops.append(describe(func, args, kwargs, out))
+            self._made.update({id(t): t for t in tree_flatten(out)[0] if isinstance(t, FakeTensor)})
         return out
 
-    def read(self, what: str) -> None:
+    def read(self, what: str, tensor: torch.Tensor | None = None) -> None:
+        """A device→host read of `tensor` (None: a synchronize): "late read" when the tensor was made before the
+        recording began (by an earlier step), which waits only for that step's work, not for everything queued."""
         if self.recording:
-            self.ops.append(Op(what, "read", 0, 0.0, 0.0, where(3)))
+            late = tensor is not None and self._made.get(id(tensor)) is not tensor
+            self.ops.append(Op(what, "late read" if late else "read", 0, 0.0, 0.0, where(3)))
 
     @contextmanager
     def reading_hooks(self):
@@ -113,7 +123,8 @@ class OpLedger(TorchDispatchMode):
         synchronize, cuda_synchronize = accelerator.synchronize, torch.cuda.synchronize
 
         def counted_tolist(tensor):
-            ledger.read("Tensor.tolist")
+            if not ledger._quiet:  # a row's tolist inside a tolist is part of the one read
+                ledger.read("Tensor.tolist", tensor)
             ledger._quiet += 1
             try:
                 return tolist(tensor)
@@ -133,10 +144,10 @@ class OpLedger(TorchDispatchMode):
 
 
 def _made_up(tensor: torch.Tensor):
-    """What a read of a fault-free step returns: False, 0, or 1.0."""
+    """What a read of a fault-free step returns: False, 0 or 0.0 (finite, no skip, no flag set)."""
     if tensor.dtype == torch.bool:
         return False
-    return 1.0 if tensor.dtype.is_floating_point else 0
+    return 0.0 if tensor.dtype.is_floating_point else 0
 
 
 def describe(func, args, kwargs, out) -> Op:
@@ -147,13 +158,20 @@ def describe(func, args, kwargs, out) -> Op:
     site = where()
     outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
     dtype = str(outputs[0].dtype).removeprefix("torch.") if outputs else ""
-    if _is_view(schema) or name in NO_KERNEL or namespace == "prim":
+    if namespace in ("prim", "profiler") or name.startswith("sym_"):  # metadata, a profiler's mark: nothing on a GPU
+        return Op(full, "query", 0, 0.0, 0.0, site, dtype=dtype)
+    if name == "scalar_tensor":  # a Python number made a 0-d host tensor ("wrapped number"): no GPU kernel
+        return Op(full, "alloc", 0, 0.0, 0.0, site, dtype=dtype)
+    if _is_view(schema) or name in NO_KERNEL:
         return Op(full, "alloc" if name.startswith(("empty", "new_empty")) else "view", 0, 0.0, 0.0, site, dtype=dtype)
     written = {id(t) for t in tree_flatten(kwargs.get("out"))[0] if isinstance(t, torch.Tensor)}
     inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and id(t) not in written]
     if name in WRITE_ONLY and inputs and inputs[0] is args[0]:
         inputs = inputs[1:]
-    moved = float(sum(touched_bytes(t) for t in inputs) + sum(touched_bytes(t) for t in outputs))
+    returned = {id(t) for t in outputs}
+    mutated = [t for t in tree_flatten(_mutated_args(schema, args, kwargs))[0]
+               if isinstance(t, torch.Tensor) and id(t) not in returned]  # written in place, not returned
+    moved = float(sum(touched_bytes(t) for t in (*inputs, *outputs, *mutated)))
     if namespace == "gpt3d":
         return _custom(full, name, args, site, moved, dtype)
     if name in GEMMS:
@@ -164,6 +182,13 @@ def describe(func, args, kwargs, out) -> Op:
     if namespace in ("c10d", "_c10d_functional"):
         return Op(full, "collective", 1, moved, 0.0, site, dtype=dtype)
     return Op(full, "memory", 1, moved, 0.0, site, dtype=dtype)
+
+
+def _mutated_args(schema, args, kwargs) -> list:
+    """The arguments the operator writes in place (`Tensor(a!)` in its schema: in-place ops, foreach ops,
+    custom ops that mutate)."""
+    return [args[i] if i < len(args) else kwargs.get(a.name) for i, a in enumerate(schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write]
 
 
 def _is_view(schema) -> bool:
@@ -277,7 +302,7 @@ def _relative(path: str) -> str | None:
         return relative if named and not relative.startswith(PLUMBING) else None
     if file.is_relative_to(REPO):
         relative = file.relative_to(REPO).as_posix()
-        return relative if relative.split("/")[0] in LOCATIONS else None
+        return relative if relative.split("/")[0] in LOCATIONS and relative not in PASS_THROUGH else None
     return None
 
 

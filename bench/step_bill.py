@@ -8,19 +8,22 @@ It runs the real thing: the run is resolved from the command line's overrides as
 it, built as it builds it (this rank's model in its DeepSpeed engine, with the optimizer, the LR schedule,
 the data stream and the checkpointer: train/run/build.py), and its loop (train/run/loop.py) runs three steps
 on fake tensors (torch's FakeTensorMode: every tensor the steps make has its real shape, dtype and strides
-and no storage, so a gpt3-125m step costs seconds here). The bill is step 2 (step 1 makes the optimizer's
-state; a step that logs, validates or saves is a different bill), from the start of its step to the start
-of the next: the forward, backward and update, and the loop's own per-step work (the meter, the guards,
-reading the next batch, the step's agreement).
+and no storage, so a gpt3-125m step costs seconds here). The bill is step 3, a step like any other in the
+middle of a run (step 1 makes the optimizer's state and has its line; a step that logs, validates or saves is
+a different bill), from the start of its step to the start of the next: the forward, backward and update,
+and the loop's own per-step work (the meter, the guards, settling the step before, reading the next
+batch, the step's agreement).
 
 It prints, from bench/op_ledger.py: the kernels a CUDA GPU would launch, by kind and by source line; the
 bytes they read and write; their FLOPs; every device→host read (each empties the GPU's queue); and the
 step's predicted time on an H100 and an H200 from their measured ceilings (train/planner/kernel_costs.py),
 beside the committed H200 measurement of the same row where there is one (bench/results/).
 
-The GPU's choices are taken on the CPU: train.precision=auto is bf16, model.attention_impl=auto is triton
-(both as on a CUDA device), and torch's optimizers take their CUDA defaults (multi-tensor kernels). What
-the CPU cannot show is left out and said so: the batch's copy to the GPU (one small copy a step).
+The GPU's choices are taken on the CPU: train.precision=auto is bf16 and model.attention_impl=auto is triton,
+as on a CUDA device; the custom ops (attention, the loss's rows) are counted as the kernels CUDA runs; torch's
+optimizers choose their kernels as for CUDA tensors. What the CPU cannot show is left out and said so: the
+batch's copy to the GPU (one small copy a step), and several kernels an operator launches on CUDA where it
+launches one on the CPU (embedding's backward sorts first), counted as one.
 
 --json FILE writes the whole bill: the summary, the predictions and every operator.
 """
@@ -33,12 +36,13 @@ import io
 import json
 import sys
 import tempfile
+import warnings
 from collections import Counter, defaultdict
 from pathlib import Path
 
 from bench.op_ledger import Op, OpLedger
 
-BILLED_STEP = 2  # step 1 creates the optimizer's state
+BILLED_STEP = 3  # step 1 makes the optimizer's state and, a start's first step, says its line and settles at once
 PRESETS = ("h100-80g", "h200")
 MEASURED = sorted(Path(__file__).resolve().parent.glob("results/*-train-small.json"))
 QUIET = ["train.max_steps=10", "logging.log_interval=10", "train.eval_interval=0", "train.sample_tokens=0",
@@ -84,19 +88,21 @@ def count_step(overrides: list[str]) -> tuple[OpLedger, object]:
 
     cfg = compose([*gpu_choices(overrides), *QUIET, "train.device=cpu"], 10)
     ledger = OpLedger()
+    joined = torch.distributed.is_initialized()  # a caller's process group stays; the bill's own is ended
     with tempfile.TemporaryDirectory(prefix="gpt3d-step-bill-") as run_dir, contextlib.redirect_stdout(io.StringIO()):
         try:
             spec = resolve(cfg, Path(run_dir), overrides)
         except ConfigError as err:
             raise SystemExit(f"bench.step_bill: {err}") from None
         trainer = build(spec)
-        with FakeTensorMode(allow_non_fake_inputs=True), _cuda_optimizer_defaults(), ledger, \
-                ledger.reading_hooks(), _billing(ledger):
+        with FakeTensorMode(allow_non_fake_inputs=True), _cuda_optimizer_defaults(), ledger, ledger.reading_hooks(), \
+                _billing(ledger):
             try:
                 run(spec, trainer)
             except _Billed:
                 pass
-        torch.distributed.destroy_process_group()
+        if not joined:
+            torch.distributed.destroy_process_group()
     return ledger, spec
 
 
@@ -114,7 +120,8 @@ def gpu_choices(overrides: list[str]) -> list[str]:
 
 @contextlib.contextmanager
 def _cuda_optimizer_defaults():
-    """torch's optimizers choose their multi-tensor kernels for fake tensors on the CPU as for CUDA tensors."""
+    """torch's optimizers that are not told which kernels to use choose, for fake tensors on the CPU, what they
+    choose for CUDA tensors: the multi-tensor ones (gpt3d's own AdamW is fused everywhere)."""
     import torch.utils._foreach_utils as foreach_utils
     from torch._subclasses.fake_tensor import FakeTensor
     from torch.optim import optimizer
@@ -147,6 +154,8 @@ def _billing(ledger: OpLedger):
             raise _Billed
         begins(guard, step)
         if step == BILLED_STEP:
+            state.enter_context(warnings.catch_warnings())
+            warnings.filterwarnings("ignore", "Anomaly Detection has been enabled")  # on purpose: see above
             state.enter_context(torch.autograd.detect_anomaly(check_nan=False))
             ledger.recording = True
 
@@ -190,6 +199,7 @@ def summarize(ops: list[Op], spec, overrides: list[str]) -> dict:
         "bytes": sum(bytes_by_kind.values()),
         "flops": sum(op.flops for op in ops),
         "reads": [op.where for op in ops if op.kind == "read"],
+        "late_reads": [op.where for op in ops if op.kind == "late read"],
         "by_kind": {kind: {"kernels": kernels_by_kind[kind], "bytes": bytes_by_kind[kind]} for kind in kernels_by_kind},
         "by_line": [{"where": line, "kernels": n, "bytes": bytes_by_line[line]} for line, n in by_line.most_common()
                     if n],
@@ -220,19 +230,21 @@ def format_bill(bill: dict, top: int) -> str:
     lines = [
         f"step bill: {bill['model']}, {bill['precision']}, micro batch {bill['micro_batch']} × {bill['seq_len']} "
         f"tokens, {bill['micro_batches']} micro batch(es) a step, one process; step {BILLED_STEP} of python -m train's "
-        f"loop, a step that does not log",
+        f"loop, a step that does not log or save",
         f"kernels {bill['kernels']:,} | bytes read + written {bill['bytes'] / gb:,.1f} GB | FLOPs "
         f"{bill['flops'] / 1e12:,.2f} T | device→host reads {len(bill['reads'])}",
         "",
         f"{'kind':<14} {'kernels':>8} {'GB':>9}",
     ]
     for kind, row in sorted(bill["by_kind"].items(), key=lambda kv: -kv[1]["kernels"]):
-        if row["kernels"] or row["bytes"]:
+        if row["kernels"] or row["bytes"]:  # views, allocations, queries and reads launch nothing
             lines.append(f"{kind:<14} {row['kernels']:>8,} {row['bytes'] / gb:>9.2f}")
     lines += ["", f"{'source line (the top ' + str(top) + ' by kernels)':<66} {'kernels':>8} {'GB':>9}"]
     for row in bill["by_line"][:top]:
         lines.append(f"{row['where'][:66]:<66} {row['kernels']:>8,} {row['bytes'] / gb:>9.2f}")
-    lines += ["", "device→host reads: " + (", ".join(bill["reads"]) if bill["reads"] else "none")]
+    lines += ["", "device→host reads (each waits for everything queued): " + (", ".join(bill["reads"]) or "none"),
+              "late reads (of an earlier step's values: they wait for that step only): " +
+              (", ".join(bill["late_reads"]) or "none")]
     lines += ["", f"{'predicted':<12} {'step ms':>8} {'device busy':>12} {'device idle':>12} {'host issues':>12}"]
     for name, p in bill["predicted"].items():
         lines.append(f"{name:<12} {p['step_ms']:>8.1f} {p['device_busy_ms']:>12.1f} {p['device_idle_ms']:>12.1f} "

@@ -98,9 +98,12 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(qkv, o, lse)
     ctx.band = (head_dim, lo, hi, impl, deterministic)
     ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)  # no zeros made for LSE's (absent) gradient
 
 
 def _backward(ctx, do, _dlse):
+    if do is None:  # nothing reached O (grads are not materialized: None, not zeros)
+        return None, None, None, None, None, None
     qkv, o, lse = ctx.saved_tensors
     return attention_backward(qkv, o, lse, do, *ctx.band), None, None, None, None, None
 

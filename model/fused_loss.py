@@ -88,10 +88,13 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             keep = targets != ignore_index  # (N,)
             count = keep.sum()
             scale = keep / count  # (N,) fp32: 1/|K| for kept tokens, 0 for ignored ones
-            local = targets - start
-            owned = keep & (local >= 0) & (local < real)  # (N,): targets in this shard
-            local = local.clamp(0, rows - 1)
-            losses = torch.empty(n, dtype=torch.float32, device=h.device)
+            if start == 0:  # this shard's columns begin at the vocabulary's first (the row ops mask by `owned`)
+                local, owned = targets, keep & (targets < real)  # (N,) each
+            else:
+                local = targets - start
+                owned = keep & (local >= 0) & (local < real)  # (N,): targets in this shard
+                local = local.clamp(0, rows - 1)
+            losses = []  # each chunk's (C,)
             grad_h = torch.empty(n, h.shape[1], dtype=dtype, device=h.device) if want_h else None
             grad_w = None
             for s in range(0, n, chunk):
@@ -102,13 +105,14 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                     shard_max, m = m, reduce_max(m.clone())
                     total = reduce_sum(total * torch.exp(shard_max - m))
                     target = reduce_sum(target)
-                losses[s:e] = m + total.log() - target
+                losses.append(m + total.log() - target)  # (C,)
                 if want_h or want_w:
                     row_grad_(z, local[s:e], owned[s:e], m, total, scale[s:e], real)  # z is now g (C, Vl)
                     if want_h:
                         torch.mm(z, w, out=grad_h[s:e])  # (C, d)
                     if want_w:
                         grad_w = _add_product(grad_w, z.T, x[s:e])  # (Vl, d) fp32
+            losses = losses[0] if len(losses) == 1 else torch.cat(losses)  # (N,)
             loss = torch.where(keep, losses, 0.0).sum() / count
         ctx.save_for_backward(grad_h, grad_w)
         ctx.dtypes = (h.dtype, weight.dtype)

@@ -15,8 +15,6 @@ tokens after those already seen, and attention attends to the cached keys and va
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
@@ -173,8 +171,10 @@ class Head(nn.Module):
 
 
 def flag_non_finite(loss: torch.Tensor) -> torch.Tensor:
-    """loss · 1 when the loss is finite, loss · NaN when it is not, with no host sync. Every gradient
-    of a non-finite loss is then NaN, on this rank and, through the gradient reductions, on every rank,
-    so the optimizers' norm check skips the step everywhere (train/guard/nonfinite.py). For a finite
-    loss the factor is exactly 1: the gradient is bit for bit what it was without it."""
-    return loss * torch.where(torch.isfinite(loss), 1.0, math.nan).to(loss.dtype)
+    """loss · f with f = (ℓ − ℓ) + 1 of the detached loss ℓ: exactly 1 when the loss is finite, NaN when it is
+    not (∞ − ∞ and NaN − NaN are NaN), with no host sync and three small kernels. Every gradient of a
+    non-finite loss is then NaN, on this rank and, through the gradient reductions, on every rank, so the
+    optimizers' norm check skips the step everywhere (train/guard/nonfinite.py). For a finite loss the
+    factor is exactly 1: the gradient is bit for bit what it was without it."""
+    value = loss.detach()
+    return loss * ((value - value) + 1)

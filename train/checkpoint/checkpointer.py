@@ -112,10 +112,8 @@ class Checkpointer:
         is raised here (a StorageError when the file system refused it, else CheckpointError), at the next
         save or the last step: once the ranks agreed that a write in the background failed, the loop makes
         that step the last."""
-        interval = self.settings.interval
-        due = step != self._saved_step and (last or (interval > 0 and step % interval == 0))
         try:
-            if due:
+            if self.due(step, last=last):
                 stopped_at = time.perf_counter()
                 self._guard.phase(f"checkpoint at step {step}")
                 self._guard.before_saving(step, self.device)  # NonFiniteError instead of non-finite weights
@@ -130,6 +128,12 @@ class Checkpointer:
             self._guard.saved(written.path)
             report.say(f"checkpoint {written.path}", self._speaks)
             self._logger.checkpoint(written.path, written.step)
+
+    def due(self, step: int, *, last: bool = False) -> bool:
+        """Whether `save(step, last=last)` writes a checkpoint: every settings.interval steps and at the last
+        step, unless `step` was saved already."""
+        interval = self.settings.interval
+        return step != self._saved_step and (last or (interval > 0 and step % interval == 0))
 
     def times(self) -> dict:
         """The checkpoint metrics since the last call (train/checkpoint/writer.py: `times`)."""

@@ -3,11 +3,14 @@ ever holds non-finite weights.
 
 How a step is skipped. Every optimizer gpt3d trains with computes the gradient's global L2 norm ‖g‖
 (one number, the same on every rank) before it updates, and skips the update when ‖g‖ is not finite:
-ClippingAdamW at ZeRO-0 (train/run/optimizer.py), DeepSpeed's ZeRO-1/2/3 optimizers (always for fp32
-weights, by `bf16.check_grad_overflow`, default on, for bf16 ones) and DeepSpeed's fp16 loss scaler.
-A skipped update changes no weight, no Adam moment and no step count; the optimizer says `overflow`,
-and DeepSpeed's engine then leaves the LR schedule where it was and counts `engine.skipped_steps`
-(saved in checkpoints, so the count survives a resume).
+ClippingAdamW at ZeRO-0 and inside DeepSpeed's bf16 optimizer at ZeRO ≤ 1 (train/run/optimizer.py,
+train/run/bf16_optimizer.py: decided on the device, by fused AdamW's found_inf), DeepSpeed's ZeRO-1/2/3
+optimizers (always for fp32 weights, by `bf16.check_grad_overflow`, default on, for bf16 ones; decided on
+the host) and DeepSpeed's fp16 loss scaler. A skipped update changes no weight, no Adam moment and no step
+count. A skip decided on the host, the optimizer says `overflow`, and DeepSpeed's engine leaves the LR
+schedule where it was and counts `engine.skipped_steps`; one decided on the device, the loop counts it and
+takes its tokens back from the LR schedule when it reads the step's flag (train/guard/safeguards.py). The
+count is saved in checkpoints, so it survives a resume.
 
 A loss that is not finite reaches ‖g‖ on every rank through `flag_non_finite`
 (model/layers.py, applied by the model's Head to the loss it returns, so also inside a pipeline's
@@ -39,9 +42,10 @@ class SkipCounter:
     total: int = 0
     in_a_row: int = 0
     first_in_a_row: int | None = None  # the step that began the current run of skips
+    last: int = 0  # the last step counted
 
     def update(self, step: int, skipped: bool, total: int) -> None:
-        self.total = total
+        self.total, self.last = total, step
         if not skipped:
             self.in_a_row, self.first_in_a_row = 0, None
             return

@@ -3,9 +3,10 @@
 A signal may reach only some ranks (a scheduler signalling one node, a `kill` by hand), and a rank
 that stopped alone would leave the others blocked in their next collective. So a signal only sets a
 flag. At the end of every step (after its logging, evaluation and checkpoint) the ranks all-reduce
-(max) one small vector of integers, `agree`, holding each rank's flag together with the step's
-non-finite checks and the machine's faults a rank saw (a failed checkpoint write in the background, a
-data file the next step cannot read), and all stop when any rank was signalled. The step that was
+(max) one small vector of integers in host memory, `agree`, holding each rank's flag together with the
+machine's faults a rank saw (a failed checkpoint write in the background, a data file the next step
+cannot read), and all stop when any rank was signalled. The step's own checks (its loss not finite, its
+update skipped or applied) live on the device and are read later (`device_checks`, `check_outcome`). The step that was
 running when the signal arrived is finished and the checkpoint is at that step. (Python runs a signal handler only
 once the C++ call under way returns: a signal that comes during the closing collective itself is
 seen after it, and counts for the next step.)
@@ -22,6 +23,7 @@ when it starts again and when it finishes.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import threading
@@ -99,31 +101,51 @@ class Verdict:
     data_failed: bool = False  # a data file the next step needs stayed unreadable, on some rank
 
 
-def agree(step: int, loss: torch.Tensor, skipped: bool, signals: StopSignals, write_failed: bool = False,
-          data_failed: bool = False) -> Verdict:
-    """The one collective of a step: max over ranks of
-    [loss not finite, skipped, applied, signal, rank + 1, step the signal came in, write failed, data failed].
-
-    It also checks that the step was skipped on every rank or on none, and never applied on a rank
-    whose loss was not finite (train/guard/nonfinite.py explains why neither can happen; this proves it, each step).
-    The last two are the machine's faults this rank saw (a failed background write, a data file that stayed
-    unreadable): when any rank saw one, every rank stops after the step (train/run/loop.py).
-    """
+def agree(step: int, signals: StopSignals, write_failed: bool = False, data_failed: bool = False,
+          group=None) -> Verdict:
+    """The one agreement of a step, in host memory: max over ranks of
+    [signal, rank + 1, step the signal came in, write failed, data failed], all-reduced over `group` (a
+    gloo group of host tensors: nothing waits for the device) when there are other ranks. The first three
+    say whether any rank was asked to stop; the last two are the machine's faults this rank saw (a failed
+    background write, a data file that stayed unreadable): when any rank saw one, every rank stops after
+    the step (train/run/loop.py). What only the device knows, the step's loss and skip, is checked
+    apart (`device_checks`, `check_outcome`)."""
     import torch.distributed as dist
 
     received, received_step = signals.take(step)
-    rank = dist.get_rank()
-    flags = torch.tensor([0, int(skipped), int(not skipped), received, rank + 1 if received else 0, received_step,
-                          int(write_failed), int(data_failed)], dtype=torch.int64, device=loss.device)
-    flags[0] = (~torch.isfinite(loss)).to(torch.int64)
-    if dist.get_world_size() > 1:
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    non_finite, any_skipped, any_applied, signum, who, step, write, data = flags.tolist()
-    if any_skipped and any_applied:
+    flags = [received, dist.get_rank() + 1 if received else 0, received_step, int(write_failed), int(data_failed)]
+    if dist.get_world_size(group) > 1:
+        agreed = torch.tensor(flags, dtype=torch.int64)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+        flags = agreed.tolist()
+    signum, who, signal_step, write, data = flags
+    return Verdict(signum, who - 1 if who else None, signal_step, bool(write), bool(data))
+
+
+def device_checks(loss: torch.Tensor, skipped: torch.Tensor | bool) -> torch.Tensor:
+    """(ranks, 2): [loss, skipped] of this step on every rank, on the device (one stack, and an all-gather
+    when there are other ranks: queued, never waited for). `check_outcome` reads and judges it later."""
+    import torch.distributed as dist
+
+    skip = skipped if isinstance(skipped, torch.Tensor) else torch.full((), float(skipped), device=loss.device)
+    mine = torch.stack([loss.float(), skip])  # (2,)
+    if dist.get_world_size() == 1:
+        return mine.unsqueeze(0)  # (1, 2)
+    every = mine.new_empty(dist.get_world_size() * 2)  # flat: gloo gathers into a flat tensor only
+    dist.all_gather_into_tensor(every, mine)
+    return every.view(-1, 2)  # (ranks, 2)
+
+
+def check_outcome(checks: list[list[float]]) -> bool:
+    """Whether the step was skipped, from its `device_checks` as read (a [loss, skipped] pair a rank); raises
+    when the step was skipped on some ranks and applied on others, or applied on a rank whose loss was not
+    finite (train/guard/nonfinite.py explains why neither can happen; this proves it, for every step)."""
+    skips = [bool(skipped) for _, skipped in checks]
+    if any(skips) and not all(skips):
         raise RuntimeError("the ranks disagree on whether this step's update was skipped; their weights now differ")
-    if non_finite and any_applied:
+    if not skips[0] and not all(math.isfinite(loss) for loss, _ in checks):
         raise RuntimeError("a rank's loss was not finite, yet the optimizer applied the update")
-    return Verdict(signum, who - 1 if who else None, step, bool(write), bool(data))
+    return skips[0]
 
 
 def write_marker(run_dir: Path, step: int, verdict: Verdict, checkpoint: Path) -> None:

@@ -309,19 +309,29 @@ class Meter:
         self.restart()
 
     def restart(self) -> None:
-        self.loss_sum, self.steps, self.applied = torch.zeros((), dtype=torch.float64, device=self.device), 0, 0
-        self.tokens, self.batch_size = 0, None
+        self.losses: list[tuple[torch.Tensor, torch.Tensor | bool]] = []  # each step's (loss, skipped), on the device
+        self.steps, self.tokens, self.batch_size = 0, 0, None
         self.clock = time.perf_counter()
 
-    def add(self, loss: torch.Tensor, batch_size: int, skipped: bool = False) -> None:
+    def add(self, loss: torch.Tensor, batch_size: int, skipped: torch.Tensor | bool = False) -> None:
         """One step and its global batch (sequences); a skipped step's (non-finite) loss stays out of
-        the mean, its time and tokens stay in."""
-        if not skipped:
-            self.loss_sum += loss
-            self.applied += 1
+        the mean, its time and tokens stay in. `skipped` may be the step's device flag (1.0: skipped):
+        the step's loss and flag are kept as they are and combined when a record is taken (no kernel, no
+        read now)."""
+        self.losses.append((loss, skipped))
         self.steps += 1
         self.tokens += batch_size * self.seq_len
         self.batch_size = batch_size
+
+    def _applied_losses(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(Σ loss over the applied steps, their count) since the last record, on the device."""
+        if not self.losses:
+            zero = torch.zeros((), dtype=torch.float64, device=self.device)
+            return zero, zero
+        applied = torch.stack([1 - torch.as_tensor(skipped, dtype=torch.float64, device=self.device)
+                               for _, skipped in self.losses])  # (steps,)
+        losses = torch.stack([loss.double() for loss, _ in self.losses])  # (steps,)
+        return torch.where(applied > 0, losses, 0.0).sum(), applied.sum()  # a skipped step's loss may be NaN
 
     def _shares(self) -> dict:
         """The realised share of each source of a mixture (data=mixture), as data/share/<label>."""
@@ -343,13 +353,14 @@ class Meter:
         elapsed = time.perf_counter() - self.clock
         tokens_per_s = self.tokens / elapsed
         # one collective: every rank takes part, skips or not; the loss averaged, the data reads retried summed
-        loss_sum, read_retries = sums_over_ranks([self.loss_sum, self.batches.read_retries])
+        loss_sum, applied, read_retries = sums_over_ranks([*self._applied_losses(), self.batches.read_retries])
         loss_sum /= self.world
+        applied = round(applied / self.world)  # the same on every rank: the ranks skip together
         finite = result.grad_norm is not None and math.isfinite(result.grad_norm)
         return {
             "step": progress.step,
             "tokens": progress.tokens,
-            "train/loss": loss_sum / self.applied if self.applied else None,
+            "train/loss": loss_sum / applied if applied else None,
             "train/lr": result.lr,
             "train/grad_norm": result.grad_norm if finite else None,
             "train/skipped_steps": skipped_steps,

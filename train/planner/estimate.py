@@ -63,6 +63,11 @@ gathers (its prefetching hides little: Narayanan et al.'s ZeRO-3 runs match the 
 overlap).
 A micro batch also takes at least the host time that launching its kernels costs (when that bounds
 it, F, B and W each take their share of it).
+
+The whole model on one GPU (`launch_priced`: tp = pp = dp = 1, fp32, autocast or bf16, nothing recomputed or
+offloaded) is priced launch by launch instead, as the step bill prices the real step
+(train/planner/one_gpu.py, train/planner/kernel_costs.py): the products by shape, every memory-bound
+kernel, the launches the host issues; F, B and W keep their shares of the FLOP-and-bytes model.
 """
 
 from __future__ import annotations
@@ -93,6 +98,7 @@ from train.planner.counts import (
     state_bytes,
 )
 from train.planner.hardware import Hardware
+from train.planner.one_gpu import one_gpu_step
 
 GIB = 2**30
 COLLECTIVE_LATENCY_S = 15e-6  # per collective call (NCCL launch and ring start-up)
@@ -681,6 +687,11 @@ def _stage_ranks(model_cfg, layout: Layout, impl: Implementation, hw: Hardware, 
                                   grad_bytes=grad_bytes, weight_bytes=FP32 if impl.fp32_weights else 2)
     )
     passes, flops = _stage_compute(model_cfg, layout, impl, hw, stage, shape)
+    optimizer_s = 0.0 if layout.offload_optimizer else OPTIMIZER_BYTES * (
+        sum(p.numel for p in params) if layout.zero_stage == 0 else state.partition) / hw.memory_bandwidth
+    if launch_priced(layout, impl):  # one GPU: the step launch by launch, as the step bill prices it
+        step, update = one_gpu_step(model_cfg, layout.micro_batch, m, impl.precision, hw, impl.fused_loss)
+        passes, optimizer_s = passes.scaled_to((step.seconds - update.device_busy) / m), update.device_busy
     compute_s = passes.total
     tp_transfers = [t for t in transfers if t.group == "tp"]
     # under ZB-H1 the weight-gradient GEMM is deferred to W: nothing runs beside the input-gradient all-reduce
@@ -701,7 +712,6 @@ def _stage_ranks(model_cfg, layout: Layout, impl: Implementation, hw: Hardware, 
     dp_s = _comm_time([t for t in exposed if t not in hidden], hw, inter_node)
     for t in hidden:  # ZeRO 2: each micro batch's reduction behind its backward; ZeRO 1: the last one's
         dp_s += t.count * max(0.0, _comm_time([t], hw, inter_node) / t.count - backward_s)
-    updated = sum(p.numel for p in params) if layout.zero_stage == 0 else state.partition
     micro_batch_s = compute_s + gather_s + tp_s + pp_s
     forward_s = passes.forward + forward_comm_s
     time = {
@@ -710,7 +720,7 @@ def _stage_ranks(model_cfg, layout: Layout, impl: Implementation, hw: Hardware, 
         "forward_s": forward_s, "input_grad_s": micro_batch_s - forward_s - passes.weight_grad,
         "weight_grad_s": passes.weight_grad,
         "dp_comm_s": dp_s,
-        "optimizer_s": 0.0 if layout.offload_optimizer else OPTIMIZER_BYTES * updated / hw.memory_bandwidth,
+        "optimizer_s": optimizer_s,
     }
     parameters = sum(p.numel for p in params)
     ranks = []
@@ -720,6 +730,14 @@ def _stage_ranks(model_cfg, layout: Layout, impl: Implementation, hw: Hardware, 
         ranks.append(RankPlan(s, parameters, state, acts, in_flight, deferred, deferred_bytes, memory,
                               sum(memory.values()), flops * m, transfers, time))
     return ranks
+
+
+def launch_priced(layout: Layout, impl: Implementation) -> bool:
+    """Whether the plan prices the step launch by launch (train/planner/one_gpu.py): the whole model on one GPU
+    (tp = pp = dp = 1) with DeepSpeed's optimizer around ours on the device, in fp32, autocast or bf16, nothing
+    recomputed or offloaded; else by FLOPs and bytes (this module)."""
+    return (layout.tp == layout.pp == layout.dp == 1 and layout.zero_stage <= 1 and not layout.offload_optimizer
+            and impl.fp8 is None and layout.checkpoint_every == 0 and not layout.selective_recompute)
 
 
 def _exposed_behind_weight_gradients(model_cfg, layout: Layout, impl: Implementation, hw: Hardware, transfers,

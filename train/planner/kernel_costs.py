@@ -22,7 +22,8 @@ A step (`step_seconds`): the host issues operators in order, paying HOST_OP_S fo
 a kernel and HOST_VIEW_S for each that does not (a view, an allocation: Python and the dispatcher
 still run); the device runs each kernel once it is issued and the previous one has finished; a
 device→host read makes the host wait until the device has run everything issued before it, plus
-READ_S. The step is the steady-state period of that pipeline: the same step issued three times in a
+READ_S; a late read (of a value an earlier step made, read one step late) waits only until the device has
+run that earlier step. The step is the steady-state period of that pipeline: the same step issued three times in a
 row, (end of the third − end of the first) / 2, so a step whose host runs ahead of its device (no
 reads) is bounded by the device alone, and one with reads pays the device's idle time after each.
 """
@@ -38,7 +39,7 @@ GEMM_TILE = (128, 256)  # output rows × columns of one cuBLAS tile on Hopper (b
 GEMM_FILL_K = 128  # depth of K each tile's pipeline fill costs
 SPLIT_K_MIN = 512  # the shallowest share of K a split-K product gives one tile
 UNALIGNED_RATE = 0.1  # share of the matrix rate cuBLAS keeps when a dimension is no multiple of 8
-KERNEL_FLOOR_S = 2.5e-6  # a kernel's shortest time on the device (launch and drain)
+KERNEL_FLOOR_S = 4e-6  # a kernel's shortest time on the device (launch and drain)
 HOST_OP_S = 9e-6  # the host's time to issue one operator that launches a kernel, eager PyTorch from Python
 HOST_VIEW_S = 2e-6  # and one that launches none (a view, an allocation)
 READ_S = 15e-6  # a device→host read's round trip once the device is idle
@@ -53,7 +54,7 @@ ATTENTION_TFLOPS = {64: (240.0, 198.0), 80: (178.0, 100.0), 96: (208.0, 116.0), 
 class Launch:
     """What the cost model needs of one operator (the step bill's Op carries these fields)."""
 
-    kind: str  # gemm, attention, memory, multi_tensor, collective, loss, view, alloc, read
+    kind: str  # gemm, attention, memory, multi_tensor, collective, loss, view, alloc, query, read, late read
     kernels: int
     bytes: float
     flops: float
@@ -117,18 +118,24 @@ class StepTime:
 def step_seconds(hw: Hardware, launches: list[Launch]) -> StepTime:
     """The steady-state time of a step that issues `launches` in order (see the module docstring)."""
     costs = [kernel_seconds(hw, launch) for launch in launches]
-    host = device = 0.0
+    host = device = previous = 0.0  # previous: the device's time at the end of the step before
     ends = []
     for _ in range(3):
         for launch, cost in zip(launches, costs):
+            if launch.kind == "query":
+                continue
             if launch.kind == "read":
                 host = max(host, device) + READ_S
+            elif launch.kind == "late read":
+                host = max(host, previous) + READ_S
             elif launch.kernels == 0:
                 host += HOST_VIEW_S
             else:
                 host += HOST_OP_S
                 device = max(device, host) + cost
         ends.append(max(host, device))
+        previous = device
     busy = sum(costs)
-    issuing = sum(HOST_OP_S if launch.kernels else HOST_VIEW_S for launch in launches if launch.kind != "read")
+    issuing = sum(HOST_OP_S if launch.kernels else HOST_VIEW_S for launch in launches
+                  if launch.kind not in ("read", "late read", "query"))
     return StepTime((ends[2] - ends[0]) / 2, busy, issuing)

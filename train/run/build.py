@@ -35,7 +35,8 @@ from train.monitor import metrics, report
 from train.monitor.metrics import full_shapes_model
 from train.run import batch_ramp
 from train.run import engine as engines
-from train.run.optimizer import GIVEN_NORM, TokenLR, make_optimizer
+from train.run import bf16_optimizer
+from train.run.optimizer import GIVEN_NORM, OWN_NORM, TokenLR, make_optimizer
 from train.run.spec import RunSpec
 from train.run.step import TrainStep
 from train.runtime.process_group import init_distributed
@@ -149,8 +150,8 @@ def build(spec: RunSpec) -> Trainer:
     )
     if zero_bubble:
         engine = ZeroBubbleEngine.adopt(engine, weight_grads)
-    if clip == GIVEN_NORM:
-        optimizer.take_norm_from(engine.optimizer)  # DeepSpeed's bf16 optimizer, which computes the norm
+    if clip == GIVEN_NORM:  # DeepSpeed's bf16 optimizer computes the norm, on the device (train/run/bf16_optimizer.py)
+        optimizer.take_norm_from(bf16_optimizer.adopt(engine.optimizer))
     # Ranks of one data-parallel replica (its tp and pp ranks) read the same windows.
     train, dp = settings.train, (topology.dp_rank, topology.dp_size)
     speaks = topology.tp_rank == 0 and topology.pp_rank == 0  # one warning per data-parallel replica
@@ -158,7 +159,8 @@ def build(spec: RunSpec) -> Trainer:
     val_batches = []
     if train.eval_interval > 0 and train.eval_batches > 0:
         val_batches = data.validation_batches(spec.data, model_cfg.seq_len, train.global_batch_size, train.eval_batches, *dp)
-    step = TrainStep(engine, train.micro_batch_size, device, autocast=runtime.autocast)
+    step = TrainStep(engine, train.micro_batch_size, device, autocast=runtime.autocast,
+                     skips_on_device=optimizer if clip in (OWN_NORM, GIVEN_NORM) else None)
     progress = Progress()
     checkpointer = Checkpointer(CheckpointSettings.from_config(train, spec.run_dir, device, spec.resume),
                                 checkpoint_parts(progress, batches, lr, engine, spec.schedule.state),

@@ -3,7 +3,8 @@
 `deepspeed_config` turns train.* / parallel.* / optim.* / deepspeed.* into DeepSpeed's JSON (with the
 resolved precision's settings, train/runtime/precision.py), `clipping` says who clips the gradient,
 and `create_engine` wraps this rank's model (parallel.build) with optimizer and LR schedule: a
-DeepSpeedEngine (ZeRO 0–3, optional optimizer offload) or, for a pipeline, a PipelineEngine. The device
+DeepSpeedEngine (ZeRO 0–3, optional optimizer offload) or, for a pipeline, a PipelineEngine; at one
+data-parallel rank it turns off the engine's gradient all-reduce, which has no peer there. The device
 and the process group are the runtime's (train/runtime/); DeepSpeed's step counters are a checkpoint
 part (train/checkpoint/parts.py).
 """
@@ -62,6 +63,10 @@ def written(train: TrainConfig, parallel: ParallelConfig, optim: OptimConfig, dp
         ("fp16.enabled", False, "train.precision"),
         *((path, value, "train.precision") for path, value in _flat(settings)),
     ]
+    if bf16_weights(runtime.precision) and int(parallel.zero_stage) <= 1:
+        # DeepSpeed's bf16 optimizer adds each bf16 gradient to its fp32 one as backward makes it, and drops the
+        # bf16 one (none is kept, accumulated or zeroed); ZB-H1's W pass adds its own (parallel/zero_bubble_engine.py)
+        entries.append(("bf16.immediate_grad_update", parallel.pp == 1, "train.precision"))
     if parallel.offload_optimizer:
         entries.append(("zero_optimization.offload_optimizer", {"device": "cpu", "pin_memory": runtime.device.type == "cuda"},
                         "parallel.offload_optimizer"))
@@ -148,6 +153,8 @@ def create_engine(model, optimizer, lr_scheduler, ds_config: dict, mpu=None):
     import io
 
     import deepspeed
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     from deepspeed.utils import logger
 
     if not any(isinstance(f, _OurOptimizerIsTested) for f in logger.filters):
@@ -156,6 +163,11 @@ def create_engine(model, optimizer, lr_scheduler, ds_config: dict, mpu=None):
         engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=ds_config, mpu=mpu
         )
+    zero_partitions = isinstance(engine.optimizer, ZeROOptimizer) and not isinstance(engine.optimizer, BF16_Optimizer)
+    if engine.dp_world_size == 1 and not zero_partitions:
+        # no peer to all-reduce the gradients with: no flatten, copy and all-reduce (DeepSpeed's ZeRO optimizers
+        # move their gradients into partitions in that call, so theirs stays)
+        engine.enable_backward_allreduce = False
     return engine
 
 

@@ -77,8 +77,9 @@ def loop(trainer: Trainer, progress: Progress, logger: metrics.MetricsLogger, me
     the background is announced at the first step boundary after its write ended, and the last step's,
     and a stop's, are waited for.
 
-    Faults (train/guard/safeguards.py): a step skipped for a non-finite loss or gradient is counted, and too
-    many in a row raise NonFiniteError; SIGTERM / SIGINT / SIGUSR1 on any rank end the loop on every
+    Faults (train/guard/safeguards.py): a step skipped for a non-finite loss or gradient is counted (decided
+    on the device, it is read with the step's record or checkpoint, else one step later), and too many in a
+    row raise NonFiniteError; SIGTERM / SIGINT / SIGUSR1 on any rank end the loop on every
     rank after the step with a checkpoint; a step that hangs ends the process from the watchdog's thread.
     The machine's faults: a save the disk refuses raises StorageError (train/checkpoint/storage.py), a write
     in the background at the end of the step it failed in; the next step's data is read before the step's
@@ -94,11 +95,15 @@ def loop(trainer: Trainer, progress: Progress, logger: metrics.MetricsLogger, me
         except DataUnavailable as err:
             raise _data_gone(err, progress, guard.last_checkpoint, trained=False) from None
         result = trainer.step(windows)
-        progress.advance(size * trainer.model_cfg.seq_len)
+        tokens = size * trainer.model_cfg.seq_len
+        progress.advance(tokens)
         meter.add(result.loss, size, result.skipped)
-        guard.after_step(progress.step, result)  # a skipped step: say so
+        guard.after_step(progress.step, result, tokens)  # its outcome queued on the device; the step before settled
+        logs = _due(progress.step, settings.logging.log_interval, last)
+        if logs or progress.step == first or checkpoints.due(progress.step, last=progress.step == last):
+            guard.settle()  # the device is read here anyway: this step's outcome is known at once
         record = None
-        if _due(progress.step, settings.logging.log_interval, last):
+        if logs:
             record = meter.take(progress, result, guard.skips.total)
             if trainer.val_batches and _due(progress.step, settings.train.eval_interval, last):
                 guard.phase(f"evaluation after step {progress.step}")
@@ -119,14 +124,16 @@ def loop(trainer: Trainer, progress: Progress, logger: metrics.MetricsLogger, me
             logger.log({**record, **checkpoints.times()})
             record = None
         try:
-            guard.check_skips(progress.step, trainer.device)  # too many skipped in a row: NonFiniteError
+            guard.check_skips(trainer.device)  # too many skipped in a row: NonFiniteError
             with meter.paused():  # saving time is not training throughput
                 checkpoints.save(progress.step, last=progress.step == last)  # the last one written before its record
         finally:  # also when the run stops with an error here: the step's record is logged
             if record is not None:
                 logger.log({**record, **checkpoints.times()})
         unreadable = read_ahead(trainer, progress)
-        verdict = guard.agree(progress.step, result, data_failed=unreadable is not None)  # the step's one collective
+        verdict = guard.agree(progress.step, data_failed=unreadable is not None)  # the step's one agreement
+        if verdict.write_failed or verdict.data_failed or verdict.signal:
+            guard.settle()  # the run ends after this step: its outcome is counted before the save
         if verdict.write_failed:  # a write in the background failed: the run ends here, raising it on every rank
             checkpoints.save(progress.step, last=True)
         if verdict.data_failed:  # the model and the data position are this step's: saved, then the run stops

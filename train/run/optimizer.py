@@ -98,66 +98,73 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 # Who clips the gradient (train/run/engine.py: clipping decides for a run):
 OWN_NORM = "own norm"  # ClippingAdamW computes ‖g‖, skips a non-finite step and clips (ZeRO stage 0)
-GIVEN_NORM = "given norm"  # DeepSpeed's bf16 optimizer computes ‖g‖ and skips; ClippingAdamW clips on the device
+GIVEN_NORM = "given norm"  # DeepSpeed's bf16 optimizer computes ‖g‖ (train/run/bf16_flat.py); ClippingAdamW skips and clips
 ELSEWHERE = "elsewhere"  # plain AdamW: DeepSpeed's ZeRO optimizer (or the caller) computes, skips and clips
 
 
 class ClippingAdamW(torch.optim.AdamW):
-    """AdamW that first clips the gradients to a global L2 norm, g ← g · min(1, max_norm / (‖g‖ + 1e-6)).
+    """torch's fused AdamW that first clips the gradients to a global L2 norm,
+    g ← g · min(1, max_norm / (‖g‖ + 1e-6)), and skips the whole update when ‖g‖ is not finite, all decided
+    on the device: a step reads nothing back.
+
+    The skip is fused AdamW's own `found_inf` (1.0: no weight, moment or step count changes; torch's
+    GradScaler uses the same input), set from ‖g‖ each step and kept as `skipped`, a 0-d float tensor on the
+    device, which the training step reports (train/run/step.py) and the loop reads when it logs or one step
+    later (train/guard/). DeepSpeed's engine is told no step overflowed (`overflow` stays False on the host:
+    the engine cannot know without a read), so it counts no skip and moves its LR schedule on; the loop
+    takes both back once it reads the skip (train/guard/safeguards.py). The clip factor is computed and
+    applied on the device too; a factor ≥ 1 multiplies by exactly 1, as DeepSpeed's own clip does.
 
     clip=OWN_NORM: ‖g‖ over the whole model whatever the layout (see `global_grad_norm`), recorded
-    (pre-clip) as `_global_grad_norm`, where DeepSpeed's engines read it after each step; max_norm = 0
-    measures without clipping, as DeepSpeed reads 0. A non-finite norm (inf or nan, recorded as nan)
-    skips the update: no weight, moment or step-count changes, and `overflow` is set, which is how
-    DeepSpeed's engine learns of a skipped step (it then leaves the LR schedule alone and counts
-    `engine.skipped_steps`, as for its own ZeRO and fp16 optimizers). The norm is the same on every
-    rank, so every rank skips. Used at ZeRO stage 0 in fp32 and autocast.
+    (pre-clip; inf or NaN when not finite) as `_global_grad_norm`, where DeepSpeed's engines read it after each step;
+    max_norm = 0 measures without clipping. The norm is the same on every rank, so every rank skips alike.
+    Used at ZeRO stage 0 in fp32 and autocast.
 
     clip=GIVEN_NORM: inside DeepSpeed's bf16 optimizer (train.precision=bf16, ZeRO stage ≤ 1), which
-    computes ‖g‖ (`take_norm_from`) and skips a non-finite step before calling this one; the factor is
-    computed and applied on the device, so clipping reads nothing back (DeepSpeed's own clip would
-    read the factor to the host). Equal bit for bit to DeepSpeed's: a factor ≥ 1 multiplies by exactly 1.
+    computes ‖g‖ over its fp32 gradients and hands it over (`take_norm_from`) before calling this one.
 
-    clip=ELSEWHERE: plain AdamW; DeepSpeed's ZeRO optimizer (or the caller) clips.
+    clip=ELSEWHERE: plain fused AdamW; DeepSpeed's ZeRO optimizer (or the caller) clips and skips.
     """
 
     def __init__(self, params, max_norm: float, clip: str = OWN_NORM, mpu=None, **adamw_kwargs):
-        super().__init__(params, **adamw_kwargs)
+        super().__init__(params, fused=True, **adamw_kwargs)
         self.max_norm, self.clip, self.mpu = max_norm, clip, mpu
         self._global_grad_norm = None
         self.overflow = False
+        self.skipped = None  # this step's skip, a 0-d float tensor on the device (OWN_NORM, GIVEN_NORM)
         self._norm_holder = None
 
     def take_norm_from(self, holder) -> None:
-        """clip=GIVEN_NORM: `holder._global_grad_norm` (DeepSpeed's bf16 optimizer) is ‖g‖ when step runs."""
+        """clip=GIVEN_NORM: `holder.device_norm` (‖g‖, a device tensor, NaN when not finite) when step runs."""
         self._norm_holder = holder
 
     @torch.no_grad()
     def step(self, closure=None):
         params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
-        if self.clip == GIVEN_NORM and self.max_norm > 0:
-            factor = torch.clamp(self.max_norm / (self._norm_holder._global_grad_norm + 1e-6), max=1.0)
-            torch._foreach_mul_([p.grad for p in params], factor)
+        if self.clip == ELSEWHERE or not params:
+            return super().step(closure)
+        norm = self._norm_holder.device_norm if self.clip == GIVEN_NORM else global_grad_norm(params, self.mpu)
+        bad = (norm - norm) != 0  # 0-d, on the device: ‖g‖ − ‖g‖ is NaN exactly when ‖g‖ is inf or NaN
+        self.skipped = self.found_inf = bad.float()  # fused AdamW's skip: found_inf ≠ 0 changes nothing
         if self.clip == OWN_NORM:
-            norm = global_grad_norm(params, self.mpu)
-            self._global_grad_norm = norm
-            self.overflow = not math.isfinite(norm)
-            if self.overflow:
-                return None
-            if self.max_norm > 0 and self.max_norm / (norm + 1e-6) < 1.0:
-                torch._foreach_mul_([p.grad for p in params], self.max_norm / (norm + 1e-6))
+            self._global_grad_norm = norm  # pre-clip, where DeepSpeed's engine reads it (inf or NaN: skipped)
+        if self.max_norm > 0:
+            factor = torch.clamp(self.max_norm / (norm + 1e-6), max=1.0)  # ≥ 1 → exactly 1
+            torch._foreach_mul_([p.grad for p in params], torch.where(bad, 1.0, factor))
         return super().step(closure)
 
 
-def global_grad_norm(params: list[torch.Tensor], mpu=None) -> float:
-    """‖g‖₂ of the whole model's gradient from this rank's parameters, equal on every rank.
+def global_grad_norm(params: list[torch.Tensor], mpu=None) -> torch.Tensor:
+    """‖g‖₂ of the whole model's gradient from this rank's parameters, equal on every rank: a 0-d fp32 tensor
+    on the device (nothing is read back).
 
     Each rank squares what it alone holds: tensor-parallel shards (`model_parallel`) on every tp
     rank, replicated parameters on tp rank 0 only, and a pipeline-tied matrix only on the stage that
-    owns it (DeepSpeed marks the other copies `ds_pipe_replicated`); DeepSpeed's
-    `get_global_norm_of_tensors` then sums the squares over the model-parallel (pp × tp) group.
+    owns it (DeepSpeed marks the other copies `ds_pipe_replicated`); the squares are summed over the
+    model-parallel (pp × tp) group, as DeepSpeed's `get_global_norm_of_tensors` sums them. Each tensor's
+    norm comes from one multi-tensor kernel (torch._foreach_norm, in fp32), not one kernel a tensor.
     """
-    from deepspeed.runtime.utils import get_global_norm_of_tensors, is_model_parallel_parameter
+    from deepspeed.runtime.utils import is_model_parallel_parameter
 
     tp_rank = mpu.get_slice_parallel_rank() if mpu is not None else 0
     grads = [
@@ -165,9 +172,25 @@ def global_grad_norm(params: list[torch.Tensor], mpu=None) -> float:
         for p in params
         if not getattr(p, "ds_pipe_replicated", False) and (tp_rank == 0 or is_model_parallel_parameter(p))
     ]
-    local = grads if grads else [torch.zeros(1, device=params[0].device if params else "cpu")]
-    norm = float(get_global_norm_of_tensors(local, mpu=mpu))
-    return float("nan") if norm < 0 else norm  # DeepSpeed reports an inf/nan norm as -1
+    return norm_of(grads, mpu, params[0].device if params else torch.device("cpu"))
+
+
+def norm_of(tensors: list[torch.Tensor], mpu=None, device: torch.device | None = None) -> torch.Tensor:
+    """‖(t₁, …, tₙ)‖₂ as one vector, the squares summed over the model-parallel group (when it has other
+    ranks): a 0-d fp32 tensor on the device, inf or NaN when any element is not finite. Every tensor's norm
+    comes from one multi-tensor kernel (torch._foreach_norm, in fp32), not a kernel each."""
+    import torch.distributed as dist
+
+    group = mpu.get_model_parallel_group() if mpu is not None else None
+    if not tensors:
+        norms = torch.zeros(1, device=device)
+    else:
+        norms = torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32))  # (n,) each tensor's
+    if group is None or dist.get_world_size(group) == 1:
+        return torch.linalg.vector_norm(norms)
+    squares = norms.square().sum()  # (), this rank's share of ‖g‖²
+    dist.all_reduce(squares, group=group)
+    return squares.sqrt()
 
 
 def make_optimizer(model: nn.Module, optim_cfg: OptimConfig, peak_lr: float, clip: str = OWN_NORM, mpu=None) -> ClippingAdamW:
@@ -190,8 +213,10 @@ class TokenLR:
     `next_step(b)` with the step's batch in tokens, and every parameter group gets η(τ + b), the rate
     at the tokens trained on once the step is done; so the first step already has a non-zero rate, and
     with a constant batch of b tokens step s (0-based) runs at η((s + 1)·b). DeepSpeed calls `step()`
-    after an applied update only (not after one it skipped, train/guard/nonfinite.py), which adds b to τ: a
-    skipped step leaves the schedule where it was. The rate follows the tokens trained on also when the
+    after an update it takes as applied, which adds b to τ (not after one its ZeRO optimizers skipped on the
+    host); one our optimizers skipped on the device is taken back once the loop reads its flag
+    (`take_back`): a skipped step leaves the schedule where it was. (Read one step late, the step after it
+    has already run at the rate of b more tokens: b/τ of the schedule, a few millionths at GPT-3's scale.) The rate follows the tokens trained on also when the
     batch grows (train/run/batch_ramp.py) and after a resume (the checkpoint restores τ). Its state (τ) is
     plain data. `set_tokens(τ)` sets τ itself, with the rate η(τ).
     """
@@ -214,9 +239,16 @@ class TokenLR:
             group["lr"] = self.schedule.lr_at(tokens)
 
     def step(self) -> None:
-        """DeepSpeed's call after an applied update: its tokens now count as trained on."""
+        """DeepSpeed's call after an update it takes as applied: its tokens now count as trained on."""
         self.tokens += self._pending
         self._pending = 0
+
+    def take_back(self, batch_tokens: int) -> None:
+        """An update DeepSpeed took as applied was skipped on the device (train/guard/safeguards.py learns it
+        when it reads the step's flag, at once when the step logs or saves, else one step later): its tokens
+        no longer count, and the rate is that of the tokens trained on (and of a step announced since)."""
+        self.tokens -= int(batch_tokens)
+        self._apply(self.tokens + self._pending)
 
     def get_last_lr(self) -> list[float]:
         return [group["lr"] for group in self.optimizer.param_groups]

@@ -20,11 +20,13 @@ micro batches since the start of the run.
 Both return the mean loss over the micro batches, on the device (no host sync), the pre-clip
 global gradient norm (as the engine holds it: read from the device only when asked, at logging),
 the learning rate the update used and whether the update was skipped. A step reads nothing from the
-device itself, whatever the number of micro batches: the optimizer that computes the norm reads it
-once, to decide on a skip (tests/train/run/test_step_syncs.py counts); evaluation reads its losses once
-per batch. The model's loss comes flagged (model.layers.flag_non_finite), so a non-finite loss on any rank
-makes every rank's optimizer skip the update (train/guard/nonfinite.py); DeepSpeed counts the skip in
-`engine.skipped_steps`.
+device, whatever the number of micro batches (tests/train/run/test_step_syncs.py counts): our optimizers
+decide the skip on the device (train/run/optimizer.py), and the step reports it as a device flag, which
+the loop reads when it logs or one step later (train/guard/safeguards.py); behind DeepSpeed's ZeRO
+optimizers (ZeRO 2 and 3, fp32 at ZeRO 1) DeepSpeed decides it on the host and counts it in
+`engine.skipped_steps`. Evaluation reads its losses once per batch. The model's loss comes flagged
+(model.layers.flag_non_finite), so a non-finite loss on any rank makes every rank's optimizer skip the
+update (train/guard/nonfinite.py).
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ class StepResult:
     loss: torch.Tensor  # mean loss over this rank's micro batches: a float32 scalar on the device
     reported_norm: torch.Tensor | float | None  # the engine's pre-clip gradient norm, as it holds it (None: none)
     lr: float  # the learning rate of this update
-    skipped: bool = False  # the optimizer skipped the update (a non-finite loss or gradient on some rank)
+    # the optimizer skipped the update (a non-finite loss or gradient on some rank): a 0-d float tensor on the
+    # device (1.0: skipped) when our optimizer decided it there, a bool when DeepSpeed decided it on the host
+    skipped: torch.Tensor | bool = False
 
     @functools.cached_property
     def grad_norm(self) -> float | None:
@@ -51,11 +55,15 @@ class StepResult:
 class TrainStep:
     """Runs training and evaluation steps on a DeepSpeed engine (pipelined or not)."""
 
-    def __init__(self, engine, micro_batch_size: int, device: torch.device, autocast: bool = False):
+    def __init__(self, engine, micro_batch_size: int, device: torch.device, autocast: bool = False,
+                 skips_on_device=None):
+        """skips_on_device: the optimizer (train/run/optimizer.py: ClippingAdamW) whose `skipped` flag holds each
+        step's skip, decided on the device; None when DeepSpeed decides it on the host."""
         from deepspeed.runtime.pipe.engine import PipelineEngine
 
         self.engine, self.micro_batch_size, self.device = engine, micro_batch_size, device
         self.autocast = autocast  # train.precision=autocast: evaluation under bf16 autocast too
+        self.skips_on_device = skips_on_device
         self.pipelined = isinstance(engine, PipelineEngine)
 
     def __call__(self, windows: torch.Tensor) -> StepResult:
@@ -74,14 +82,19 @@ class TrainStep:
         if self.pipelined:
             loss = engine.train_batch(data_iter=pipeline_inputs(micro_batches))  # 1F1B over all micro batches
         else:
-            loss = 0.0
+            losses = []
             for k, (inputs, targets) in enumerate(micro_batches):
                 engine.set_gradient_accumulation_boundary(k == len(micro_batches) - 1)
                 micro_loss = engine(inputs, targets)
                 engine.backward(micro_loss)
                 engine.step()
-                loss += micro_loss.detach().float() / len(micro_batches)
-        return StepResult(loss, engine.get_global_grad_norm(), lr, engine.skipped_steps > skipped_before)
+                losses.append(micro_loss.detach())
+            loss = losses[0].float() if len(losses) == 1 else torch.stack(losses).float().mean()
+        if self.skips_on_device is not None:
+            skipped = self.skips_on_device.skipped  # 0-d, on the device
+        else:
+            skipped = engine.skipped_steps > skipped_before
+        return StepResult(loss, engine.get_global_grad_norm(), lr, skipped)
 
     def _accumulate(self, micro_batches: int) -> None:
         """Make the engine accumulate `micro_batches` micro batches per update (the global batch is

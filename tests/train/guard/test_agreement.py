@@ -16,7 +16,7 @@ def agreed(seen: list[list[tuple[bool, bool]]]) -> list[tuple[bool, bool, int]]:
     rank, verdicts = dist.get_rank(), []
     for step, faults in enumerate(seen, start=1):
         write, data = faults[rank]
-        verdict = agree(step, torch.tensor(1.0), False, StopSignals(rank), write_failed=write, data_failed=data)
+        verdict = agree(step, StopSignals(rank), write_failed=write, data_failed=data)
         verdicts.append((verdict.write_failed, verdict.data_failed, verdict.signal))
     return verdicts
 

@@ -96,9 +96,12 @@ def bf16_worker(corpus: str, run_dir: str) -> dict:
     handle = module.get_parameter("layers.1.attn.qkv.weight").register_hook(lambda g: g * math.nan)
     skipped = trainer.step(windows(100))
     handle.remove()
-    assert skipped.skipped and engine.skipped_steps == 1
+    # decided on the device (fused AdamW's found_inf): the step reports its flag, which the loop counts when it
+    # reads it (train/guard/safeguards.py); the engine, told nothing, counts nothing
+    assert float(skipped.skipped) == 1.0 and engine.skipped_steps == 0
     assert all(torch.equal(before[k], v) for k, v in masters(trainer).items())
-    assert not any(engine.optimizer.optimizer.state.values())  # no moment was created
+    for state in engine.optimizer.optimizer.state.values():  # moments as before any step: zeros, step count 0
+        assert float(state["step"]) == 0 and not state["exp_avg"].any() and not state["exp_avg_sq"].any()
 
     # losses, the gradient norm and clipping against autograd on the same bf16 weights
     losses, norm_pairs, first_moments = [], [], None
@@ -106,7 +109,7 @@ def bf16_worker(corpus: str, run_dir: str) -> dict:
         batch = windows(seed)
         reference = autograd_gradient(trainer, batch)
         result = trainer.step(batch)
-        assert not result.skipped
+        assert float(result.skipped) == 0.0
         losses.append(float(result.loss))
         norm = math.sqrt(sum(float(g.double().square().sum()) for g in reference.values()))
         norm_pairs.append((result.grad_norm, norm))
