@@ -9,10 +9,11 @@ Per token of each transformer block (model/layers.py through parallel/tensor.py)
 
   ln_1, ln_2      input (r·d/σ each) and mean, rstd (2·4/σ each)
   qkv, fc         input as the matmul reads it: a·d each (gathered to the full sequence under σ)
-  attention       q, k, v (3a·d/p, one storage), output o (a·d/p), log-sum-exp (4h/p), the
-                  head-merged copy the output projection reads (a·d/p)
+  attention       q, k, v (3a·d/p: the QKV projection's output, one storage), the output o with its
+                  heads merged (a·d/p: the tensor the output projection reads, model/attention_op.py),
+                  log-sum-exp (4h/p)
   MLP             GELU input and output (2a·f/p; ReLU keeps one)
-  ─────────────   (r·2/σ + a·2 + 5a/p)·d + 2a·f/p + 16/σ + 4h/p bytes
+  ─────────────   (r·2/σ + a·2 + 4a/p)·d + 2a·f/p + 16/σ + 4h/p bytes
 
 Selective recomputation (parallel.activation_checkpointing=selective) keeps neither LayerNorm's
 output (the qkv and fc inputs, 2a·d) nor GELU's (a·f/p): backward recomputes them from the kept
@@ -107,7 +108,7 @@ def block_bytes_per_token(
     sigma = tp if sequence_parallel else 1
     layer_norms = 2 * (r * d + 2 * FP32) / sigma
     matmul_inputs = 0 if selective and not sequence_parallel else 2 * a * d
-    attention = 5 * a * d / tp + FP32 * h / tp
+    attention = 4 * a * d / tp + FP32 * h / tp
     gelu = config.activation == "gelu"
     mlp = (2 if gelu and not selective else 1) * a * f / tp
     return layer_norms + matmul_inputs + attention + mlp

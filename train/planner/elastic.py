@@ -35,7 +35,7 @@ from train.config.sections.parallel import AUTO, ONE_F_ONE_B
 from train.config.settings import ConfigError
 from train.planner.estimate import Layout, Plan
 from train.planner.hardware import Hardware
-from train.planner.search import candidate_layouts, search
+from train.planner.search import MAX_MICRO_BATCH, candidate_layouts, search
 
 HEADROOM_GIB = 2.0  # left free for the CUDA context, NCCL and the allocator (as pre-flight's alternatives)
 
@@ -141,7 +141,8 @@ def _choose(model_cfg: GPTConfig, processes: int, global_batch: int, order: Data
 def _simplicity(layout: Layout) -> tuple:
     """The CPU rule's order (module docstring): smaller is simpler."""
     return (layout.tp * layout.pp, layout.pp, layout.schedule != ONE_F_ONE_B, layout.zero_stage,
-            layout.checkpoint_every, layout.selective_recompute, layout.sequence_parallel, -layout.micro_batch)
+            layout.checkpoint_every, layout.selective_recompute, layout.sequence_parallel,
+            layout.micro_batch > MAX_MICRO_BATCH, -layout.micro_batch)
 
 
 def _other_sizes(processes: int, per_node: int, hardware: Hardware | None) -> list[int]:

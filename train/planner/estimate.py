@@ -64,10 +64,10 @@ overlap).
 A micro batch also takes at least the host time that launching its kernels costs (when that bounds
 it, F, B and W each take their share of it).
 
-The whole model on one GPU (`launch_priced`: tp = pp = dp = 1, fp32, autocast or bf16, nothing recomputed or
-offloaded) is priced launch by launch instead, as the step bill prices the real step
-(train/planner/one_gpu.py, train/planner/kernel_costs.py): the products by shape, every memory-bound
-kernel, the launches the host issues; F, B and W keep their shares of the FLOP-and-bytes model.
+The whole model on one GPU in bf16 (`launch_priced`: tp = pp = dp = 1, nothing offloaded) is priced launch
+by launch instead, as the step bill prices the real step (train/planner/one_gpu.py,
+train/planner/kernel_costs.py): the products by shape, every memory-bound kernel, the launches the host
+issues; F, B and W keep their shares of the FLOP-and-bytes model.
 """
 
 from __future__ import annotations
@@ -690,7 +690,8 @@ def _stage_ranks(model_cfg, layout: Layout, impl: Implementation, hw: Hardware, 
     optimizer_s = 0.0 if layout.offload_optimizer else OPTIMIZER_BYTES * (
         sum(p.numel for p in params) if layout.zero_stage == 0 else state.partition) / hw.memory_bandwidth
     if launch_priced(layout, impl):  # one GPU: the step launch by launch, as the step bill prices it
-        step, update = one_gpu_step(model_cfg, layout.micro_batch, m, impl.precision, hw, impl.fused_loss)
+        step, update = one_gpu_step(model_cfg, layout.micro_batch, m, impl.precision, hw, impl.fused_loss,
+                                    layout.checkpoint_every, layout.selective_recompute)
         passes, optimizer_s = passes.scaled_to((step.seconds - update.device_busy) / m), update.device_busy
     compute_s = passes.total
     tp_transfers = [t for t in transfers if t.group == "tp"]
@@ -734,10 +735,11 @@ def _stage_ranks(model_cfg, layout: Layout, impl: Implementation, hw: Hardware, 
 
 def launch_priced(layout: Layout, impl: Implementation) -> bool:
     """Whether the plan prices the step launch by launch (train/planner/one_gpu.py): the whole model on one GPU
-    (tp = pp = dp = 1) with DeepSpeed's optimizer around ours on the device, in fp32, autocast or bf16, nothing
-    recomputed or offloaded; else by FLOPs and bytes (this module)."""
+    (tp = pp = dp = 1) in bf16 (the GPU's precision, whose step the launch list is the bill of), with DeepSpeed's
+    bf16 optimizer, nothing offloaded; else by FLOPs and bytes (this module), as validated against the measured
+    steps of tests/train/planner/test_plan_validation.py."""
     return (layout.tp == layout.pp == layout.dp == 1 and layout.zero_stage <= 1 and not layout.offload_optimizer
-            and impl.fp8 is None and layout.checkpoint_every == 0 and not layout.selective_recompute)
+            and impl.precision == "bf16")
 
 
 def _exposed_behind_weight_gradients(model_cfg, layout: Layout, impl: Implementation, hw: Hardware, transfers,

@@ -25,8 +25,9 @@ n = B·T tokens, c bytes an element in the compute dtype and r in the weights' a
                        train/run/bf16_optimizer.py), or, in fp32 and autocast, ClippingAdamW over the parameters
                        themselves (multi-tensor norm and clip, fused AdamW)
 
-Multi-tensor kernels launch as bench/op_ledger.py counts them. Activation checkpointing, fp8 and the
-selective recomputation are not listed: the planner keeps its FLOP-and-bytes model for those (estimate.py).
+Multi-tensor kernels launch as bench/op_ledger.py counts them. Activation checkpointing and selective
+recomputation add their forwards again in backward; fp8 is not listed: the planner keeps its FLOP-and-bytes
+model for it (estimate.py).
 """
 
 from __future__ import annotations
@@ -133,24 +134,33 @@ def optimizer_launches(cfg: GPTConfig, bf16_weights: bool) -> list[Launch]:
             Launch("multi_tensor", math.ceil(len(params) / 36), float(elements * 7 * FP32), 0.0), _memory(8, 2)]
 
 
-def step_launches(cfg: GPTConfig, micro_batch: int, micro_batches: int, precision: str,
-                  fused_loss: bool = True) -> list[Launch]:
-    """A step's launches in order (module docstring); precision: fp32, autocast or bf16."""
+def step_launches(cfg: GPTConfig, micro_batch: int, micro_batches: int, precision: str, fused_loss: bool = True,
+                  checkpoint_every: int = 0, selective: bool = False) -> list[Launch]:
+    """A step's launches in order (module docstring); precision: fp32, autocast or bf16. Activation checkpointing
+    (checkpoint_every > 0: every block sits in a recomputed segment) runs each block's forward again before its
+    backward; selective recomputation its two LayerNorms and GELU."""
     c = FP32 if precision == "fp32" else 2
     r = 2 if precision == "bf16" else FP32
+    n, d, f = micro_batch * cfg.seq_len, cfg.d_model, cfg.d_ff
     one = embedding_launches(cfg, micro_batch, r)[:4]
     for layer in range(cfg.n_layer):
         one += block_launches(cfg, layer, micro_batch, c, r, precision == "autocast")[:10]
     one += loss_launches(cfg, micro_batch, c, r, fused_loss) + [_memory(16, 4)]  # with the loss's flag
     for layer in reversed(range(cfg.n_layer)):
-        one += block_launches(cfg, layer, micro_batch, c, r, precision == "autocast")[10:]
+        block = block_launches(cfg, layer, micro_batch, c, r, precision == "autocast")
+        if checkpoint_every > 0:
+            one += block[:10]
+        elif selective:
+            one += [_memory(2 * n * d * r), _memory(2 * n * d * r), _memory(2 * n * f * c)]
+        one += block[10:]
     one += embedding_launches(cfg, micro_batch, r)[4:]
     return one * micro_batches + [_memory(8, 1), *optimizer_launches(cfg, precision == "bf16")]
 
 
 def one_gpu_step(cfg: GPTConfig, micro_batch: int, micro_batches: int, precision: str, hw: Hardware,
-                 fused_loss: bool = True) -> tuple[StepTime, StepTime]:
+                 fused_loss: bool = True, checkpoint_every: int = 0,
+                 selective: bool = False) -> tuple[StepTime, StepTime]:
     """(the whole step, its optimizer's launches alone) priced on `hw`."""
-    launches = step_launches(cfg, micro_batch, micro_batches, precision, fused_loss)
+    launches = step_launches(cfg, micro_batch, micro_batches, precision, fused_loss, checkpoint_every, selective)
     update = optimizer_launches(cfg, precision == "bf16")
     return step_seconds(hw, launches), step_seconds(hw, update)

@@ -4,7 +4,9 @@ A layout is valid when the trainer would accept it (parallel/topology.check_layo
 train/run/checks.py): tp divides the heads and d_ff, pp ≤ layers, tp·pp·dp = GPUs, ZeRO ≤ 1 with
 pp > 1, sequence parallelism only with tp > 1 and a sequence length divisible by tp, and the global
 batch divisible by micro batch × dp. The search keeps tensor parallelism inside a node (tp ≤ GPUs
-per node: across nodes it is never faster) and tries micro batches up to 16 sequences, sequence
+per node: across nodes it is never faster) and tries micro batches up to 16 sequences or 65,536 tokens,
+whichever is more (32 sequences of GPT-3's 2,048: a small model on one GPU runs fastest at the largest
+micro batch that fits, its launches and its products' shapes amortised over more tokens), sequence
 parallelism on and off (at any pp), activation checkpointing off, every block, or selective, and with
 pp > 1 both pipeline schedules, 1F1B and ZB-H1 (not ZB-H1 with model.compile, which the trainer refuses:
 compiled blocks would trace the deferred weight gradients).
@@ -20,7 +22,8 @@ from train.config.sections.parallel import ONE_F_ONE_B, PIPELINE_SCHEDULES, ZB_H
 from train.planner.estimate import Implementation, Layout, Plan, build_plan
 from train.planner.hardware import Hardware
 
-MAX_MICRO_BATCH = 16
+MAX_MICRO_BATCH = 16  # sequences, at least this many tried where the batch allows
+MAX_MICRO_TOKENS = 65_536  # and up to this many tokens a micro batch: llm.c's 64 × 1,024 a GPU
 RECOMPUTATION = ((0, False), (1, False), (0, True))  # (checkpoint_every, selective): off, every block, selective
 
 
@@ -66,7 +69,8 @@ def candidate_layouts(model_cfg: GPTConfig, gpus: int, global_batch: int, gpus_p
             dp = gpus // (tp * pp)
             if pp > model_cfg.n_layer or global_batch % dp:
                 continue
-            micro = [b for b in divisors(global_batch // dp) if b <= MAX_MICRO_BATCH]
+            most = max(MAX_MICRO_BATCH, MAX_MICRO_TOKENS // model_cfg.seq_len)
+            micro = [b for b in divisors(global_batch // dp) if b <= most]
             zero = (0, 1) if pp > 1 else (0, 1, 2, 3)
             sequence = (False, True) if tp > 1 and model_cfg.seq_len % tp == 0 else (False,)
             schedules = PIPELINE_SCHEDULES if pp > 1 else (ONE_F_ONE_B,)

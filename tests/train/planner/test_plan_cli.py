@@ -166,12 +166,13 @@ def test_175b_without_a_recipe_does_not_fit_says_what_would_and_exits_1():
 
 
 def test_a_layout_that_does_not_fit_names_the_fastest_that_does_on_the_same_gpus():
-    proc = plan_here("model=gpt3-1.3b", "plan.gpus=8", "train.global_batch_size=64", "plan.hardware=a100-40g", check=False)
+    batch = ("train.global_batch_size=128", "train.micro_batch_size=16")  # 16 × 2,048 tokens a micro batch: too many
+    proc = plan_here("model=gpt3-1.3b", "plan.gpus=8", *batch, "plan.hardware=a100-40g", check=False)
     assert proc.returncode == 1 and "DOES NOT FIT" in proc.stdout
     last = proc.stdout.splitlines()[-1]
     assert last.startswith("DOES NOT FIT; instead: the fastest layout that fits on 8 GPU(s) of a100-40g"), last
     overrides = [word for word in last.split(": ", 2)[2].split(" (")[0].split()]
-    instead = json.loads(plan_here("model=gpt3-1.3b", "plan.gpus=8", "train.global_batch_size=64", "plan.hardware=a100-40g",
+    instead = json.loads(plan_here("model=gpt3-1.3b", "plan.gpus=8", batch[0], "plan.hardware=a100-40g",
                                    "plan.format=json", *overrides).stdout)
     assert instead["fits"] and f"{instead['tokens_per_s']:,.0f} tokens/s" in last
 
