@@ -133,12 +133,6 @@ class ProductTable:
         when = ", ".join(str(self.measured[key]) for key in ("commit", "date") if self.measured.get(key))
         return f"the table measured on {self.gpu}{f' ({when})' if when else ''}, {self.path or self.preset}"
 
-    def to_json(self) -> dict:
-        return {"preset": self.preset, "gpu": self.gpu, **self.measured,
-                "products": [{"m": r.m, "k": r.k, "n": r.n, "mm_s": r.mm_s,
-                              **{recipe: {"scaled_mm_s": scaled, "casts_s": casts}
-                                 for recipe, (scaled, casts) in r.fp8.items()}} for r in self.rows]}
-
 
 def _positive(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 and math.isfinite(value)
