@@ -172,11 +172,12 @@ def load_table(path: Path) -> ProductTable:
     return table_from_json(document, str(path))
 
 
-def table_for(preset: str | None, directory: Path = TABLE_DIR) -> ProductTable | None:
-    """The committed table of hardware preset `preset` (None: no GPU), or None when there is none."""
+def table_for(preset: str | None, directory: Path | None = None) -> ProductTable | None:
+    """The committed table of hardware preset `preset` (None: no GPU) in `directory` (None: TABLE_DIR), or None
+    when there is none."""
     if not preset:
         return None
-    path = Path(directory) / f"{preset}.json"
+    path = Path(directory if directory is not None else TABLE_DIR) / f"{preset}.json"
     return load_table(path) if path.is_file() else None
 
 
