@@ -2,10 +2,11 @@
 
   python -m bench.fp8_products                          # on a GPU: writes configs/plan/fp8/<its preset>.json
   python -m bench.fp8_products --cases gpt3-1.3b:1:2 --out /tmp/products.json
-  python -m bench.fp8_products --device cpu --cases toy:1:1 --seq-len 32 --out /tmp/t.json   # a CPU smoke run
+  python -m bench.fp8_products --device cpu --cases toy:1:1 --seq-len 32 --no-head --out /tmp/t.json   # CPU smoke
 
 A case is MODEL:TP:MICRO (configs/model/MODEL.yaml at tensor-parallel degree TP, MICRO sequences per micro
-batch). For every case, the three products of each of its block linears and of its head at this rank's shard
+batch). For every case, the three products of each of its block linears and of its head (--no-head: the block
+linears only; the head stays bf16 in any run, the rule's word on it is for the record) at this rank's shard
 (train/planner/fp8_rule.py: `linear_shapes`, `products`), deduplicated, are timed on the same bf16 operands
 A (M, K) and B (K, N) of random values:
 
@@ -49,11 +50,12 @@ def parse_case(text: str) -> tuple[str, int, int]:
     return parts[0], int(parts[1]), int(parts[2])
 
 
-def sweep_shapes(cases: list[tuple[str, int, int]], seq_len: int | None = None) -> list[tuple[int, int, int]]:
-    """The (M, K, N) of every product of the cases' block linears and heads, each once, in the cases' order."""
+def sweep_shapes(cases: list[tuple[str, int, int]], seq_len: int | None = None,
+                 head: bool = True) -> list[tuple[int, int, int]]:
+    """The (M, K, N) of every product of the cases' block linears (and heads), each once, in the cases' order."""
     from bench.train_speed import load_model_config
     from model import GPTConfig
-    from train.planner.fp8_rule import linear_shapes, products
+    from train.planner.fp8_rule import HEAD, linear_shapes, products
 
     shapes: list[tuple[int, int, int]] = []
     for name, tp, micro in cases:
@@ -61,7 +63,9 @@ def sweep_shapes(cases: list[tuple[str, int, int]], seq_len: int | None = None) 
         config = GPTConfig.from_dict({**values, **({"seq_len": seq_len} if seq_len else {})})
         if config.n_head % tp or config.d_ff % tp:
             raise ValueError(f"case {name}:{tp}:{micro}: tp={tp} must divide the heads ({config.n_head}) and d_ff")
-        for in_features, out_features in linear_shapes(config, tp).values():
+        for name, (in_features, out_features) in linear_shapes(config, tp).items():
+            if name == HEAD and not head:
+                continue
             for shape in products(micro * config.seq_len, in_features, out_features):
                 if shape not in shapes:
                     shapes.append(shape)
@@ -149,6 +153,7 @@ def main(argv: list[str] | None = None, out=sys.stdout) -> int:
     parser.add_argument("--cases", default=",".join(CASES), help="MODEL:TP:MICRO,… (default: GPT-3's sizes as "
                                                                   "the benchmarks run them)")
     parser.add_argument("--seq-len", type=int, help="override the configs' context length")
+    parser.add_argument("--no-head", action="store_true", help="the block linears' products only, not the head's")
     parser.add_argument("--out", type=Path, help="the table's JSON (default on a GPU: configs/plan/fp8/PRESET.json)")
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
@@ -161,7 +166,7 @@ def main(argv: list[str] | None = None, out=sys.stdout) -> int:
         parser.error(f"--iterations {args.iterations} must be ≥ 1, --warmup {args.warmup} ≥ 0, --budget-s > 0")
     device = torch.device(args.device)
     try:
-        shapes = sweep_shapes([parse_case(c) for c in args.cases.split(",")], args.seq_len)
+        shapes = sweep_shapes([parse_case(c) for c in args.cases.split(",")], args.seq_len, head=not args.no_head)
     except (ValueError, SystemExit) as error:
         parser.error(str(error))
     if device.type == "cuda":
