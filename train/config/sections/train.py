@@ -97,7 +97,7 @@ class TrainConfig(Section):
     fp8_linears: Any = setting(
         FP8_BY_RULE, "with fp8, which of each block's linears compute in float8: `auto` (those whose product shapes, "
                      "after tensor-parallel sharding, make float8 faster: the GPU's measured table "
-                     "configs/plan/fp8/GPU.json, else torchao's thresholds; train/planner/fp8_rule.py), `all`, or a "
+                     "configs/plan/fp8/PRESET.json, else torchao's thresholds; train/planner/fp8_rule.py), `all`, or a "
                      "list of attn.qkv, attn.proj, mlp.fc, mlp.proj; the rest and the head compute in bf16",
         FP8_LINEARS_CHECK)
     sample_tokens: int = setting(64, "tokens sampled after training (0 to skip)", NON_NEGATIVE_INT)
