@@ -111,7 +111,7 @@ class ProductTable:
     gpu: str
     rows: tuple
     measured: dict  # commit, date, command, how the casts ran
-    path: str = ""
+    path: str = ""  # where it was read from, as its lines name it
 
     def rows_of(self, recipe: str) -> list[MeasuredProduct]:
         return [r for r in self.rows if recipe in r.fp8]
@@ -130,7 +130,7 @@ class ProductTable:
         return bf16 / fp8
 
     def describe(self) -> str:
-        when = ", ".join(str(self.measured[key]) for key in ("commit", "date") if self.measured.get(key))
+        when = ", ".join(str(self.measured[key])[:10] for key in ("commit", "date") if self.measured.get(key))
         return f"the table measured on {self.gpu}{f' ({when})' if when else ''}, {self.path or self.preset}"
 
 
@@ -163,13 +163,15 @@ def table_from_json(document: dict, where: str) -> ProductTable:
     return ProductTable(str(document.get("preset", "")), str(document.get("gpu", "?")), tuple(rows), measured, where)
 
 
-def load_table(path: Path) -> ProductTable:
-    """The table in `path` (JSON); ValueError, one line naming the file, when it cannot be read or is malformed."""
+def load_table(path: Path, name: str | None = None) -> ProductTable:
+    """The table in `path` (JSON), called `name` in what it says (default: the path); ValueError, one line
+    naming it, when it cannot be read or is malformed."""
+    name = name or str(path)
     try:
         document = json.loads(Path(path).read_text())
     except (OSError, ValueError) as error:
-        raise ValueError(f"{path}: not a readable JSON table of float8 products ({error})") from None
-    return table_from_json(document, str(path))
+        raise ValueError(f"{name}: not a readable JSON table of float8 products ({error})") from None
+    return table_from_json(document, name)
 
 
 def table_for(preset: str | None, directory: Path | None = None) -> ProductTable | None:
@@ -178,7 +180,7 @@ def table_for(preset: str | None, directory: Path | None = None) -> ProductTable
     if not preset:
         return None
     path = Path(directory if directory is not None else TABLE_DIR) / f"{preset}.json"
-    return load_table(path) if path.is_file() else None
+    return load_table(path, f"configs/plan/fp8/{preset}.json" if directory is None else None) if path.is_file() else None
 
 
 @dataclass(frozen=True)
@@ -239,13 +241,12 @@ def choose_fp8_linears(model_cfg: GPTConfig, tp: int, micro_batch: int, recipe: 
         raise ValueError(f"train.fp8_recipe={recipe!r}: must be one of {list(FP8_RECIPES)}")
     tokens = micro_batch * model_cfg.seq_len
     use_table = table is not None and bool(table.rows_of(recipe))
-    verdicts = []
-    for name, (k, n) in linear_shapes(model_cfg, tp).items():
-        speedup = table.speedup(recipe, tokens, k, n) if use_table else None
-        rule = speedup >= MIN_SPEEDUP if speedup is not None else torchao_threshold(recipe, k, n)
-        verdicts.append([name, tokens, k, n, rule, rule, speedup])
+    shapes = linear_shapes(model_cfg, tp)
+    speedups = {name: table.speedup(recipe, tokens, k, n) if use_table else None for name, (k, n) in shapes.items()}
+    rule = {name: speedups[name] >= MIN_SPEEDUP if use_table else torchao_threshold(recipe, k, n)
+            for name, (k, n) in shapes.items()}
     if setting == FP8_BY_RULE:
-        chosen = [v[0] for v in verdicts[:-1] if v[4]]
+        chosen = tuple(name for name in BLOCK_LINEARS if rule[name])
         if use_table:
             basis = f"by {table.describe()}"
         elif table is not None:
@@ -256,11 +257,11 @@ def choose_fp8_linears(model_cfg: GPTConfig, tp: int, micro_batch: int, recipe: 
             basis = "by torchao's thresholds (no GPU here, so no measured table)"
     else:
         names = list(BLOCK_LINEARS) if setting == FP8_ALL else list(setting)
-        chosen = [name for name in BLOCK_LINEARS if name in names]
+        chosen = tuple(name for name in BLOCK_LINEARS if name in names)
         basis = f"as train.fp8_linears={setting if setting == FP8_ALL else '[' + ','.join(names) + ']'} says"
-    for v in verdicts:
-        v[4] = v[0] in chosen
-    return Fp8Choice(recipe, model_cfg.n_layer, tuple(chosen), tuple(LinearVerdict(*v) for v in verdicts), basis)
+    verdicts = tuple(LinearVerdict(name, tokens, k, n, name in chosen, rule[name], speedups[name])
+                     for name, (k, n) in shapes.items())
+    return Fp8Choice(recipe, model_cfg.n_layer, chosen, verdicts, basis)
 
 
 def choice_for(model_cfg: GPTConfig, tp: int, micro_batch: int, recipe: str, setting=FP8_BY_RULE,
