@@ -138,7 +138,7 @@ def test_with_a_measured_table_a_linear_is_float8_where_its_three_products_are_f
     ({"m": 16, "k": 0, "n": 16, "mm_s": 1.0}, "products[0].k=0: must be a positive integer"),
     ({"m": 16, "k": 16, "n": 16, "mm_s": 1.0, "rowwise": {"casts_s": 1.0}},
      "products[0].rowwise.scaled_mm_s=None: must be a positive number of seconds"),
-])
+], ids=["seconds", "shape", "recipe"])
 def test_a_malformed_table_is_one_line_naming_the_file_and_entry(tmp_path, entry, message):
     with pytest.raises(ValueError) as refused:
         table_from_json({"products": [entry]}, "configs/plan/fp8/x.json")

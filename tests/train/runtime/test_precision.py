@@ -229,7 +229,7 @@ def test_fp8_without_torchao_is_refused_in_one_line(monkeypatch):
     ("fp8", False, False, False, None, True, "blocks compiled (fp8 compiles them where it can"),  # the planner's GPU
     ("fp8", False, False, False, "cuda", True, "blocks compiled (fp8 compiles them where it can"),  # the probe passes
     ("fp8", False, False, False, "cuda:1", False, "blocks eager: torch.compile is unavailable on cuda:1 (no Triton)"),
-])
+], ids=["bf16", "compile-given", "compile-false-given", "zb-h1", "cpu", "planner", "cuda", "cuda-probe-fails"])
 def test_fp8_compiles_the_blocks_where_it_can_and_says_why_not(monkeypatch, precision, compile_, given, zero_bubble,
                                                               device, compiled, words):
     """fp8 without model.compile given: compiled wherever that can work; the CUDA probe faked (it compiles a
