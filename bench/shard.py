@@ -181,10 +181,10 @@ def run(argv: list[str], out=sys.stdout, err=sys.stderr) -> int:
     from train.plan import compose
     from train.planner.estimate import Layout, block_seconds, for_precision
     from train.planner.fp8_rule import choice_for
-    from train.runtime.precision import fp8_compile
     from train.planner.from_config import hardware_from_config
     from train.planner.hardware import for_cuda_device
     from train.run.checks import check_model
+    from train.runtime.precision import fp8_compile, fp8_refusal
 
     with contextlib.redirect_stdout(err):  # DeepSpeed announces its accelerator on import
         import deepspeed.runtime.utils  # noqa: F401
@@ -196,6 +196,8 @@ def run(argv: list[str], out=sys.stdout, err=sys.stderr) -> int:
         tp, sp, micro = parallel.tp, parallel.sequence_parallel, train.micro_batch_size
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         precision = precision_of(train, device)
+        if precision == "fp8" and fp8_refusal(device) is not None:
+            raise ValueError(fp8_refusal(device))
         # fp8: bf16 and each recipe beside it, compiled alike as a run under fp8 would be
         rows = [("bf16", None), *(("fp8", recipe) for recipe in FP8_RECIPES)] if precision == "fp8" else [(precision, None)]
         given = any(o.lstrip("+").split("=", 1)[0] == "model.compile" for o in overrides)
