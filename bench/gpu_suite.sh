@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Everything gpt3d measures on a GPU, in sections that each end well inside 9 minutes, in an order
-# that fits three jobs of a 10-minute slot (docs/benchmarks.md: "A plan for a short GPU slot").
+# that fits four jobs of a 10-minute slot (docs/benchmarks.md: "A plan for a short GPU slot").
 #
 #   bash bench/gpu_suite.sh --list                                          # sections, limits, jobs
 #   bash bench/gpu_suite.sh --only cuda-tests,attention,train-small,profile # job 1: the headline figures
-#   bash bench/gpu_suite.sh --only train-large,shard                        # job 2
+#   bash bench/gpu_suite.sh --only train-large                              # job 2
 #   bash bench/gpu_suite.sh --only recovery-exact,recovery-paths            # job 3
+#   bash bench/gpu_suite.sh --only fp8-products,shard,fp8-large             # job 4: float8 where it pays
 #   bash bench/gpu_suite.sh --only attention --dry-run                      # the commands, not run
 #   bash bench/gpu_suite.sh                                                 # every section, to the deadline
 #   bash bench/gpu_suite.sh --only shard /tmp/results                       # results into another folder
@@ -13,7 +14,9 @@
 # Results go to DIR/<gpu>-<UTC date>.md (DIR defaults to bench/results), one file per day: each run
 # appends a job header (its command, the commit, the device, driver and library versions), then each
 # section's exact command and unedited output with its exit code and duration, as it runs; rows also
-# go to JSON beside it (<gpu>-<date>-<section>.json). Traces, checkpoints and run folders stay in a
+# go to JSON beside it (<gpu>-<date>-<section>.json); fp8-products writes the GPU's float8 product table
+# to configs/plan/fp8/<preset>.json, the file the fp8 rule reads (commit it), and the job's later
+# sections already choose their float8 linears by it. Traces, checkpoints and run folders stay in a
 # scratch folder (SUITE_SCRATCH, default ${TMPDIR:-/tmp}/gpt3d-gpu-suite; checkpoints are deleted
 # after each section), never in the results: only their tables are kept. Every section has a time
 # limit and the run a deadline (SUITE_SECONDS, default 560 s, for a 10-minute job): a section that
@@ -23,18 +26,23 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-SECTIONS=(cuda-tests attention train-small profile train-large shard recovery-exact recovery-paths)
+SECTIONS=(cuda-tests attention train-small profile train-large recovery-exact recovery-paths fp8-products shard
+          fp8-large)
 declare -A LIMIT=([cuda-tests]=140 [attention]=170 [train-small]=140 [profile]=90
-                  [train-large]=420 [shard]=120 [recovery-exact]=240 [recovery-paths]=240)
+                  [train-large]=420 [recovery-exact]=240 [recovery-paths]=240
+                  [fp8-products]=120 [shard]=240 [fp8-large]=180)
 declare -A JOB=([cuda-tests]=1 [attention]=1 [train-small]=1 [profile]=1
-                [train-large]=2 [shard]=2 [recovery-exact]=3 [recovery-paths]=3)
+                [train-large]=2 [recovery-exact]=3 [recovery-paths]=3
+                [fp8-products]=4 [shard]=4 [fp8-large]=4)
 declare -A TITLE=(
   [cuda-tests]="CUDA tests: the kernel against float64, autotuning pinned to each kernel's first config"
   [attention]="Attention kernel vs SDPA's flash, cuDNN and efficient backends (T=2048 and 8192)"
   [train-small]="Training step of gpt3-125m and gpt3-350m: plain rows vs Hugging Face GPT-2, and the DeepSpeed engine by precision: autocast, bf16, fp8 tensorwise and rowwise, compiled bf16 and fp8 (MFU)"
   [profile]="Profile: where a step of gpt3-125m goes (python -m train's loop, bf16, micro batch 8)"
   [train-large]="Training step of gpt3-760m (micro batch 8) and gpt3-1.3b (micro batch 2), one model in memory at a time"
-  [shard]="One tensor-parallel rank's block vs the planner (gpt3-175b at tp=8, gpt3-13b at tp=2)"
+  [fp8-products]="float8 products vs bf16 by shape: each block linear's and head's _scaled_mm with its casts vs torch.mm, GPT-3's sizes; the table the fp8 rule reads"
+  [shard]="One tensor-parallel rank's block vs the planner (gpt3-175b at tp=8, gpt3-13b at tp=2): bf16, fp8 tensorwise and rowwise, compiled"
+  [fp8-large]="Training step of gpt3-1.3b (micro batch 2) through the DeepSpeed engine: bf16 and fp8, compiled, one engine at a time"
   [recovery-exact]="Recovery: kill -9 and SIGTERM, resumed bit for bit (gpt3-125m, seq 512, pinned kernel configs)"
   [recovery-paths]="Recovery: non-finite steps skipped, batch ramp, checkpoint GB/s, async vs sync pause (gpt3-125m, seq 512)"
 )
@@ -55,7 +63,7 @@ list_sections() {
   for name in "${SECTIONS[@]}"; do
     printf '%-15s %5s s %4s  %s\n' "$name" "${LIMIT[$name]}" "${JOB[$name]}" "${TITLE[$name]}"
   done
-  for job in 1 2 3; do
+  for job in 1 2 3 4; do
     total=0
     for name in "${SECTIONS[@]}"; do
       if [ "${JOB[$name]}" = "$job" ]; then total=$((total + ${LIMIT[$name]})); fi
@@ -82,8 +90,10 @@ section_command() {  # section_command NAME: sets CMD to the section's command, 
     profile) CMD=("$PY" -m bench.profile model=gpt3-125m train.micro_batch_size=8 train.global_batch_size=8
                   --run-dir "$SCRATCH/$STAMP-profile/run" --json "$json") ;;
     train-large) CMD=("$PY" -m bench.train_speed model=gpt3-760m model=gpt3-1.3b --json "$json") ;;
-    shard) shard175="$(printf '%q' "$PY") -m bench.shard model=gpt3-175b parallel.tp=8 train.micro_batch_size=1"
-           shard13="$(printf '%q' "$PY") -m bench.shard model=gpt3-13b parallel.tp=2 train.micro_batch_size=1"
+    fp8-products) CMD=("$PY" -m bench.fp8_products --budget-s $((LIMIT[fp8-products] - 25))) ;;
+    fp8-large) CMD=("$PY" -m bench.train_speed model=gpt3-1.3b --fp8-pair --json "$json") ;;
+    shard) shard175="$(printf '%q' "$PY") -m bench.shard model=gpt3-175b parallel.tp=8 train.micro_batch_size=1 train.precision=fp8"
+           shard13="$(printf '%q' "$PY") -m bench.shard model=gpt3-13b parallel.tp=2 train.micro_batch_size=1 train.precision=fp8"
            CMD=(bash -c "$shard175 && $shard13")
            SHOW="$shard175 && $shard13"
            return ;;

@@ -2,6 +2,7 @@
 
   python -m bench.shard model=gpt3-175b parallel.tp=8                      # micro batch 1, T = seq_len
   python -m bench.shard model=gpt3-13b parallel.tp=2 train.micro_batch_size=2 parallel.sequence_parallel=true
+  python -m bench.shard model=gpt3-175b parallel.tp=8 train.precision=fp8  # bf16, fp8 tensorwise and rowwise
   python -m bench.shard model=toy parallel.tp=2 bench.iterations=3         # a CPU smoke run
 
 The block is the model's first one (layer 1 of the flat list, model/gpt.make_layer), sharded by
@@ -22,6 +23,13 @@ bench.iterations: on CUDA with events around each iteration (the median), on a C
 minimum). Printed next to it: the planner's prediction for the same block, rank and micro batch
 (train.planner.estimate.block_seconds, communication left out) on plan.hardware (on CUDA: the
 visible GPU's preset), and the ratio measured / predicted.
+
+train.precision=fp8 times three blocks of the same weights, one after the other (each freed before the
+next): bf16, then fp8 tensorwise and fp8 rowwise, each fp8 block's linears in float8 as the run would choose
+them (train/planner/fp8_rule.py at this tp and micro batch on this GPU, or train.fp8_linears; the choice is
+printed), and says each fp8 block's speed against bf16's. The blocks compile as a run's would under fp8
+(train.runtime.precision.fp8_compile: on a GPU unless model.compile=false is given), the bf16 block alike,
+so the ratio compares like with like; on the CPU the float8 products are emulated and nothing compiles.
 """
 
 from __future__ import annotations
@@ -107,14 +115,16 @@ def defined_outputs():
             setattr(dist, name, function)
 
 
-def build_block_shard(model_cfg, topology, sequence_parallel: bool, device: torch.device) -> torch.nn.Module:
-    """Rank 0's shard of the model's first block on `device`, with small random weights."""
+def build_block_shard(model_cfg, topology, sequence_parallel: bool, device: torch.device, modes=None) -> torch.nn.Module:
+    """Rank 0's shard of the model's first block on `device`, built in `modes` (model.modes.LayerModes: which
+    linears compute in float8; None: the defaults), with small random weights (the same for every build)."""
     from model.gpt import make_layer
     from model.init import materialize_
+    from model.modes import LayerModes
     from parallel.tensor import TP_PLAN, shard_layer
 
     with torch.device("meta"):
-        block = make_layer(model_cfg, 1)
+        block = make_layer(model_cfg, 1, modes or LayerModes())
     shard_layer(block, topology, TP_PLAN, sequence_parallel, 1)
     materialize_(block, device)
     generator = torch.Generator(device="cpu").manual_seed(0)
@@ -165,12 +175,16 @@ def time_block(block, micro_batch: int, tokens: int, d_model: int, precision: st
 def run(argv: list[str], out=sys.stdout, err=sys.stderr) -> int:
     from omegaconf import OmegaConf
 
+    from model.modes import Float8, LayerModes
     from train.config.sections import Sections
+    from train.config.sections.train import FP8_RECIPES
     from train.plan import compose
     from train.planner.estimate import Layout, block_seconds, for_precision
+    from train.planner.fp8_rule import choice_for
     from train.planner.from_config import hardware_from_config
     from train.planner.hardware import for_cuda_device
     from train.run.checks import check_model
+    from train.runtime.precision import fp8_compile, fp8_refusal
 
     with contextlib.redirect_stdout(err):  # DeepSpeed announces its accelerator on import
         import deepspeed.runtime.utils  # noqa: F401
@@ -182,7 +196,12 @@ def run(argv: list[str], out=sys.stdout, err=sys.stderr) -> int:
         tp, sp, micro = parallel.tp, parallel.sequence_parallel, train.micro_batch_size
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         precision = precision_of(train, device)
-        implementation = for_precision(precision)
+        if precision == "fp8" and fp8_refusal(device) is not None:
+            raise ValueError(fp8_refusal(device))
+        # fp8: bf16 and each recipe beside it, compiled alike as a run under fp8 would be
+        rows = [("bf16", None), *(("fp8", recipe) for recipe in FP8_RECIPES)] if precision == "fp8" else [(precision, None)]
+        given = any(o.lstrip("+").split("=", 1)[0] == "model.compile" for o in overrides)
+        compiled, blocks_words = fp8_compile(precision, model_cfg.compile, given, False, device)
         hardware = for_cuda_device() if device.type == "cuda" else hardware_from_config(OmegaConf.to_object(cfg.plan))
         from parallel.topology import check_layout
 
@@ -193,19 +212,39 @@ def run(argv: list[str], out=sys.stdout, err=sys.stderr) -> int:
         print(f"gpt3d bench.shard: error: {'; '.join(str(error).splitlines()[:2])}", file=err)
         return EXIT_BAD_INPUT
     layout = Layout(tp, 1, 1, micro, micro, sequence_parallel=sp)
-    predicted = block_seconds(model_cfg, layout, implementation, hardware)
-    with fake_tensor_parallel_rank(tp) as topology:
-        block = build_block_shard(model_cfg, topology, sp, device)
-        tokens = model_cfg.seq_len // tp if sp else model_cfg.seq_len
-        measured = time_block(block, micro, tokens, model_cfg.d_model, precision, device, options["iterations"],
-                              options["warmup"], options["seed"])
     heads = model_cfg.n_head // tp
     print(f"{model_cfg.name}: one block, tensor-parallel rank 0 of {tp}{' with sequence parallelism' if sp else ''}: "
           f"d_model {model_cfg.d_model}, {heads} of {model_cfg.n_head} heads, d_ff {model_cfg.d_ff // tp} of "
           f"{model_cfg.d_ff}, micro batch {micro} × T {model_cfg.seq_len}, {precision} on "
-          f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}", file=out)
-    print(f"forward + backward per block: measured {measured * 1e3:.3f} ms, predicted {predicted * 1e3:.3f} ms "
-          f"({hardware.name}), measured / predicted {measured / predicted:.2f}", file=out)
+          f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}{', compiled' if compiled else ''}",
+          file=out)
+    if blocks_words:
+        print(blocks_words, file=out)
+    bf16_s = None
+    for name, recipe in rows:
+        modes, implementation = LayerModes(), for_precision(name, compiled=compiled)
+        if recipe is not None:
+            choice = choice_for(model_cfg, tp, micro, recipe, train.fp8_linears, hardware.preset or None)
+            modes = LayerModes(fp8=Float8(recipe, emulate=device.type != "cuda"), fp8_linears=frozenset(choice.linears))
+            implementation = for_precision("fp8", fp8_recipe=recipe, compiled=compiled, fp8_linears=choice.linears)
+            print(choice.line(), file=out)
+        predicted = block_seconds(model_cfg, layout, implementation, hardware)
+        with fake_tensor_parallel_rank(tp) as topology:
+            block = build_block_shard(model_cfg, topology, sp, device, modes)
+            if compiled:
+                block.compile()
+            tokens = model_cfg.seq_len // tp if sp else model_cfg.seq_len
+            measured = time_block(block, micro, tokens, model_cfg.d_model, name, device, options["iterations"],
+                                  options["warmup"], options["seed"])
+        del block
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        label = f"{name} {recipe}" if recipe else name
+        against = f", {bf16_s / measured:.2f}× bf16's speed" if recipe is not None and bf16_s else ""
+        bf16_s = measured if name == "bf16" else bf16_s
+        print(f"forward + backward per block{'' if len(rows) == 1 else ', ' + label}: measured {measured * 1e3:.3f} ms, "
+              f"predicted {predicted * 1e3:.3f} ms ({hardware.name}), measured / predicted {measured / predicted:.2f}"
+              f"{against}", file=out)
     return 0
 
 

@@ -6,6 +6,7 @@ Hugging Face `transformers` GPT-2 of the same shape (what a user would otherwise
   python -m bench.train_speed model=gpt3-1.3b --micro-batch 2  # one model in memory at a time (automatic)
   python -m bench.train_speed model=toy --device cpu --seq-len 64 --steps 2 --warmup 1   # CPU smoke run
   python -m bench.train_speed model=gpt3-760m model=gpt3-1.3b --json rows.json   # also every row as JSON
+  python -m bench.train_speed model=gpt3-1.3b --fp8-pair       # only the DeepSpeed pair: bf16 and fp8, compiled
 
 Rows, on the same batches:
   gpt3d attention_impl=triton  gpt3d's model with the fused kernel (on the CPU: attention_impl=torch)
@@ -25,6 +26,9 @@ Rows, on the same batches:
                                on the CPU, whose float8 products are emulated; fp8 reported as SKIPPED
                                with the reason where it cannot run (a GPU before compute capability
                                8.9, no torchao)
+--fp8-pair runs only two DeepSpeed rows, one engine in memory at a time: bf16 and fp8 (tensorwise, its
+linears as the run chooses them: train/planner/fp8_rule.py), both compiled on a GPU (as fp8 runs), eager on
+the CPU; bf16 is the baseline. Every fp8 row prints the run's line saying which linears compute in float8.
 The first four rows' step is the math of gpt3d's training loop, written out in plain torch: forward under bf16
 autocast (fp32 weights; no autocast on the CPU), mean next-token cross-entropy in fp32, backward,
 gradient clipping at 1.0, torch.optim.AdamW(fused=True, betas=(0.9, 0.95), eps=1e-8,
@@ -221,10 +225,11 @@ def run_plain_rows(rows, config: GPTConfig, micro_batch, warmup, steps, device, 
         row.release()
 
 
-def benchmark(name, config: GPTConfig, micro_batch, warmup, steps, device, peak_tflops, one_at_a_time=None):
+def benchmark(name, config: GPTConfig, micro_batch, warmup, steps, device, peak_tflops, one_at_a_time=None,
+              fp8_pair=False):
     """The table of one model size; returns its rows (plain ones first, then DeepSpeed's), the tokens
     per step and the FLOPs per token. one_at_a_time: run the plain rows alone, one after the other
-    (None: when they do not fit together, plain_rows_fit)."""
+    (None: when they do not fit together, plain_rows_fit); fp8_pair: only DeepSpeed's bf16 and fp8 rows."""
     gpt3d_impl = "triton" if device.type == "cuda" else "torch"
 
     def gpt3d(impl, fused_loss=True):
@@ -243,15 +248,20 @@ def benchmark(name, config: GPTConfig, micro_batch, warmup, steps, device, peak_
     print(f"\n{name}: {config.n_layer} layers, d_model {config.d_model}, {config.n_head} heads of {config.d_head}, "
           f"T={config.seq_len}, micro batch {micro_batch} ({tokens} tokens/step), N={n_params / 1e6:.1f}M without "
           f"positions, {flops_tok / 1e9:.2f} GFLOP/token; {warmup} warm-up + {steps} timed rounds")
-    fit, why = plain_rows_fit(count_parameters(build_meta(config)), len(rows), device)
-    alone = (not fit) if one_at_a_time is None else one_at_a_time
-    if alone:
-        print(f"plain rows one at a time, each freed before the next is built{': ' + why if why else ''}")
-    run_plain_rows(rows, config, micro_batch, warmup, steps, device, alone)
     precisions = [("autocast", None, False), ("bf16", None, False), ("fp8", "tensorwise", False),
                   ("fp8", "rowwise", False), ("bf16", None, True), ("fp8", "tensorwise", True)]
     if device.type != "cuda":
         precisions = [("fp32", None, False), ("bf16", None, False), ("fp8", "tensorwise", False)]
+    if fp8_pair:  # the DeepSpeed pair alone, compiled where a run under fp8 compiles (a GPU)
+        rows, compiled = [], device.type == "cuda"
+        precisions = [("bf16", None, compiled), ("fp8", "tensorwise", compiled)]
+        print("the DeepSpeed pair only: bf16 and fp8, one engine in memory at a time")
+    else:
+        fit, why = plain_rows_fit(count_parameters(build_meta(config)), len(rows), device)
+        alone = (not fit) if one_at_a_time is None else one_at_a_time
+        if alone:
+            print(f"plain rows one at a time, each freed before the next is built{': ' + why if why else ''}")
+        run_plain_rows(rows, config, micro_batch, warmup, steps, device, alone)
     for precision, recipe, compiled in precisions:
         row = EngineRow(name, precision, micro_batch, config.seq_len, device, recipe, compiled)
         for round_index, (x, y) in enumerate(batches(config, micro_batch, warmup + steps, device)):
@@ -293,6 +303,9 @@ class EngineRow(Row):
             self.trainer = engine_trainer(model_name, precision, micro_batch, seq_len, device, recipe, compiled)
         except Exception as err:  # reported in the table, never dropped
             self.fail(err)
+            return
+        if self.trainer.spec.fp8_line is not None:  # which linears compute in float8, and how the blocks run
+            print(f"{self.name}: {self.trainer.spec.fp8_line}")
 
     def free(self):
         """Drop the engine (its weights, optimizer state and data workers)."""
@@ -322,7 +335,8 @@ def engine_trainer(model_name, precision, micro_batch, seq_len, device, recipe=N
                 *([f"train.fp8_recipe={recipe}"] if recipe else [])]
     with initialize_config_dir(version_base=None, config_dir=str(CONFIG_DIR), job_name="train_speed"):
         cfg = compose("config", overrides=settings)
-    return build(resolve(cfg, Path(tempfile.mkdtemp(prefix="gpt3d-train-speed-"))))
+    # the overrides as given: model.compile=false then keeps an fp8 row eager, as on the command line
+    return build(resolve(cfg, Path(tempfile.mkdtemp(prefix="gpt3d-train-speed-")), settings))
 
 
 def build_meta(config: GPTConfig):
@@ -390,6 +404,8 @@ def main():
     parser.add_argument("--one-at-a-time", action="store_true", default=None,
                         help="run the plain rows one after the other, each model freed before the next is built "
                              "(default: only when they do not fit together in half the GPU's memory)")
+    parser.add_argument("--fp8-pair", action="store_true",
+                        help="only the DeepSpeed rows bf16 and fp8, compiled on a GPU (no plain rows)")
     parser.add_argument("--peak-tflops", type=float,
                         help="per-device peak for MFU (default on a GPU: its dense bf16 peak, as the training loop logs it)")
     args = parser.parse_args()
@@ -419,7 +435,7 @@ def main():
         n = count_parameters(build_meta(config))
         micro_batch = args.micro_batch or (8 if n < 1e9 else 2)
         rows, tokens, flops_tok = benchmark(name, config, micro_batch, args.warmup, args.steps, device, peak,
-                                            args.one_at_a_time)
+                                            args.one_at_a_time, args.fp8_pair)
         records += json_records(name, rows, tokens, flops_tok, peak, micro_batch, config.seq_len, device)
         if device.type == "cuda":
             torch.cuda.empty_cache()

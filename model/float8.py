@@ -120,9 +120,19 @@ class Float8Matmuls:
         a_split, b_split: the dimension of each operand that is split over the ranks (or None); amax_a,
         amax_b: amaxes already known (tensorwise, from another product), else computed here, and those
         whose elements lie on several ranks reduced together in one all-reduce."""
-        cast_a, cast_b, gemm = configs
         rows, cols = a.shape[0], b.shape[1]
         a, b = _padded(a), _padded(b)  # zeros: no amax, no product changes
+        amaxes = self.amaxes(a, a_split, b, b_split, configs, phase, amax_a, amax_b)
+        a8, scale_a, b8, scale_b = self.cast(a, b, configs, amaxes)
+        out = self.multiply(a8, scale_a, b8, scale_b, a.dtype, configs[2].use_fast_accum)  # (M, P)
+        if out.shape != (rows, cols):
+            out = out[:rows, :cols].contiguous()  # (M, P): a reduction of it runs in place
+        return out, amaxes
+
+    def amaxes(self, a, a_split, b, b_split, configs, phase, amax_a=None, amax_b=None) -> tuple:
+        """The amaxes of a (M, K) and b (K, P) by their casts' granularity (tensorwise: (); rowwise: A's rows
+        (M, 1), B's columns (1, P)), those not given computed, and those of split elements reduced together."""
+        cast_a, cast_b, _ = configs
         dims = (None if _tensorwise(cast_a) else 1, None if _tensorwise(cast_b) else 0)
         amaxes = [amax_a, amax_b]
         todo = [i for i in (0, 1) if amaxes[i] is None]
@@ -133,14 +143,17 @@ class Float8Matmuls:
             joined = self.reduce_max(torch.cat([amaxes[i].reshape(-1) for i in shared]), phase)
             for i, piece in zip(shared, joined.split([amaxes[i].numel() for i in shared])):
                 amaxes[i] = piece.view(amaxes[i].shape)
+        return tuple(amaxes)
+
+    def cast(self, a, b, configs, amaxes) -> tuple:
+        """(Â, s_A, B̂, s_B): a (M, K) and b (K, P) scaled by s = f_max / amax and cast to their float8 formats,
+        Â row-major and B̂ column-major, as _scaled_mm takes them."""
+        cast_a, cast_b, _ = configs
         scale_a = amax_to_scale(amaxes[0], cast_a.target_dtype, self.power_of_2)  # () or (M, 1)
         scale_b = amax_to_scale(amaxes[1], cast_b.target_dtype, self.power_of_2)  # () or (1, P)
         a8 = quantize(a, scale_a, cast_a.target_dtype).contiguous()  # (M, K) row-major
         b8 = quantize(b, scale_b, cast_b.target_dtype).t().contiguous().t()  # (K, P) column-major
-        out = self.multiply(a8, scale_a, b8, scale_b, a.dtype, gemm.use_fast_accum)  # (M, P)
-        if out.shape != (rows, cols):
-            out = out[:rows, :cols].contiguous()  # (M, P): a reduction of it runs in place
-        return out, tuple(amaxes)
+        return a8, scale_a, b8, scale_b
 
 
 class Float8Grads:

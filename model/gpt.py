@@ -31,7 +31,7 @@ def make_layer(config: GPTConfig, index: int, modes: LayerModes = LayerModes()) 
         return Embedding(config)
     if 1 <= index <= config.n_layer:
         return Block(config, index - 1, selective_recomputation=modes.selective, fp8=modes.fp8,
-                     weight_grads=modes.weight_grads)
+                     weight_grads=modes.weight_grads, fp8_linears=modes.fp8_linears)
     if index == config.n_layer + 1:
         return Head(config, fused_loss=modes.fused_loss)
     raise IndexError(f"layer {index} of a {config.n_layer}-block GPT: layers are 0 … {config.n_layer + 1}")

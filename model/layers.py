@@ -8,7 +8,8 @@ Each maps one tensor to one tensor, so a pipeline can cut the sequence anywhere 
 The token embedding and the unembedding hold the vocabulary padded to Vp rows (model/vocab.py);
 logits keep only the V real columns.
 Attention reshapes heads with −1, so a column-sharded QKV projection just yields fewer local heads.
-How a layer computes (its loss, its recomputation, float8 products) is fixed when it is built (model/modes.py).
+How a layer computes (its loss, its recomputation, which linears compute in float8) is fixed when it is built
+(model/modes.py).
 Each layer also takes an optional KVCache (model/kv_cache.py): the Embedding then numbers the new
 tokens after those already seen, and attention attends to the cached keys and values as well.
 """
@@ -20,7 +21,7 @@ from torch import nn
 
 from model.attention import packed_attention
 from model.config import GPTConfig
-from model.modes import Fixed, Float8
+from model.modes import BLOCK_LINEARS, Fixed, Float8, LayerModes
 from model.recompute import Linear, Recompute
 from model.vocab import PaddedEmbedding, PaddedUnembedding
 from model.weight_grads import WeightGradStore
@@ -48,16 +49,16 @@ class SelfAttention(nn.Module):
     whole heads holds those heads' q, k and v together: that is what column parallelism cuts.
     """
 
-    def __init__(self, config: GPTConfig, layer_index: int, fp8: Float8 | None = None,
-                 weight_grads: WeightGradStore | None = None):
+    def __init__(self, config: GPTConfig, layer_index: int, qkv_fp8: Float8 | None = None,
+                 proj_fp8: Float8 | None = None, weight_grads: WeightGradStore | None = None):
         super().__init__()
         self.layer_index = layer_index  # the block's index: its entry in a KVCache
         self.d_head = config.d_head
         self.window = config.window_of(layer_index)
         self.impl = config.attention_impl
         self.deterministic = config.deterministic_attention  # a backward whose bits do not depend on timing
-        self.qkv = Linear(config.d_model, 3 * config.d_model, fp8=fp8, weight_grads=weight_grads)
-        self.proj = Linear(config.d_model, config.d_model, fp8=fp8, weight_grads=weight_grads)
+        self.qkv = Linear(config.d_model, 3 * config.d_model, fp8=qkv_fp8, weight_grads=weight_grads)
+        self.proj = Linear(config.d_model, config.d_model, fp8=proj_fp8, weight_grads=weight_grads)
         self.drop = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor, cache=None, recompute: Recompute | None = None) -> torch.Tensor:
@@ -77,10 +78,11 @@ class SelfAttention(nn.Module):
 class MLP(nn.Module):
     """d → d_ff → d with GELU (tanh approximation, as GPT-2/3) or ReLU."""
 
-    def __init__(self, config: GPTConfig, fp8: Float8 | None = None, weight_grads: WeightGradStore | None = None):
+    def __init__(self, config: GPTConfig, fc_fp8: Float8 | None = None, proj_fp8: Float8 | None = None,
+                 weight_grads: WeightGradStore | None = None):
         super().__init__()
-        self.fc = Linear(config.d_model, config.d_ff, fp8=fp8, weight_grads=weight_grads)
-        self.proj = Linear(config.d_ff, config.d_model, fp8=fp8, weight_grads=weight_grads)
+        self.fc = Linear(config.d_model, config.d_ff, fp8=fc_fp8, weight_grads=weight_grads)
+        self.proj = Linear(config.d_ff, config.d_model, fp8=proj_fp8, weight_grads=weight_grads)
         self.act = nn.GELU(approximate="tanh") if config.activation == "gelu" else nn.ReLU()
         self.drop = nn.Dropout(config.dropout)
 
@@ -111,9 +113,10 @@ class Block(nn.Module):
     of GELU the activation keeps its own output for backward, so nothing is gained there and the
     MLP's activation output is kept too (only the 2·B·T·d term applies).
 
-    Built with `fp8` (a Float8 mode, train.precision=fp8), the four linears (attn.qkv, attn.proj,
-    mlp.fc, mlp.proj) compute their forward, input-gradient and weight-gradient products in float8
-    (model/float8.py); the LayerNorms, the attention and the GELU stay in the compute dtype.
+    Built with `fp8` (a Float8 mode, train.precision=fp8), the linears named in `fp8_linears` (of
+    attn.qkv, attn.proj, mlp.fc, mlp.proj: model.modes.BLOCK_LINEARS; all four unless told) compute their
+    forward, input-gradient and weight-gradient products in float8 (model/float8.py); the other linears,
+    the LayerNorms, the attention and the GELU stay in the compute dtype.
 
     Built with `weight_grads` (a model.weight_grads.WeightGradStore, parallel.pipeline_schedule=zb-h1),
     the same four linears leave their weight and bias gradients to the store, which the pipeline schedule
@@ -123,12 +126,14 @@ class Block(nn.Module):
     selective_recomputation = Fixed()
 
     def __init__(self, config: GPTConfig, layer_index: int, selective_recomputation: bool = False,
-                 fp8: Float8 | None = None, weight_grads: WeightGradStore | None = None):
+                 fp8: Float8 | None = None, weight_grads: WeightGradStore | None = None,
+                 fp8_linears=BLOCK_LINEARS):
         super().__init__()
+        mode = LayerModes(fp8=fp8, fp8_linears=frozenset(fp8_linears)).fp8_of  # linear's name → its Float8 or None
         self.ln_1 = nn.LayerNorm(config.d_model, eps=config.ln_eps)
-        self.attn = SelfAttention(config, layer_index, fp8, weight_grads)
+        self.attn = SelfAttention(config, layer_index, mode("attn.qkv"), mode("attn.proj"), weight_grads)
         self.ln_2 = nn.LayerNorm(config.d_model, eps=config.ln_eps)
-        self.mlp = MLP(config, fp8, weight_grads)
+        self.mlp = MLP(config, mode("mlp.fc"), mode("mlp.proj"), weight_grads)
         self.selective_recomputation = selective_recomputation
 
     def forward(self, h: torch.Tensor, cache=None) -> torch.Tensor:

@@ -12,9 +12,13 @@ tensor-parallel ones):
   activation_checkpointing   0: keep every activation; k > 0: each run of k consecutive blocks keeps
                              only its input and recomputes inside in backward; "selective": every
                              block recomputes its LayerNorm and GELU outputs (model.layers.Block)
-  fp8                        a Float8: the blocks' four linears compute their three products each in
-                             float8 (model/float8.py), by its recipe; None: in the compute dtype
-                             (train.precision=fp8 sets it from train.fp8_recipe and the device)
+  fp8                        a Float8: the blocks' linears named in fp8_linears compute their three
+                             products each in float8 (model/float8.py), by its recipe; None: every
+                             linear in the compute dtype (train.precision=fp8 sets it from
+                             train.fp8_recipe and the device)
+  fp8_linears                which of a block's linears (BLOCK_LINEARS) the fp8 mode applies to; the
+                             others compute in the compute dtype (train.precision=fp8: the linears
+                             whose product shapes make float8 faster, train/planner/fp8_rule.py)
   weight_grads               a model.weight_grads.WeightGradStore: the blocks' four linears leave their
                              weight gradients to it, for a zero-bubble pipeline schedule to run later
                              (parallel.pipeline_schedule=zb-h1); None: computed in the backward
@@ -25,6 +29,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SELECTIVE = "selective"  # the activation_checkpointing mode that recomputes LayerNorm and GELU outputs only
+# A block's linear layers, by their names inside the block: the fused QKV projection and the attention's output
+# projection (column- and row-parallel under tensor parallelism), the MLP's up and down projections (likewise)
+BLOCK_LINEARS = ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")
 
 
 @dataclass(frozen=True)
@@ -46,6 +53,16 @@ class LayerModes:
     activation_checkpointing: int | str = 0
     fp8: Float8 | None = None
     weight_grads: object | None = None  # a model.weight_grads.WeightGradStore (this rank's own object)
+    fp8_linears: frozenset = frozenset(BLOCK_LINEARS)  # the block linears `fp8` applies to
+
+    def __post_init__(self) -> None:
+        check_block_linears(self.fp8_linears, "fp8_linears")
+        object.__setattr__(self, "fp8_linears", frozenset(self.fp8_linears))
+
+    def fp8_of(self, linear: str) -> Float8 | None:
+        """The float8 mode of the block linear `linear` (a name of BLOCK_LINEARS): `fp8` where it is one of
+        fp8_linears, else None (the compute dtype)."""
+        return self.fp8 if linear in self.fp8_linears else None
 
     @property
     def selective(self) -> bool:
@@ -55,6 +72,14 @@ class LayerModes:
     def checkpoint_every(self) -> int:
         """k: blocks per recomputed segment (0: none; selective recomputation recomputes inside each block)."""
         return 0 if self.selective else int(self.activation_checkpointing)
+
+
+def check_block_linears(names, key: str) -> None:
+    """ValueError, one line naming `key`, unless `names` are distinct names of BLOCK_LINEARS."""
+    names = list(names)
+    unknown = [n for n in names if n not in BLOCK_LINEARS]
+    if unknown or len(set(names)) != len(names):
+        raise ValueError(f"{key}={names!r}: must be distinct names of a block's linears, from {list(BLOCK_LINEARS)}")
 
 
 class Fixed:

@@ -2,7 +2,7 @@
 
     model.gpt.layer_list(config)   [Embedding, Block_0 … Block_{L-1}, Head], on the meta device, built
                                    in their modes (the Head's loss, the blocks' recomputation and
-                                   float8 products)
+                                   which of their linears compute in float8)
       → this stage's layers        all of them when pp = 1 (parallel/pipeline.py: stage_bounds)
       → tensor-parallel plan       parallel/tensor.py: shard_layer, the same for every layer, each
                                    replacement built in its modes (sequence parallelism, overlap)
@@ -31,7 +31,7 @@ from model import GPT, GPTConfig
 from model.compile import compile_blocks
 from model.gpt import init_layers_, layer_list
 from model.init import materialize_
-from model.modes import Float8, LayerModes
+from model.modes import BLOCK_LINEARS, Float8, LayerModes
 from model.weight_grads import WeightGradStore
 from parallel.pipeline import PipelineStages, stage_bounds
 from parallel.tensor import TP_PLAN, SequenceParallelLayerNorm, check_plan, full_plan, shard_layer
@@ -47,6 +47,9 @@ class BuildOptions:
     overlap_communication: bool = True  # with tp > 1: input-gradient all-reduces overlap the weight-gradient GEMMs
     fused_loss: bool = False  # the Head's loss unembeds its hidden states chunk by chunk (train.fused_loss)
     fp8: Float8 | None = None  # the blocks' linears compute in float8 (train.precision=fp8; model/float8.py)
+    # which of each block's linears (model.modes.BLOCK_LINEARS) `fp8` applies to; the others compute in the
+    # compute dtype (train.precision=fp8: the run specification's choice, train/planner/fp8_rule.py)
+    fp8_linears: frozenset = frozenset(BLOCK_LINEARS)
     # the blocks' linears defer their weight gradients to this store (parallel.pipeline_schedule=zb-h1;
     # model/weight_grads.py), drained by the pipeline engine (parallel/zero_bubble_engine.py)
     weight_grads: WeightGradStore | None = None
@@ -56,7 +59,7 @@ class BuildOptions:
         """The modes of the model's own layers (the rest are the tensor-parallel layers'; a tensor-parallel
         linear keeps the float8 recipe of the layer it replaces)."""
         return LayerModes(fused_loss=self.fused_loss, activation_checkpointing=self.activation_checkpointing,
-                          fp8=self.fp8, weight_grads=self.weight_grads)
+                          fp8=self.fp8, weight_grads=self.weight_grads, fp8_linears=self.fp8_linears)
 
 
 def build_model(

@@ -72,7 +72,23 @@ def load(overrides: list[str]):
         raise ConfigError(explain(["+plan=default", *overrides], "config", error)) from None
     check_given(cfg, "python -m train.plan")
     model_cfg = check_model(OmegaConf.to_container(cfg.model, resolve=True))
-    return Sections.of(cfg), OmegaConf.to_object(cfg.plan), model_cfg
+    sections = Sections.of(cfg)
+    return sections, OmegaConf.to_object(cfg.plan), _compiled_as_run(model_cfg, sections, overrides)
+
+
+def _compiled_as_run(model_cfg: GPTConfig, sections: Sections, overrides: list[str]) -> GPTConfig:
+    """model.compile as a run on a GPU takes it: under fp8 the blocks compile unless model.compile=false is given
+    or ZB-H1 runs the pipeline (train.runtime.precision.fp8_compile)."""
+    import dataclasses
+
+    from train.config.sections.parallel import ZB_H1
+    from train.runtime.precision import fp8_compile
+
+    par = sections.parallel
+    given = any(o.lstrip("+").split("=", 1)[0] == "model.compile" for o in overrides)
+    compiled, _ = fp8_compile(sections.train.precision, model_cfg.compile, given,
+                              par.pp > 1 and par.pipeline_schedule == ZB_H1)
+    return dataclasses.replace(model_cfg, compile=compiled)
 
 
 def run(overrides: list[str], out=sys.stdout, err=sys.stderr) -> int:
@@ -82,7 +98,7 @@ def run(overrides: list[str], out=sys.stdout, err=sys.stderr) -> int:
         import deepspeed.runtime.utils  # noqa: F401
     from train.planner.advice import what_fits
     from train.planner.from_config import gpus_of, plan_from_config
-    from train.planner.tables import format_plan, format_search
+    from train.planner.tables import format_plan, format_search, fp8_summary
 
     try:
         sections, plan_cfg, model_cfg = load(overrides)
@@ -102,6 +118,9 @@ def run(overrides: list[str], out=sys.stdout, err=sys.stderr) -> int:
     advice = None if plan is None or plan.fits or plans else what_fits(plan, plans)
     if plan_cfg.format == "json":
         document = plan.to_json() if plan is not None else {}
+        fp8 = fp8_summary(plan) if plan is not None else None
+        if fp8 is not None:
+            document["fp8"] = {**fp8["choice"].to_json(), "bf16_step_s": fp8["bf16_step_s"], "gain": fp8["gain"]}
         if plans is not None:
             document["search"] = [p.to_json() | {"ranks": None} for p in plans[: plan_cfg.top]]
         if advice is not None:

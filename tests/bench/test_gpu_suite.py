@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SECTIONS = ["cuda-tests", "attention", "train-small", "profile", "train-large", "shard", "recovery-exact",
-            "recovery-paths"]
+SECTIONS = ["cuda-tests", "attention", "train-small", "profile", "train-large", "recovery-exact", "recovery-paths",
+            "fp8-products", "shard", "fp8-large"]
 MODULE = {"cuda-tests": "pytest", "attention": "bench.attention", "train-small": "bench.train_speed",
           "profile": "bench.profile", "train-large": "bench.train_speed", "shard": "bench.shard",
-          "recovery-exact": "bench.recovery", "recovery-paths": "bench.recovery"}
+          "recovery-exact": "bench.recovery", "recovery-paths": "bench.recovery", "fp8-products": "bench.fp8_products",
+          "fp8-large": "bench.train_speed"}
 JOB_LIMIT_S = 540  # a 10-minute job, less a minute for starting and for the header
 STUB = r"""#!/usr/bin/env bash
 # Python on a CUDA machine, as the suite sees it: the probes answer, every other command is recorded.
@@ -57,16 +58,16 @@ def today_file(out: Path) -> Path:
     return out / f"Stub-GPU-{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}.md"
 
 
-def test_list_prints_every_section_with_its_limit_in_three_jobs_that_fit_ten_minutes(suite):
+def test_list_prints_every_section_with_its_limit_in_four_jobs_that_fit_ten_minutes(suite):
     proc, _, _, commands = suite("--list")
     assert proc.returncode == 0 and not commands, proc.stderr
-    rows = [line.split() for line in proc.stdout.splitlines()[1:] if re.match(r"^[a-z-]+ +\d+ s ", line)]
+    rows = [line.split() for line in proc.stdout.splitlines()[1:] if re.match(r"^[a-z0-9-]+ +\d+ s ", line)]
     assert [r[0] for r in rows] == SECTIONS
     limits = {r[0]: int(r[1]) for r in rows}
     jobs = {r[0]: int(r[3]) for r in rows}
     assert all(limit <= 480 for limit in limits.values())  # each section well inside 9 minutes
     job_lines = [line for line in proc.stdout.splitlines() if line.startswith("job ")]
-    assert len(job_lines) == 3
+    assert len(job_lines) == 4
     listed = []
     for number, line in enumerate(job_lines, 1):
         total, names = re.fullmatch(r"job \d: (\d+) s of limits: bash bench/gpu_suite.sh --only (\S+)", line).groups()
@@ -97,7 +98,7 @@ def test_only_runs_the_named_sections_and_a_later_job_appends_to_the_days_file(s
     assert [c.split()[1] for c in commands] == ["bench.profile", "bench.attention"]  # in the order given
     result = today_file(out)
     text = result.read_text()
-    assert re.findall(r"^### ([a-z-]+):", text, re.M) == ["profile", "attention"]
+    assert re.findall(r"^### ([a-z0-9-]+):", text, re.M) == ["profile", "attention"]
     assert f"--json {str(result)[:-3]}-attention.json" in commands[1]
     assert f"--json {str(result)[:-3]}-profile.json" in commands[0]
     run_dir = commands[0].split("--run-dir ")[1].split()[0]
@@ -115,7 +116,7 @@ def test_only_runs_the_named_sections_and_a_later_job_appends_to_the_days_file(s
     text = result.read_text()
     assert text.count("# gpt3d GPU suite on Stub-GPU") == 1
     assert re.findall(r"^## Job at \d\d:\d\d UTC: (\S+)", text, re.M) == ["profile,attention", "shard"]
-    assert re.findall(r"^### ([a-z-]+):", text, re.M) == ["profile", "attention", "shard"]
+    assert re.findall(r"^### ([a-z0-9-]+):", text, re.M) == ["profile", "attention", "shard"]
     assert sorted(p.name for p in out.iterdir()) == [result.name]  # the stand-in wrote no JSON
 
 
@@ -141,6 +142,18 @@ def test_dry_run_prints_the_selected_commands_and_runs_nothing(suite):
     assert [line.split()[0] for line in lines] == ["train-large", "recovery-exact"]
     assert "(420 s):" in lines[0] and "model=gpt3-760m model=gpt3-1.3b" in lines[0]
     assert "--checks kill,sigterm" in lines[1]
+
+
+def test_the_float8_job_writes_the_product_table_then_times_the_blocks_and_the_pair_by_it(suite):
+    """Job 4: the sweep first (inside its section's limit), so the shard and the 1.3B pair choose their float8
+    linears by the table it writes; both put bf16 beside fp8."""
+    proc, _, _, commands = suite("--only", "fp8-products,shard,fp8-large", "--dry-run")
+    assert proc.returncode == 0 and not commands
+    lines = proc.stdout.splitlines()
+    assert [line.split()[0] for line in lines] == ["fp8-products", "shard", "fp8-large"]
+    assert "(120 s):" in lines[0] and "-m bench.fp8_products --budget-s 95" in lines[0]
+    assert lines[1].count("train.precision=fp8") == 2 and "model=gpt3-175b parallel.tp=8" in lines[1]
+    assert "model=gpt3-1.3b --fp8-pair" in lines[2]
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the machine without CUDA")

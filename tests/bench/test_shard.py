@@ -48,3 +48,19 @@ def test_bad_option_is_one_error():
     assert "tp" in err.getvalue() and not out.getvalue()
     assert run(["model=toy", "bench.rounds=2"], out, err) == 2
     assert "bench options are ['iterations', 'seed', 'warmup']" in err.getvalue()
+
+
+def test_fp8_times_bf16_then_each_recipe_on_the_linears_the_run_would_choose():
+    out, err = io.StringIO(), io.StringIO()
+    overrides = ["model=toy", "model.n_layer=2", "model.d_model=32", "model.n_head=4", "model.seq_len=32", "model.d_ff=128",
+                 "parallel.tp=2", "train.micro_batch_size=1", "bench.iterations=1", "bench.warmup=0",
+                 "train.precision=fp8", "train.fp8_linears=[mlp.fc]"]
+    assert run(overrides, out, err) == 0, err.getvalue()
+    lines = out.getvalue().splitlines()
+    assert lines[1] == "blocks eager: on cpu the float8 products are emulated (model.compile=true compiles them)"
+    timed = [line.split(":")[0] for line in lines if line.startswith("forward + backward per block")]
+    assert timed == [f"forward + backward per block, {row}" for row in ("bf16", "fp8 tensorwise", "fp8 rowwise")]
+    for recipe in ("tensorwise", "rowwise"):
+        assert (f"fp8 {recipe}: 2 of 8 block linears in float8 (mlp.fc; attn.qkv, attn.proj, mlp.proj in bf16), head "
+                f"in bf16, as train.fp8_linears=[mlp.fc] says") in lines
+    assert all("× bf16's speed" in line for line in lines if line.startswith("forward + backward per block, fp8"))

@@ -61,3 +61,19 @@ def test_alternating_rows_are_all_alive_together(builds):
     plain = toy_benchmark(one_at_a_time=None)
     assert builds == [0, 1, 2, 3]
     assert all(row.alternated and len(row.step_s) == 2 for row in plain)
+
+
+def test_the_fp8_pair_builds_no_plain_row_and_one_engine_per_precision(builds, monkeypatch):
+    """--fp8-pair: DeepSpeed's bf16 and fp8 rows only, bf16 first (the baseline), compiled on a GPU alone."""
+    engines = []
+
+    def no_engine(model_name, precision, micro_batch, seq_len, device, recipe=None, compiled=False):
+        engines.append((precision, recipe, compiled))
+        raise RuntimeError("no DeepSpeed engine in this test")
+
+    monkeypatch.setattr(train_speed, "engine_trainer", no_engine)
+    small = {"seq_len": 16, "vocab_size": 512, "n_layer": 2, "d_model": 32, "n_head": 2, "d_ff": 128}
+    config = GPTConfig.from_dict({**train_speed.load_model_config("toy"), **small})
+    rows, _, _ = train_speed.benchmark("toy", config, 1, 1, 2, torch.device("cpu"), None, fp8_pair=True)
+    assert builds == [] and engines == [("bf16", None, False), ("fp8", "tensorwise", False)]
+    assert [row.name for row in rows] == ["gpt3d deepspeed precision=bf16", "gpt3d deepspeed precision=fp8"]

@@ -1,5 +1,9 @@
 """train.precision=fp8 through `python -m train`: loss parity with bf16, layout invariance, resume both ways.
 
+The fp8 runs put some of the blocks' linears in float8 and leave the others in bf16 (MIXED, through
+train.fp8_linears: a column- and a row-parallel layer each way), as the rule does at GPT-3's small sizes;
+at the tiny model's shapes the rule itself (train.fp8_linears=auto) would leave every linear in bf16
+(its choices at GPT-3's sizes: tests/train/planner/test_fp8_rule.py). The run's second line says which.
 Two one-process runs of the tiny model (cli.TINY) for PARITY_STEPS steps, one in fp8 and one in bf16,
 are shared by every case here:
   parity   the fp8 run's final training and validation losses within 2% of the bf16 run's, its
@@ -8,7 +12,8 @@ are shared by every case here:
            figures are in docs/gpu-values.md)
   layouts  tp=2, pp=2 and tp=2·pp=2 fp8 runs on gloo ranks reproduce the one-process fp8 run's first
            steps within bf16's tolerance (cli.TOLERANCES["bf16"]): every amax of a split operand is
-           reduced over the tensor-parallel ranks, so each layout quantizes as one process does
+           reduced over the tensor-parallel ranks, so each layout quantizes as one process does, the
+           bf16 linears beside the float8 ones alike
   resume   the fp8 run's checkpoint resumes at bf16 at tp=2, and the bf16 run's resumes at fp8 (rowwise),
            each continuing its run within 2% (the same weights, another precision of the products)
 """
@@ -25,12 +30,16 @@ PARITY = 0.02  # relative: fp8 against bf16 (the issue's 2%)
 LAYOUT_STEPS = 3
 QUIET = ["logging.wandb.mode=disabled", f"train.max_steps={PARITY_STEPS}"]
 RUN = [*QUIET, f"train.eval_interval={PARITY_STEPS}", f"train.checkpoint_interval={PARITY_STEPS - 2}"]
+MIXED = "train.fp8_linears=[attn.qkv,mlp.proj]"  # float8: a column- and a row-parallel layer; bf16: the others
+MIXED_LINE = ("fp8 {recipe}: 6 of 12 block linears in float8 (attn.qkv, mlp.proj; attn.proj, mlp.fc in bf16), head in "
+              "bf16, as train.fp8_linears=[attn.qkv,mlp.proj] says; blocks eager: on cpu the float8 products are emulated")
 
 
 @pytest.fixture(scope="module")
 def fp8_run(tmp_path_factory, corpus):
     run_dir = tmp_path_factory.mktemp("fp8")
-    train(run_dir, corpus, *RUN, "train.precision=fp8")
+    proc = train(run_dir, corpus, *RUN, "train.precision=fp8", MIXED)
+    assert MIXED_LINE.format(recipe="tensorwise") in proc.stdout.splitlines()[1]  # the run's second line
     return run_dir
 
 
@@ -60,14 +69,15 @@ def test_fp8_trains_like_bf16(fp8_run, bf16_run):
 )
 def test_fp8_layout_matches_one_process(tmp_path, corpus, fp8_run, nproc, layout):
     train(tmp_path, corpus, "logging.wandb.mode=disabled", f"train.max_steps={LAYOUT_STEPS}", "train.eval_interval=0",
-          "train.checkpoint_interval=0", "train.precision=fp8", *layout, kind="ranks", nproc=nproc)
+          "train.checkpoint_interval=0", "train.precision=fp8", MIXED, *layout, kind="ranks", nproc=nproc)
     assert_same_losses(metrics(tmp_path), metrics(fp8_run)[:LAYOUT_STEPS], "bf16")
 
 
-def resume(source, run_dir, corpus, *overrides, **launch) -> list[dict]:
+def resume(source, run_dir, corpus, *overrides, wandb: str = "disabled", **launch) -> list[dict]:
     """The last two steps of `source`'s run, resumed from its checkpoint in `run_dir` with `overrides`."""
     checkpoint = source / "checkpoints" / f"step{PARITY_STEPS - 2:08d}"
-    train(run_dir, corpus, *QUIET, "train.eval_interval=0", f"train.resume={checkpoint}", *overrides, **launch)
+    train(run_dir, corpus, f"logging.wandb.mode={wandb}", f"train.max_steps={PARITY_STEPS}", "train.eval_interval=0",
+          f"train.resume={checkpoint}", *overrides, **launch)
     return metrics(run_dir)
 
 
@@ -77,9 +87,16 @@ def test_a_checkpoint_resumes_in_the_other_precision(tmp_path, corpus, fp8_run, 
     if direction == "fp8 to bf16 at tp=2":
         source, resumed = fp8_run, resume(fp8_run, tmp_path, corpus, "train.precision=bf16", "parallel.tp=2",
                                           kind="ranks", nproc=2)
-    else:
+    else:  # W&B's config records which linears ran in float8 (offline: its run file)
         source, resumed = bf16_run, resume(bf16_run, tmp_path, corpus, "train.precision=fp8",
-                                           "train.fp8_recipe=rowwise")
+                                           "train.fp8_recipe=rowwise", MIXED, wandb="offline")
+        import wandb_log
+
+        (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+        config = wandb_log.run_file(run_file)["config"]
+        fp8 = (config["run"]["value"] if "value" in config["run"] else config["run"])["fp8"]
+        assert fp8["line"].startswith(MIXED_LINE.format(recipe="rowwise"))
+        assert fp8["linears"] == ["attn.qkv", "mlp.proj"] and fp8["block_linears_fp8"] == 6 and fp8["head"] == "bf16"
     straight = metrics(source)[-2:]
     assert [r["step"] for r in resumed] == [r["step"] for r in straight] == [PARITY_STEPS - 1, PARITY_STEPS]
     for got, expected in zip(resumed, straight):

@@ -135,3 +135,22 @@ def test_a_decoding_step_of_one_token_is_padded_not_refused():
     one, _ = Float8Matmuls(Float8("tensorwise")).forward(x[:1], w, None)  # (1, P)
     assert one.shape == (1, P)
     assert_accumulation_close(one, reference_product(x[:1], E4M3, w.t(), E4M3, "tensorwise"), x[:1], w.t())
+
+
+def test_a_block_computes_in_float8_exactly_the_linears_it_is_built_with():
+    """model.modes.LayerModes.fp8_linears: the named linears get the float8 products, the others the plain ones;
+    a name that is not a block linear is refused in one line."""
+    from model import GPTConfig
+    from model.gpt import make_layer
+    from model.modes import LayerModes
+    from model.recompute import MATMULS
+
+    config = GPTConfig(n_layer=1, n_head=2, d_model=32, seq_len=16, vocab_size=300)
+    with torch.device("meta"):
+        block = make_layer(config, 1, LayerModes(fp8=Float8("rowwise", True), fp8_linears={"attn.proj", "mlp.fc"}))
+    kinds = {name: type(block.get_submodule(name).matmuls) for name in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")}
+    assert kinds == {"attn.qkv": type(MATMULS), "attn.proj": Float8Matmuls, "mlp.fc": Float8Matmuls,
+                     "mlp.proj": type(MATMULS)}
+    assert block.attn.proj.fp8 == Float8("rowwise", True) and block.attn.qkv.fp8 is None
+    with pytest.raises(ValueError, match=r"fp8_linears=\['head'\]: must be distinct names of a block's linears"):
+        LayerModes(fp8_linears=["head"])

@@ -9,9 +9,10 @@ the step time is modelled"):
   t_mb(s)  = GEMMs + attention + memory-bound traffic + tensor-parallel collectives + pipeline sends
              (one micro batch, forward and backward; nothing overlaps on a rank's critical path)
   GEMM     each matmul at max(FLOPs / (peak·gemm_efficiency), bytes / achieved HBM bandwidth); in
-           fp8 (`Implementation.fp8`) the blocks' linears at twice that rate (the float8 tensor cores'
-           dense peak is twice bf16's on Ada and Hopper) with 1-byte inputs and bf16 outputs, plus
-           their casts' traffic (fp8_cast_bytes) and the amax all-reduces' latency under tp
+           fp8 (`Implementation.fp8`) the blocks' linears the fp8 rule picks (train/planner/fp8_rule.py,
+           `Implementation.fp8_linears`) at twice that rate (the float8 tensor cores' dense peak is
+           twice bf16's on Ada and Hopper) with 1-byte inputs and bf16 outputs, plus their casts'
+           traffic (fp8_cast_bytes) and the amax all-reduces' latency under tp
   attention the fused kernel's FLOPs (visible keys only) at peak·attention_efficiency
   traffic  LayerNorm, residual adds, GELU, casts, the loss, gradient accumulation, at HBM bandwidth
   passes   t_mb = t_F + t_B + t_W (`Passes`, parallel/zero_bubble.py): W is the blocks' deferrable
@@ -76,7 +77,9 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from model import GPTConfig, flops_per_token
+from model.modes import BLOCK_LINEARS
 from train.config.sections.parallel import ONE_F_ONE_B, ZB_H1
+from train.config.sections.train import FP8_ALL
 from train.planner import comm as plan_comm
 from train.planner.activations import (
     ActivationBytes,
@@ -97,6 +100,7 @@ from train.planner.counts import (
     stage_blocks,
     state_bytes,
 )
+from train.planner.fp8_rule import COLUMN_PARALLEL, linears_at
 from train.planner.hardware import Hardware
 from train.planner.one_gpu import one_gpu_step
 
@@ -180,6 +184,9 @@ class Implementation:
     #                                       DeepSpeed reduces nn.Linear gradients in bf16 under autocast
     #                                       at ZeRO ≥ 1); else this size for all
     fp8: str | None = None  # the float8 recipe of the blocks' linears (train.precision=fp8), with bf16 weights
+    # which block linears compute in float8: train.fp8_linears (auto: by the fp8 rule at each layout, fp8_rule.py;
+    # all), or the names a run resolved
+    fp8_linears: object = FP8_ALL
     compiled: bool = False  # model.compile: the float8 casts fuse into the compiled blocks' kernels
 
     @property
@@ -202,10 +209,10 @@ PRECISIONS = ("fp32", "autocast", "bf16", "fp8")
 # once more into the layout _scaled_mm takes (read and write a float8 byte, 2). Tensorwise: x 5 + 5,
 # W 5 + 5, g 5 + 5 (the weight grad reuses the amaxes); rowwise: every cast has its own amax, 12 each.
 FP8_CAST_BYTES = {"tensorwise": 10, "rowwise": 12}
-# All-reduces of amaxes per block and micro batch under tensor parallelism (model/float8.py's table): tensorwise,
-# the column layers' W (forward) and g (backward), the row layers' x and W (forward, one call): 2 + 2 + 1 + 1;
-# rowwise, the column layers' input grad and the row layers' forward: 1 + 1 + 1 + 1.
-FP8_AMAX_REDUCTIONS = {"tensorwise": 6, "rowwise": 4}
+# All-reduces of amaxes per float8 linear and micro batch under tensor parallelism (model/float8.py's table):
+# tensorwise, a column layer's W (forward) and g (backward), a row layer's x and W (forward, one call): 2 and 1;
+# rowwise, a column layer's input grad and a row layer's forward: 1 each. (Column, row) per recipe.
+FP8_AMAX_REDUCTIONS = {"tensorwise": (2, 1), "rowwise": (1, 1)}
 # Kernels one block linear adds in float8, forward and backward, eager: amaxes, scales, casts, layout copies,
 # the scaled products (aten operations other than views, counted on one linear: 78 tensorwise and 113 rowwise,
 # against the plain linear's 6). At 30 µs of host time each they bound a large model's micro batch unless
@@ -214,18 +221,20 @@ FP8_KERNELS_PER_LINEAR = {"tensorwise": 72, "rowwise": 107}
 
 
 def for_precision(precision: str, overlap_communication: bool = True, fused_loss: bool = True,
-                  fp8_recipe: str = "tensorwise", compiled: bool = False) -> Implementation:
+                  fp8_recipe: str = "tensorwise", compiled: bool = False, fp8_linears=FP8_ALL) -> Implementation:
     """gpt3d under train.precision (auto resolved by the caller): fp32 everything; autocast (fp32
     weights, bf16 matmuls with per-micro-batch casts); bf16 (bf16 weights and gradients, fp32 master
     weights and moments in the optimizer); fp8 (bf16, and the blocks' linears in float8 by
-    `fp8_recipe`). overlap_communication: parallel.overlap_communication, and DeepSpeed's overlap_comm
-    set from the plan (train/planner/zero_buckets.py); fused_loss: train.fused_loss; compiled: model.compile."""
+    `fp8_recipe`, on the linears `fp8_linears` says: train.fp8_linears, or a run's resolved names).
+    overlap_communication: parallel.overlap_communication, and DeepSpeed's overlap_comm set from the plan
+    (train/planner/zero_buckets.py); fused_loss: train.fused_loss; compiled: model.compile."""
     if precision not in PRECISIONS:
         raise ValueError(f"train.precision={precision!r}: must be one of {['auto', *PRECISIONS]}")
     return Implementation(
         fp32_weights=precision in ("fp32", "autocast"), autocast=precision != "fp32",
         overlap_tp=overlap_communication, overlap_dp=overlap_communication, fused_loss=fused_loss,
         fp8=fp8_recipe if precision == "fp8" else None, compiled=compiled,
+        fp8_linears=tuple(fp8_linears) if isinstance(fp8_linears, (list, tuple)) else fp8_linears,
     )
 
 
@@ -440,10 +449,10 @@ def _fp8_gemm_time(hw: Hardware, n: int, k: int, m: int) -> float:
     return max(2 * n * k * m / (2 * hw.flops), (n * k + k * m + 2 * n * m) / hw.memory_bandwidth)
 
 
-def _linear_time(hw: Hardware, impl: Implementation, n: int, k: int, m: int) -> float:
-    """One block linear's product (n×k)·(k×m): in the compute dtype, or in float8 with its share of the
-    casts (a third of the layer's: FP8_CAST_BYTES covers its three products)."""
-    if impl.fp8 is None:
+def _linear_time(hw: Hardware, impl: Implementation, n: int, k: int, m: int, fp8: bool = True) -> float:
+    """One block linear's product (n×k)·(k×m): in the compute dtype, or (fp8, under train.precision=fp8) in
+    float8 with its share of the casts (a third of the layer's: FP8_CAST_BYTES covers its three products)."""
+    if impl.fp8 is None or not fp8:
         return _gemm_time(hw, impl, n, k, m, _matmul_bytes(impl))
     casts = FP8_CAST_BYTES[impl.fp8] * (n * k + k * m + n * m) / 3
     return _fp8_gemm_time(hw, n, k, m) + casts / hw.memory_bandwidth
@@ -463,8 +472,9 @@ def _blocks_compute(model_cfg, layout: Layout, impl: Implementation, hw: Hardwar
     tp, sigma = layout.tp, layout.tp if layout.sequence_parallel else 1
     d, f, n = model_cfg.d_model, model_cfg.d_ff, layout.micro_batch * model_cfg.seq_len
     bandwidth = hw.memory_bandwidth
-    gemms = [(n, d, 3 * d // tp), (n, d // tp, d), (n, d, f // tp), (n, f // tp, d)]
-    fwd_gemm_t = sum(_linear_time(hw, impl, *g) for g in gemms)
+    gemms = [(n, d, 3 * d // tp), (n, d // tp, d), (n, d, f // tp), (n, f // tp, d)]  # in BLOCK_LINEARS' order
+    in_fp8 = linears_at(model_cfg, layout, impl, hw)  # the block linears in float8 (none without fp8)
+    fwd_gemm_t = sum(_linear_time(hw, impl, *g, fp8=name in in_fp8) for name, g in zip(BLOCK_LINEARS, gemms))
     fwd_gemm_f = sum(2 * x * y * z for x, y, z in gemms)
     attn_f = [4 * n * d / tp * _visible_keys(model_cfg, i) for i in blocks]  # QKᵀ and PV
     attn_rate = hw.peak_tflops * 1e12 * impl.attention_efficiency
@@ -483,9 +493,11 @@ def _blocks_compute(model_cfg, layout: Layout, impl: Implementation, hw: Hardwar
         kernels += SELECTIVE_KERNELS * kept
     if impl.fp8 is not None:
         if not impl.compiled:
-            kernels += 4 * FP8_KERNELS_PER_LINEAR[impl.fp8] * (len(blocks) + recomputed)
+            kernels += len(in_fp8) * FP8_KERNELS_PER_LINEAR[impl.fp8] * (len(blocks) + recomputed)
         if tp > 1:
-            input_grad += len(blocks) * FP8_AMAX_REDUCTIONS[impl.fp8] * COLLECTIVE_LATENCY_S
+            column, row = FP8_AMAX_REDUCTIONS[impl.fp8]
+            reductions = sum(column if name in COLUMN_PARALLEL else row for name in in_fp8)
+            input_grad += len(blocks) * reductions * COLLECTIVE_LATENCY_S
     flops = len(blocks) * 3 * fwd_gemm_f + sum(3.5 * x for x in attn_f) + recomputed * fwd_gemm_f + attn_recomputed
     return Passes(forward, input_grad, weight_grad), flops, kernels
 

@@ -50,13 +50,15 @@ def layout_from_config(train: TrainConfig, parallel: ParallelConfig, model_cfg: 
     return layout
 
 
-def implementation_from_config(train: TrainConfig, parallel: ParallelConfig, compiled: bool) -> Implementation:
+def implementation_from_config(train: TrainConfig, parallel: ParallelConfig, compiled: bool,
+                               fp8_linears=None) -> Implementation:
     """gpt3d's implementation under the run's train.precision (auto: what it is on a GPU, bf16; the
-    planner always predicts for a GPU) and train.fp8_recipe, parallel.overlap_communication and
-    train.fused_loss, and model.compile (`compiled`)."""
+    planner always predicts for a GPU), train.fp8_recipe and train.fp8_linears (or `fp8_linears`, the names
+    a run resolved: train/run/spec.py), parallel.overlap_communication and train.fused_loss, and
+    model.compile as the run takes it (`compiled`: train.runtime.precision.fp8_compile)."""
     precision = "bf16" if train.precision == "auto" else train.precision
     return for_precision(precision, bool(parallel.overlap_communication), train.fused_loss, train.fp8_recipe,
-                         compiled)
+                         compiled, train.fp8_linears if fp8_linears is None else tuple(fp8_linears))
 
 
 def hardware_from_config(plan_cfg: PlanConfig) -> Hardware:
@@ -80,9 +82,10 @@ def plan_from_config(sections: Sections, plan_cfg: PlanConfig, model_cfg: GPTCon
 
 
 def plan_for_run(train: TrainConfig, parallel: ParallelConfig, model_cfg: GPTConfig,
-                 hardware: Hardware | None = None) -> Plan:
+                 hardware: Hardware | None = None, fp8_linears=None) -> Plan:
     """The prediction for a training run's own config: its layout on WORLD_SIZE GPUs of
-    LOCAL_WORLD_SIZE per node, on the visible GPU (or `hardware`; without CUDA the h100-80g preset).
+    LOCAL_WORLD_SIZE per node, on the visible GPU (or `hardware`; without CUDA the h100-80g preset), with
+    the block linears in float8 the run resolved (`fp8_linears`, under fp8).
     Plan.to_json() is what to log with the run; Plan.predicted_mfu is the step log's comparison."""
     if hardware is None:
         import torch
@@ -92,7 +95,8 @@ def plan_for_run(train: TrainConfig, parallel: ParallelConfig, model_cfg: GPTCon
     world = int(os.environ.get("WORLD_SIZE", 1))
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", min(world, 8)))
     return build_plan(model_cfg, layout_from_config(train, parallel, model_cfg, world), hardware,
-                      implementation=implementation_from_config(train, parallel, model_cfg.compile), gpus_per_node=per_node)
+                      implementation=implementation_from_config(train, parallel, model_cfg.compile, fp8_linears),
+                      gpus_per_node=per_node)
 
 
 def layout_overrides(layout: Layout) -> str:

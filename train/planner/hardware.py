@@ -33,6 +33,7 @@ class Hardware:
     link_efficiency: float
     multiprocessors: int  # streaming multiprocessors: a kernel's tiles run on these in waves (kernel_costs.py)
     sources: dict = dataclasses.field(default_factory=dict, compare=False)
+    preset: str = ""  # the preset it is (configs/plan/hardware/PRESET.yaml): its float8 table's name (fp8_rule.py)
 
     @property
     def flops(self) -> float:
@@ -52,7 +53,7 @@ class Hardware:
         return dataclasses.asdict(self)
 
 
-FIGURES = [f.name for f in dataclasses.fields(Hardware) if f.name not in ("name", "sources")]
+FIGURES = [f.name for f in dataclasses.fields(Hardware) if f.name not in ("name", "sources", "preset")]
 
 
 def preset_names() -> list[str]:
@@ -77,11 +78,22 @@ def preset(name: str, overrides: dict | None = None) -> Hardware:
             raise ValueError(f"hardware {name!r}: {key}={value!r} must be a positive number")
         if key.endswith("efficiency") and value > 1:
             raise ValueError(f"hardware {name!r}: {key}={value!r} must be at most 1")
-    return Hardware(**{k: values[k] for k in ("name", *FIGURES)}, sources=values.get("sources", {}))
+    return Hardware(**{k: values[k] for k in ("name", *FIGURES)}, sources=values.get("sources", {}), preset=name)
 
 
 # Device-name fragments → preset, most specific first (torch.cuda.get_device_name).
 _BY_DEVICE_NAME = [("H200", "h200"), ("H100", "h100-80g"), ("A100", None)]
+
+
+def preset_for_cuda_device(index: int = 0) -> str:
+    """The name of the preset closest to the visible GPU (an unknown GPU: the H100's)."""
+    import torch
+
+    props = torch.cuda.get_device_properties(index)
+    name = next((preset for fragment, preset in _BY_DEVICE_NAME if fragment in props.name), "h100-80g")
+    if name is None:  # A100: two memory sizes
+        name = "a100-40g" if props.total_memory / 2**30 < 60 else "a100-80g"
+    return name
 
 
 def for_cuda_device(index: int = 0) -> Hardware:
@@ -90,8 +102,5 @@ def for_cuda_device(index: int = 0) -> Hardware:
     import torch
 
     props = torch.cuda.get_device_properties(index)
-    memory_gib = props.total_memory / 2**30
-    name = next((preset for fragment, preset in _BY_DEVICE_NAME if fragment in props.name), "h100-80g")
-    if name is None:  # A100: two memory sizes
-        name = "a100-40g" if memory_gib < 60 else "a100-80g"
-    return dataclasses.replace(preset(name), name=f"{props.name} ({name} rates)", memory_gib=memory_gib)
+    name = preset_for_cuda_device(index)
+    return dataclasses.replace(preset(name), name=f"{props.name} ({name} rates)", memory_gib=props.total_memory / 2**30)

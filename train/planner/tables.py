@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from train.planner.estimate import GIB, Plan, zero_optimizer_reduces
+from train.planner.estimate import GIB, Plan, build_plan, zero_optimizer_reduces
+from train.planner.fp8_rule import HEAD_IN_BF16, choice_for
 
 STAGE_NAMES = {1: ["every stage"], 2: ["first stage", "last stage"], 3: ["first stage", "middle stage", "last stage"]}
 
@@ -81,6 +82,7 @@ def format_plan(plan: Plan) -> str:
         f"layout: {lay.describe()} on {lay.gpus} × {hw.name} ({hw.memory_gib:g} GiB, {hw.peak_tflops:g} TFLOP/s bf16)",
         f"precision: {plan.implementation.precision}; communication overlapped: "
         f"{_overlaps(plan) or 'none'}",
+        *fp8_lines(plan),
         f"batch: {lay.global_batch} sequences = {_count(plan.tokens_per_step)} tokens per step, "
         f"{lay.micro_batches} micro batches of {lay.micro_batch} per replica, pipeline bubble {100 * plan.bubble:.1f}%",
         "",
@@ -103,6 +105,32 @@ def format_plan(plan: Plan) -> str:
     ]
     lines += [f"note: {note}" for note in plan.notes]
     return "\n".join(lines)
+
+
+def fp8_summary(plan: Plan) -> dict | None:
+    """Under fp8: the fp8 rule's choice at the plan's layout (train/planner/fp8_rule.py), and its predicted gain,
+    the step time of the same layout in bf16 (compiled or not alike) over the plan's; None otherwise."""
+    impl, lay = plan.implementation, plan.layout
+    if impl.fp8 is None:
+        return None
+    choice = choice_for(plan.model, lay.tp, lay.micro_batch, impl.fp8, impl.fp8_linears, plan.hardware.preset)
+    bf16 = build_plan(plan.model, lay, plan.hardware, implementation=dataclasses.replace(impl, fp8=None),
+                      gpus_per_node=plan.gpus_per_node, reserved_gib=plan.reserved_gib, tokens=plan.tokens)
+    return {"choice": choice, "bf16_step_s": bf16.step_time_s, "gain": bf16.step_time_s / plan.step_time_s}
+
+
+def fp8_lines(plan: Plan) -> list[str]:
+    """The lines `python -m train.plan` prints under fp8: which linears, and the predicted gain."""
+    summary = fp8_summary(plan)
+    if summary is None:
+        return []
+    choice, head = summary["choice"], summary["choice"].head
+    pays = (f"; the rule alone would take its {head.tokens} × {head.in_features} × {head.out_features} products to "
+            f"float8" if head.rule else "")
+    return [choice.line(),
+            f"  predicted gain: step {plan.step_time_s:.4g} s against {summary['bf16_step_s']:.4g} s in bf16 at this "
+            f"layout, {summary['gain']:.2f}× ({'compiled' if plan.implementation.compiled else 'eager'} blocks)",
+            f"  head in bf16: {HEAD_IN_BF16}{pays}"]
 
 
 def _overlaps(plan: Plan) -> str:

@@ -127,6 +127,7 @@ def build(spec: RunSpec) -> Trainer:
         overlap_communication=settings.parallel.overlap_communication,
         fused_loss=settings.train.fused_loss,
         fp8=runtime.fp8,
+        fp8_linears=frozenset(spec.fp8.linears) if spec.fp8 is not None else frozenset(),  # resolved once: spec.py
         weight_grads=weight_grads,
     )
     model = build_model(model_cfg, topology, settings.train.seed, device, options)

@@ -7,7 +7,7 @@ rank takes its data-parallel slice (global / dp windows) and runs it as micro ba
 learning rate follows the tokens seen (train/run/optimizer.py: TokenLR).
 
 The run speaks at once: its first line (the model, layout, data, tokens per step and run folder) comes
-before anything is built, the first step of each start has its line as soon as it ends, then one every
+before anything is built (under fp8 a second: which linears compute in float8, and whether the blocks compile), the first step of each start has its line as soon as it ends, then one every
 `logging.log_interval` steps, each with the time left; on a terminal a progress bar shows the steps between.
 """
 
@@ -36,6 +36,8 @@ def run(spec: RunSpec, trainer: Trainer | None = None) -> Progress:
     already built from `spec` (train/run/build.py), as bench/step_bill.py builds it before its loop runs on
     fake tensors; else built here."""
     report.say(header(spec), is_rank_zero())
+    if spec.fp8_line is not None:  # which linears compute in float8, and how the blocks run
+        report.say(spec.fp8_line, is_rank_zero())
     trainer = trainer if trainer is not None else build(spec)
     checkpoints = trainer.checkpointer
     resumed_from = checkpoints.restore()
@@ -183,7 +185,8 @@ def _data_gone(err: DataUnavailable, progress: Progress, checkpoint: Path | None
 
 def open_logger(trainer: Trainer, resumed_step: int | None) -> metrics.MetricsLogger:
     """metrics.jsonl and W&B, on rank 0 only; records after `resumed_step` are dropped (see MetricsLogger).
-    W&B gets the resolved config (metrics.run_record) and, by default, a name saying model and layout; the first
+    W&B gets the resolved config (metrics.run_record; under fp8 run.fp8, the linears in float8) and, by default, a
+    name saying model and layout; the first
     record of each start holds its layout (layout/*), with parallel.layout=auto also why it was chosen."""
     topo, spec = trainer.topology, trainer.spec
     layout = {"tp": topo.tp_size, "pp": topo.pp_size, "dp": topo.dp_size, "zero_stage": trainer.sections.parallel.zero_stage,
@@ -194,6 +197,8 @@ def open_logger(trainer: Trainer, resumed_step: int | None) -> metrics.MetricsLo
         layout["auto"], first["layout/auto"] = spec.layout.to_json(), spec.layout.line()
     run_config = metrics.run_record({**trainer.sections.record(), "model": dataclasses.asdict(spec.model)}, spec.schedule.schedule, layout,
                                     trainer.ramp.full, spec.model.seq_len, trainer.plan)
+    if spec.fp8 is not None:  # which linears compute in float8 (the run's line, as data), and how the blocks run
+        run_config["run"]["fp8"] = {**spec.fp8.to_json(), "line": spec.fp8_line, "blocks": spec.fp8_blocks}
     name = f"{spec.model.name}-tp{topo.tp_size}pp{topo.pp_size}dp{topo.dp_size}-{trainer.run_dir.name}"
     return metrics.MetricsLogger(trainer.run_dir, trainer.sections.logging, run_config, active=topo.rank == 0,
                                  resumed_step=resumed_step, resumed=spec.resume is not None, default_name=name,

@@ -15,6 +15,11 @@
   5. layout     parallel.layout=auto: the layout train/planner/elastic.py chooses for WORLD_SIZE on this
                 device, in place of the keys it sets; then the layout against the model and the
                 world size, giving dp, and the batch against dp
+     fp8        under train.precision=fp8, which block linears compute in float8: the rule of
+                train/planner/fp8_rule.py at this layout's product shapes on this GPU (or as
+                train.fp8_linears says), resolved here once for the build, the run's first lines, W&B's
+                config and the plan; and model.compile as fp8 takes it: the blocks compiled wherever that
+                can work (train.runtime.precision.fp8_compile), with the words saying how they run
   6. data       the corpus probed (train/data/probe.py); data.streams, when the user left it at its
                 default and the corpus has too few documents for it, the smaller value the probe gives;
                 the validation split sized to train.eval_batches (a small corpus: its tail, at most 10%
@@ -42,7 +47,7 @@ from model import GPTConfig
 from train.checkpoint.resume_point import ResumePoint
 from train.config.launch import is_rank_zero
 from train.config.sections import Sections
-from train.config.sections.parallel import AUTO
+from train.config.sections.parallel import AUTO, ZB_H1
 from train.config.settings import ConfigError
 from train.data.sources import DataSpec
 from train.run import checks
@@ -69,6 +74,13 @@ class RunSpec:
     data: DataSpec  # the data as the probe resolved it: its streams, its validation split cut (train/data/probe.py)
     layout: object | None = None  # train/planner/elastic.py's LayoutChoice, with parallel.layout=auto
     eval_tasks: tuple = ()  # train.eval_tasks, prepared (train/evaluation/suite.py: PreparedTask)
+    fp8: object | None = None  # train/planner/fp8_rule.py's Fp8Choice under train.precision=fp8: which linears
+    fp8_blocks: str = ""  # under fp8: how the blocks run, compiled or eager and why
+
+    @property
+    def fp8_line(self) -> str | None:
+        """Under fp8, the run's line saying which linears compute in float8 and how the blocks run."""
+        return None if self.fp8 is None else f"{self.fp8.line()}; {self.fp8_blocks}"
 
     @property
     def run_tokens(self) -> int:
@@ -95,6 +107,7 @@ def resolve(cfg: DictConfig, run_dir: Path, overrides: tuple[str, ...] | list[st
         sections = sections.replaced(layout.values())
     dp = checks.check_parallel(sections.parallel, model_cfg, sections.deepspeed)
     checks.check_batches(sections.train, dp)
+    model_cfg, fp8, fp8_blocks = _fp8(sections, model_cfg, runtime, set_keys)
     data = checks.check_data(sections.data, sections.train, model_cfg.seq_len, dp,
                              streams_set="data.streams" in set_keys)
     sections = sections.replaced({"data.streams": data.streams})
@@ -109,11 +122,39 @@ def resolve(cfg: DictConfig, run_dir: Path, overrides: tuple[str, ...] | list[st
     except ValueError as err:
         raise ConfigError(str(err)) from None
     tasks = _eval_tasks(sections, model_cfg)
-    plan = _plan(sections, model_cfg, runtime)
+    plan = _plan(sections, model_cfg, runtime, fp8)
     if kept.note and is_rank_zero():  # once every check has passed: a refused resume keeps no schedule
         print(f"gpt3d: note: {kept.note}", flush=True)
     return RunSpec(sections, runtime, run_dir, model_cfg, dp, resume, folder, ramp, schedule, plan, data, layout,
-                   tasks)
+                   tasks, fp8, fp8_blocks)
+
+
+def _fp8(sections: Sections, model_cfg: GPTConfig, runtime: Runtime, set_keys: list[str]):
+    """(the model config with model.compile as the run takes it, the fp8 choice or None, how the blocks run):
+    under train.precision=fp8 the choice of train/planner/fp8_rule.py for this layout's tensor-parallel degree
+    and micro batch, on this GPU's measured table (none on the CPU), and the blocks compiled where they can be
+    (train.runtime.precision.fp8_compile). Other precisions: all as given."""
+    from dataclasses import replace
+
+    from train.runtime.precision import fp8_compile
+
+    par, train = sections.parallel, sections.train
+    if runtime.fp8 is None:
+        return model_cfg, None, ""
+    compiled, blocks = fp8_compile(runtime.precision, model_cfg.compile, "model.compile" in set_keys,
+                                   par.pp > 1 and par.pipeline_schedule == ZB_H1, runtime.device)
+    from train.planner.fp8_rule import choice_for
+
+    preset = None
+    if runtime.device.type == "cuda":
+        from train.planner.hardware import preset_for_cuda_device
+
+        preset = preset_for_cuda_device(int(os.environ.get("LOCAL_RANK", 0)))
+    try:
+        choice = choice_for(model_cfg, par.tp, train.micro_batch_size, train.fp8_recipe, train.fp8_linears, preset)
+    except ValueError as err:  # a measured table that cannot be read
+        raise ConfigError(str(err)) from None
+    return replace(model_cfg, compile=compiled), choice, blocks
 
 
 def _eval_tasks(sections: Sections, model_cfg: GPTConfig) -> tuple:
@@ -160,14 +201,16 @@ def _auto_layout(sections: Sections, model_cfg: GPTConfig, set_keys: list[str], 
     return choice
 
 
-def _plan(sections: Sections, model_cfg: GPTConfig, runtime: Runtime):
-    """On CUDA: the planner's prediction for this run, which must fit the device (pre-flight)."""
+def _plan(sections: Sections, model_cfg: GPTConfig, runtime: Runtime, fp8):
+    """On CUDA: the planner's prediction for this run (its float8 linears the run's choice `fp8`), which must fit
+    the device (pre-flight)."""
     if runtime.device.type != "cuda":
         return None
     from train.planner.from_config import plan_for_run, preflight
 
     try:
-        plan = plan_for_run(sections.train, sections.parallel, model_cfg)
+        plan = plan_for_run(sections.train, sections.parallel, model_cfg,
+                            fp8_linears=fp8.linears if fp8 is not None else None)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     preflight(plan)

@@ -7,8 +7,10 @@
             fp32 master weights, an fp32 gradient accumulation buffer and runs our AdamW on the
             masters, so the fp32 moments are the masters' too. After each update the masters are
             rounded into the bf16 weights once (no cast per micro batch)
-  fp8       bf16 as above, and the blocks' four linears (attn.qkv, attn.proj, mlp.fc, mlp.proj)
-            compute their forward, input-gradient and weight-gradient products in float8, dynamically
+  fp8       bf16 as above, and those of the blocks' four linears (attn.qkv, attn.proj, mlp.fc, mlp.proj)
+            whose products are faster in float8 at their shapes (train.fp8_linears: by the rule of
+            train/planner/fp8_rule.py, resolved once by the run specification) compute their forward,
+            input-gradient and weight-gradient products in float8, dynamically
             scaled (model/float8.py), by the recipe train.fp8_recipe: tensorwise (one scale per tensor;
             activations and weights e4m3, gradients e5m2) or rowwise (one scale per row of each
             product's contraction, every operand e4m3, power-of-two scales), torchao's recipes of those
@@ -20,7 +22,10 @@
             newer: float8 tensor cores, through torch._scaled_mm), refused on older ones in one line
             naming bf16; on the CPU the same casts and scales run, and the products of the float8
             operands are torchao's emulation of _scaled_mm (an fp32 product of their exact values:
-            _scaled_mm's CPU kernel is about a thousand times slower). Needs torchao (the `fp8` extra)
+            _scaled_mm's CPU kernel is about a thousand times slower). Needs torchao (the `fp8` extra).
+            The blocks run compiled (model.compile) wherever that can work, so the casts fuse into the
+            kernels beside the products (`fp8_compile`): eager, one float8 linear launches about 70
+            kernels more than a bf16 one, which at 125M and 350M costs more than float8 gains
   auto      bf16 on CUDA, fp32 on CPU
 
 Under bf16 DeepSpeed's bf16 optimizer (deepspeed/runtime/bf16_optimizer.py) does what ClippingAdamW
@@ -97,6 +102,36 @@ def fp8_refusal(device: torch.device) -> str | None:
                 f"(float8 tensor cores: Ada, Hopper or newer); {torch.cuda.get_device_name(device)} has "
                 f"{'.'.join(map(str, capability))}: use train.precision=bf16")
     return None
+
+
+def fp8_compile(precision: str, model_compile: bool, compile_set: bool, zero_bubble: bool,
+                device: torch.device | None = None) -> tuple[bool, str]:
+    """model.compile as a run takes it, and under fp8 the words saying how its blocks run.
+
+    Under train.precision=fp8 the blocks compile unless that cannot work: model.compile=false given on
+    the command line (`compile_set`), ZB-H1's pipeline (`zero_bubble`: the compiled blocks would trace
+    the deferred weight gradients, so the run's checks refuse it), the CPU (whose float8 products are
+    emulated: there is no speed to gain; model.compile=true still compiles there), or torch.compile
+    failing its probe on the GPU (model/compile.py). `device` None: the planner's GPU, where it works.
+    Other precisions: model.compile as given, and no words."""
+    if precision != "fp8":
+        return model_compile, ""
+    if model_compile:
+        return True, "blocks compiled (model.compile=true)"
+    if compile_set:
+        return False, "blocks eager: model.compile=false was given (compiled, the float8 casts fuse into their neighbours)"
+    if zero_bubble:
+        return False, ("blocks eager: parallel.pipeline_schedule=zb-h1 cannot compile them (the compiled blocks would "
+                       "trace the deferred weight gradients); 1f1b can")
+    if device is not None and device.type != "cuda":
+        return False, f"blocks eager: on {device.type} the float8 products are emulated (model.compile=true compiles them)"
+    if device is not None:
+        from model.compile import compile_unavailable
+
+        reason = compile_unavailable(device)
+        if reason is not None:
+            return False, f"blocks eager: torch.compile is unavailable on {device} ({reason})"
+    return True, "blocks compiled (fp8 compiles them where it can, so the float8 casts fuse into their neighbours)"
 
 
 def deepspeed_settings(precision: str, zero_stage: int) -> dict:

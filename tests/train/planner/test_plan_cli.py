@@ -244,3 +244,31 @@ def test_preflight_stops_a_layout_that_cannot_fit_and_names_three_that_do(monkey
     assert "predicted peak memory" in message and "exceeds the 40.0 GiB of a100-40g" in message
     assert message.count("parallel.tp=") == 3 and "(3)" in message
     preflight(plan_for_run(sections.train, sections.parallel, model_cfg, preset("h200")))  # 140 GiB: the same run fits and pre-flight says nothing
+
+
+def test_fp8_shows_which_linears_the_rule_puts_in_float8_and_the_predicted_gain(monkeypatch, tmp_path):
+    """1.3B rowwise by torchao's thresholds (no table in the folder the rule reads): attn.qkv and mlp.fc. The
+    gain is the bf16 plan's step over the fp8 plan's, at the same layout and compiled alike (fp8 compiles unless
+    model.compile=false is given)."""
+    import re
+
+    from model.modes import BLOCK_LINEARS
+
+    monkeypatch.setattr("train.planner.fp8_rule.TABLE_DIR", tmp_path)
+    base = ["model=gpt3-1.3b", "plan.gpus=8", "train.global_batch_size=64", "train.micro_batch_size=4"]
+    fp8 = plan_here(*base, "train.precision=fp8", "train.fp8_recipe=rowwise").stdout
+    assert ("fp8 rowwise: 48 of 96 block linears in float8 (attn.qkv, mlp.fc; attn.proj, mlp.proj in bf16), head in "
+            "bf16, by torchao's thresholds (no measured table configs/plan/fp8/h100-80g.json yet)\n") in fp8
+    bf16 = plan_here(*base, "train.precision=bf16", "model.compile=true").stdout
+
+    def step(text: str) -> float:
+        return float(re.search(r"^step ([\d.]+) s \|", text, re.M).group(1))
+
+    gain = re.search(r"predicted gain: step [\d.]+ s against [\d.]+ s in bf16 at this layout, ([\d.]+)× "
+                     r"\(compiled blocks\)", fp8)
+    assert gain and float(gain.group(1)) == pytest.approx(step(bf16) / step(fp8), abs=0.006)
+    eager = plan_here(*base, "train.precision=fp8", "model.compile=false", "plan.format=json").stdout
+    document = json.loads(eager)
+    assert document["fp8"]["linears"] == list(BLOCK_LINEARS) and document["fp8"]["head"] == "bf16"  # tensorwise
+    assert document["fp8"]["gain"] == pytest.approx(document["fp8"]["bf16_step_s"] / document["step_time_s"])
+

@@ -21,6 +21,19 @@ from train.config.settings import (
 DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("auto", "fp32", "autocast", "bf16", "fp8")
 FP8_RECIPES = ("tensorwise", "rowwise")  # model/float8.py
+FP8_LINEARS = ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")  # a block's linears (model.modes.BLOCK_LINEARS)
+FP8_BY_RULE, FP8_ALL = "auto", "all"  # train.fp8_linears: by the rule (train/planner/fp8_rule.py), every block linear
+
+
+def _fp8_linears(value) -> bool:
+    if value in (FP8_BY_RULE, FP8_ALL):
+        return True
+    names = list(value) if isinstance(value, (list, tuple)) else None
+    return names is not None and len(set(names)) == len(names) and all(n in FP8_LINEARS for n in names)
+
+
+FP8_LINEARS_CHECK = Check(_fp8_linears, f"must be {FP8_BY_RULE}, {FP8_ALL}, or a list of distinct block linears from "
+                                        f"{list(FP8_LINEARS)}, e.g. [mlp.fc,mlp.proj]")
 OVERWRITE = "overwrite"  # train.resume: move an earlier run in the run folder aside (train/run/run_folder.py)
 SEED = Check(lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**31, "must be an integer in [0, 2^31)")
 
@@ -81,6 +94,12 @@ class TrainConfig(Section):
                 "GPUs of compute capability ≥ 8.9; train/runtime/precision.py)", one_of(*PRECISIONS))
     fp8_recipe: str = setting("tensorwise", "with fp8: `tensorwise` (one scale per tensor, gradients e5m2) or "
                                             "`rowwise` (one scale per row, all e4m3)", one_of(*FP8_RECIPES))
+    fp8_linears: Any = setting(
+        FP8_BY_RULE, "with fp8, which of each block's linears compute in float8: `auto` (those whose product shapes, "
+                     "after tensor-parallel sharding, make float8 faster: the GPU's measured table "
+                     "configs/plan/fp8/PRESET.json, else torchao's thresholds; train/planner/fp8_rule.py), `all`, or a "
+                     "list of attn.qkv, attn.proj, mlp.fc, mlp.proj; the rest and the head compute in bf16",
+        FP8_LINEARS_CHECK)
     sample_tokens: int = setting(64, "tokens sampled after training (0 to skip)", NON_NEGATIVE_INT)
     sample_prompt: str = setting("The", "the prompt of the end-of-run sample")
     max_consecutive_skips: int = setting(5, "stop after this many steps in a row skipped for a non-finite loss or "
