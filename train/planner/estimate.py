@@ -65,8 +65,8 @@ overlap).
 A micro batch also takes at least the host time that launching its kernels costs (when that bounds
 it, F, B and W each take their share of it).
 
-The whole model on one GPU in bf16 (`launch_priced`: tp = pp = dp = 1, nothing offloaded) is priced launch
-by launch instead, as the step bill prices the real step (train/planner/one_gpu.py,
+The whole model on one GPU in bf16, eager (`launch_priced`: tp = pp = dp = 1, nothing offloaded), is priced
+launch by launch instead, as the step bill prices the real step (train/planner/one_gpu.py,
 train/planner/kernel_costs.py): the products by shape, every memory-bound kernel, the launches the host
 issues; F, B and W keep their shares of the FLOP-and-bytes model.
 """
@@ -747,11 +747,12 @@ def _stage_ranks(model_cfg, layout: Layout, impl: Implementation, hw: Hardware, 
 
 def launch_priced(layout: Layout, impl: Implementation) -> bool:
     """Whether the plan prices the step launch by launch (train/planner/one_gpu.py): the whole model on one GPU
-    (tp = pp = dp = 1) in bf16 (the GPU's precision, whose step the launch list is the bill of), with DeepSpeed's
-    bf16 optimizer, nothing offloaded; else by FLOPs and bytes (this module), as validated against the measured
-    steps of tests/train/planner/test_plan_validation.py."""
+    (tp = pp = dp = 1) in bf16 and eager (the GPU's default step, whose launch list is the bill of), with
+    DeepSpeed's bf16 optimizer, nothing offloaded; else by FLOPs and bytes (this module), as validated against the
+    measured steps of tests/train/planner/test_plan_validation.py: so fp8 and compiled blocks, which the launch list
+    does not describe, compare with bf16 by one model."""
     return (layout.tp == layout.pp == layout.dp == 1 and layout.zero_stage <= 1 and not layout.offload_optimizer
-            and impl.precision == "bf16")
+            and impl.precision == "bf16" and not impl.compiled)
 
 
 def _exposed_behind_weight_gradients(model_cfg, layout: Layout, impl: Implementation, hw: Hardware, transfers,
