@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Everything gpt3d measures on a GPU, in sections that each end well inside 9 minutes, in an order
-# that fits four jobs of a 10-minute slot (docs/benchmarks.md: "A plan for a short GPU slot").
+# that fits five jobs of a 10-minute slot (docs/benchmarks.md: "A plan for a short GPU slot").
 #
 #   bash bench/gpu_suite.sh --list                                          # sections, limits, jobs
-#   bash bench/gpu_suite.sh --only cuda-tests,attention,train-small,profile # job 1: the headline figures
+#   bash bench/gpu_suite.sh --only cuda-tests,train-small,step-65k,profile  # job 1: the headline figures
 #   bash bench/gpu_suite.sh --only train-large                              # job 2
 #   bash bench/gpu_suite.sh --only recovery-exact,recovery-paths            # job 3
 #   bash bench/gpu_suite.sh --only fp8-products,shard,fp8-large             # job 4: float8 where it pays
+#   bash bench/gpu_suite.sh --only attention                                # job 5: the attention kernel
 #   bash bench/gpu_suite.sh --only attention --dry-run                      # the commands, not run
 #   bash bench/gpu_suite.sh                                                 # every section, to the deadline
 #   bash bench/gpu_suite.sh --only shard /tmp/results                       # results into another folder
@@ -26,18 +27,19 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-SECTIONS=(cuda-tests attention train-small profile train-large recovery-exact recovery-paths fp8-products shard
-          fp8-large)
-declare -A LIMIT=([cuda-tests]=140 [attention]=170 [train-small]=140 [profile]=90
+SECTIONS=(cuda-tests train-small step-65k profile train-large recovery-exact recovery-paths fp8-products shard
+          fp8-large attention)
+declare -A LIMIT=([cuda-tests]=140 [train-small]=180 [step-65k]=100 [profile]=90
                   [train-large]=420 [recovery-exact]=240 [recovery-paths]=240
-                  [fp8-products]=120 [shard]=240 [fp8-large]=180)
-declare -A JOB=([cuda-tests]=1 [attention]=1 [train-small]=1 [profile]=1
+                  [fp8-products]=120 [shard]=240 [fp8-large]=180 [attention]=170)
+declare -A JOB=([cuda-tests]=1 [train-small]=1 [step-65k]=1 [profile]=1
                 [train-large]=2 [recovery-exact]=3 [recovery-paths]=3
-                [fp8-products]=4 [shard]=4 [fp8-large]=4)
+                [fp8-products]=4 [shard]=4 [fp8-large]=4 [attention]=5)
 declare -A TITLE=(
   [cuda-tests]="CUDA tests: the kernel against float64, autotuning pinned to each kernel's first config"
   [attention]="Attention kernel vs SDPA's flash, cuDNN and efficient backends (T=2048 and 8192)"
   [train-small]="Training step of gpt3-125m and gpt3-350m: plain rows vs Hugging Face GPT-2, and the DeepSpeed engine by precision: autocast, bf16, fp8 tensorwise and rowwise, compiled bf16 and fp8 (MFU)"
+  [step-65k]="Training step of gpt3-125m and gpt3-350m through the DeepSpeed engine, bf16, at 65,536 tokens a step (micro batch 32, as llm.c runs a GPU)"
   [profile]="Profile: where a step of gpt3-125m goes (python -m train's loop, bf16, micro batch 8)"
   [train-large]="Training step of gpt3-760m (micro batch 8) and gpt3-1.3b (micro batch 2), one model in memory at a time"
   [fp8-products]="float8 products vs bf16 by shape: each block linear's and head's _scaled_mm with its casts vs torch.mm, GPT-3's sizes; the table the fp8 rule reads"
@@ -63,7 +65,7 @@ list_sections() {
   for name in "${SECTIONS[@]}"; do
     printf '%-15s %5s s %4s  %s\n' "$name" "${LIMIT[$name]}" "${JOB[$name]}" "${TITLE[$name]}"
   done
-  for job in 1 2 3 4; do
+  for job in 1 2 3 4 5; do
     total=0
     for name in "${SECTIONS[@]}"; do
       if [ "${JOB[$name]}" = "$job" ]; then total=$((total + ${LIMIT[$name]})); fi
@@ -87,6 +89,8 @@ section_command() {  # section_command NAME: sets CMD to the section's command, 
                      tests/model/test_attention_cuda.py) ;;
     attention) CMD=("$PY" -m bench.attention --json "$json") ;;
     train-small) CMD=("$PY" -m bench.train_speed model=gpt3-125m model=gpt3-350m --json "$json") ;;
+    step-65k) CMD=("$PY" -m bench.train_speed model=gpt3-125m model=gpt3-350m --micro-batch 32 --engine-only bf16
+                   --json "$json") ;;
     profile) CMD=("$PY" -m bench.profile model=gpt3-125m train.micro_batch_size=8 train.global_batch_size=8
                   --run-dir "$SCRATCH/$STAMP-profile/run" --json "$json") ;;
     train-large) CMD=("$PY" -m bench.train_speed model=gpt3-760m model=gpt3-1.3b --json "$json") ;;

@@ -28,7 +28,7 @@ below autograd, as the GPU's stream would receive it, and keeps one `Op` for it:
 
 A read is counted when its tensor is fake, i.e. on the device: tensors that were real before the ledger
 began (a batch in host memory, torch's host-side step counters) are host memory and reading them waits
-for nothing. The read's value is made up (False, 0 or 0.0), as a step without faults would read: the code
+for nothing. The read's value is made up (False, 0 or 1.0), as a step without faults would read: the code
 goes on along its usual path. `torch.cuda.synchronize` and DeepSpeed's
 accelerator synchronize count as reads too.
 """
@@ -144,10 +144,10 @@ class OpLedger(TorchDispatchMode):
 
 
 def _made_up(tensor: torch.Tensor):
-    """What a read of a fault-free step returns: False, 0 or 0.0 (finite, no skip, no flag set)."""
+    """What a read of a fault-free step returns: False, 0 or 1.0 (a flag not set, a finite nonzero number)."""
     if tensor.dtype == torch.bool:
         return False
-    return 0.0 if tensor.dtype.is_floating_point else 0
+    return 1.0 if tensor.dtype.is_floating_point else 0
 
 
 def describe(func, args, kwargs, out) -> Op:

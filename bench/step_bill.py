@@ -122,18 +122,17 @@ def gpu_choices(overrides: list[str]) -> list[str]:
 def _cuda_optimizer_defaults():
     """torch's optimizers that are not told which kernels to use choose, for fake tensors on the CPU, what they
     choose for CUDA tensors: the multi-tensor ones (gpt3d's own AdamW is fused everywhere)."""
-    import torch.utils._foreach_utils as foreach_utils
     from torch._subclasses.fake_tensor import FakeTensor
     from torch.optim import optimizer
 
-    devices = foreach_utils._get_foreach_kernels_supported_devices
+    devices = optimizer._get_foreach_kernels_supported_devices
     optimizer._foreach_supported_types.append(FakeTensor)
-    foreach_utils._get_foreach_kernels_supported_devices = lambda: [*devices(), "cpu"]
+    optimizer._get_foreach_kernels_supported_devices = lambda: [*devices(), "cpu"]
     try:
         yield
     finally:
         optimizer._foreach_supported_types.remove(FakeTensor)
-        foreach_utils._get_foreach_kernels_supported_devices = devices
+        optimizer._get_foreach_kernels_supported_devices = devices
 
 
 @contextlib.contextmanager

@@ -6,6 +6,7 @@ Hugging Face `transformers` GPT-2 of the same shape (what a user would otherwise
   python -m bench.train_speed model=gpt3-1.3b --micro-batch 2  # one model in memory at a time (automatic)
   python -m bench.train_speed model=toy --device cpu --seq-len 64 --steps 2 --warmup 1   # CPU smoke run
   python -m bench.train_speed model=gpt3-760m model=gpt3-1.3b --json rows.json   # also every row as JSON
+  python -m bench.train_speed model=gpt3-125m --micro-batch 32 --engine-only bf16   # 65,536 tokens a step
   python -m bench.train_speed model=gpt3-1.3b --fp8-pair       # only the DeepSpeed pair: bf16 and fp8, compiled
 
 Rows, on the same batches:
@@ -225,11 +226,19 @@ def run_plain_rows(rows, config: GPTConfig, micro_batch, warmup, steps, device, 
         row.release()
 
 
+ENGINE_ROWS = {  # --engine-only's names of the DeepSpeed rows: (train.precision, train.fp8_recipe, compiled)
+    "autocast": ("autocast", None, False), "bf16": ("bf16", None, False), "fp8": ("fp8", "tensorwise", False),
+    "fp8-rowwise": ("fp8", "rowwise", False), "bf16-compiled": ("bf16", None, True),
+    "fp8-compiled": ("fp8", "tensorwise", True),
+}
+
+
 def benchmark(name, config: GPTConfig, micro_batch, warmup, steps, device, peak_tflops, one_at_a_time=None,
-              fp8_pair=False):
+              fp8_pair=False, engine_only=None):
     """The table of one model size; returns its rows (plain ones first, then DeepSpeed's), the tokens
     per step and the FLOPs per token. one_at_a_time: run the plain rows alone, one after the other
-    (None: when they do not fit together, plain_rows_fit); fp8_pair: only DeepSpeed's bf16 and fp8 rows."""
+    (None: when they do not fit together, plain_rows_fit); fp8_pair: only DeepSpeed's bf16 and fp8 rows;
+    engine_only: only these DeepSpeed rows (names of ENGINE_ROWS)."""
     gpt3d_impl = "triton" if device.type == "cuda" else "torch"
 
     def gpt3d(impl, fused_loss=True):
@@ -256,6 +265,9 @@ def benchmark(name, config: GPTConfig, micro_batch, warmup, steps, device, peak_
         rows, compiled = [], device.type == "cuda"
         precisions = [("bf16", None, compiled), ("fp8", "tensorwise", compiled)]
         print("the DeepSpeed pair only: bf16 and fp8, one engine in memory at a time")
+    elif engine_only:
+        rows, precisions = [], [ENGINE_ROWS[row] for row in engine_only]
+        print(f"the DeepSpeed rows only: {', '.join(engine_only)}, one engine in memory at a time")
     else:
         fit, why = plain_rows_fit(count_parameters(build_meta(config)), len(rows), device)
         alone = (not fit) if one_at_a_time is None else one_at_a_time
@@ -406,6 +418,8 @@ def main():
                              "(default: only when they do not fit together in half the GPU's memory)")
     parser.add_argument("--fp8-pair", action="store_true",
                         help="only the DeepSpeed rows bf16 and fp8, compiled on a GPU (no plain rows)")
+    parser.add_argument("--engine-only", metavar="ROWS",
+                        help=f"only these DeepSpeed rows, comma-separated, no plain rows: {', '.join(ENGINE_ROWS)}")
     parser.add_argument("--peak-tflops", type=float,
                         help="per-device peak for MFU (default on a GPU: its dense bf16 peak, as the training loop logs it)")
     args = parser.parse_args()
@@ -417,6 +431,11 @@ def main():
         names.append(value)
     if args.device is None:
         parser.error("no CUDA device: pass --device cpu for a smoke run on the CPU")
+    engine_only = args.engine_only.split(",") if args.engine_only else None
+    unknown = [row for row in engine_only or [] if row not in ENGINE_ROWS]
+    if unknown:
+        parser.error(f"--engine-only {args.engine_only!r}: {', '.join(unknown)} is no DeepSpeed row; rows: "
+                     f"{', '.join(ENGINE_ROWS)}")
     if args.steps < 1 or args.warmup < 0:
         parser.error(f"--steps {args.steps} must be ≥ 1 and --warmup {args.warmup} ≥ 0")
     configs = {name: load_model_config(name) for name in names}  # every name checked before any work
@@ -435,7 +454,7 @@ def main():
         n = count_parameters(build_meta(config))
         micro_batch = args.micro_batch or (8 if n < 1e9 else 2)
         rows, tokens, flops_tok = benchmark(name, config, micro_batch, args.warmup, args.steps, device, peak,
-                                            args.one_at_a_time, args.fp8_pair)
+                                            args.one_at_a_time, args.fp8_pair, engine_only)
         records += json_records(name, rows, tokens, flops_tok, peak, micro_batch, config.seq_len, device)
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -77,3 +77,23 @@ def test_the_fp8_pair_builds_no_plain_row_and_one_engine_per_precision(builds, m
     rows, _, _ = train_speed.benchmark("toy", config, 1, 1, 2, torch.device("cpu"), None, fp8_pair=True)
     assert builds == [] and engines == [("bf16", None, False), ("fp8", "tensorwise", False)]
     assert [row.name for row in rows] == ["gpt3d deepspeed precision=bf16", "gpt3d deepspeed precision=fp8"]
+
+
+def test_engine_only_builds_the_named_engine_rows_and_no_plain_row(builds, monkeypatch):
+    """--engine-only bf16,bf16-compiled: those DeepSpeed rows alone, in the order named (the GPU suite's step at
+    65,536 tokens); an unknown row name is refused in one line."""
+    engines = []
+
+    def no_engine(model_name, precision, micro_batch, seq_len, device, recipe=None, compiled=False):
+        engines.append((precision, recipe, compiled, micro_batch))
+        raise RuntimeError("no DeepSpeed engine in this test")
+
+    monkeypatch.setattr(train_speed, "engine_trainer", no_engine)
+    small = {"seq_len": 16, "vocab_size": 512, "n_layer": 2, "d_model": 32, "n_head": 2, "d_ff": 128}
+    config = GPTConfig.from_dict({**train_speed.load_model_config("toy"), **small})
+    rows, _, _ = train_speed.benchmark("toy", config, 4, 1, 2, torch.device("cpu"), None,
+                                       engine_only=["bf16", "bf16-compiled"])
+    assert builds == [] and engines == [("bf16", None, False, 4), ("bf16", None, True, 4)]
+    monkeypatch.setattr("sys.argv", ["bench.train_speed", "model=toy", "--device", "cpu", "--engine-only", "bf16,bf17"])
+    with pytest.raises(SystemExit):
+        train_speed.main()

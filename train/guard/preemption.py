@@ -123,12 +123,13 @@ def agree(step: int, signals: StopSignals, write_failed: bool = False, data_fail
 
 
 def device_checks(loss: torch.Tensor, skipped: torch.Tensor | bool) -> torch.Tensor:
-    """(ranks, 2): [loss, skipped] of this step on every rank, on the device (one stack, and an all-gather
-    when there are other ranks: queued, never waited for). `check_outcome` reads and judges it later."""
+    """(ranks, 2): [loss, applied] of this step on every rank (applied = 1 − skipped), on the device (a stack,
+    and an all-gather when there are other ranks: queued, never waited for). `check_outcome` reads and judges
+    it later."""
     import torch.distributed as dist
 
     skip = skipped if isinstance(skipped, torch.Tensor) else torch.full((), float(skipped), device=loss.device)
-    mine = torch.stack([loss.float(), skip])  # (2,)
+    mine = torch.stack([loss.float(), 1 - skip])  # (2,)
     if dist.get_world_size() == 1:
         return mine.unsqueeze(0)  # (1, 2)
     every = mine.new_empty(dist.get_world_size() * 2)  # flat: gloo gathers into a flat tensor only
@@ -137,10 +138,10 @@ def device_checks(loss: torch.Tensor, skipped: torch.Tensor | bool) -> torch.Ten
 
 
 def check_outcome(checks: list[list[float]]) -> bool:
-    """Whether the step was skipped, from its `device_checks` as read (a [loss, skipped] pair a rank); raises
+    """Whether the step was skipped, from its `device_checks` as read (a [loss, applied] pair a rank); raises
     when the step was skipped on some ranks and applied on others, or applied on a rank whose loss was not
     finite (train/guard/nonfinite.py explains why neither can happen; this proves it, for every step)."""
-    skips = [bool(skipped) for _, skipped in checks]
+    skips = [not applied for _, applied in checks]
     if any(skips) and not all(skips):
         raise RuntimeError("the ranks disagree on whether this step's update was skipped; their weights now differ")
     if not skips[0] and not all(math.isfinite(loss) for loss, _ in checks):

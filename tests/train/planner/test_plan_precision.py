@@ -136,3 +136,16 @@ def test_the_unembedding_gemms_run_over_the_padded_vocabulary_at_tp1():
     assert odd.hardware_flops_per_step == padded.hardware_flops_per_step
     assert odd.step_time_s == padded.step_time_s
     assert padded.model_flops_per_step - odd.model_flops_per_step == pytest.approx(6 * 47 * 2048 * 4 * 2048)
+
+
+def test_the_one_gpu_launch_list_counts_a_block_as_the_bill_does():
+    """The planner's list of a block's launches (train/planner/one_gpu.py) holds the kernels counted by hand on the
+    real block in tests/bench/test_step_bill.py: 10 forward, 20 backward (the attention's backward 3 of them)."""
+    from train.planner.one_gpu import block_launches
+
+    cfg = GPTConfig(name="125m", n_layer=12, n_head=12, d_model=768, seq_len=2048)
+    launches = block_launches(cfg, 0, 8, 2, 2, autocast=False)
+    assert sum(launch.kernels for launch in launches[:10]) == 10
+    assert sum(launch.kernels for launch in launches[10:]) == 20
+    assert [launch.kernels for launch in launches if launch.kind == "attention"] == [1, 3]
+    assert sum(launch.flops for launch in launches if launch.kind == "gemm") == 3 * 2 * 8 * 2048 * 12 * 768 * 768
