@@ -12,7 +12,8 @@ the Chrome/Perfetto trace (open it in https://ui.perfetto.dev or chrome://tracin
 <run dir>/profile_trace.json and prints, per step (ms, share):
 
   GEMM                    matrix multiplies (aten::mm/addmm/bmm, cuBLAS/CUTLASS kernels)
-  attention forward       the attention kernel's forward (model/attention*.py; SDPA's flash/cuDNN kernels)
+  attention forward       the attention kernel's forward (model/attention*.py, its op gpt3d::attention; SDPA's
+                          flash/cuDNN kernels)
   attention backward      its backward
   communication           collectives (all-reduce, all-gather, send/recv: NCCL or gloo)
   optimizer               the update: AdamW (also DeepSpeed's bf16 optimizer around it), clipping
@@ -46,8 +47,8 @@ import torch
 STEP_RANGE = "train_step"  # the record_function range train/run/step.py opens around each step
 GEMM = re.compile(r"^aten::(mm|addmm|bmm|baddbmm|_addmm_activation)$|gemm|cutlass|cublas|xmma|wgmma|nvjet", re.I)
 COMM = re.compile(r"nccl|gloo|c10d|all_reduce|allreduce|all_gather|allgather|reduce_scatter|broadcast|send|recv", re.I)
-ATTENTION_KERNEL = re.compile(r"_fwd_kernel|_bwd_kv|_bwd_q|_bwd_preprocess|flash|fmha|efficient_attention|cudnn.*attn",
-                              re.I)
+ATTENTION_KERNEL = re.compile(r"gpt3d::attention|_fwd_kernel|_bwd_kv|_bwd_q|_bwd_preprocess|flash|fmha|"
+                              r"efficient_attention|cudnn.*attn", re.I)
 OPTIMIZER = re.compile(r"Optimizer\.step|adam|multi_tensor_apply|clip_grad|_foreach_", re.I)
 OTHER_ROWS = 8  # other ops listed by name; the rest are summed in one row
 
@@ -171,7 +172,7 @@ def category(name: str, lineage: list[str]) -> str:
         return "communication"
     if OPTIMIZER.search(name) or any(OPTIMIZER.search(a) for a in lineage):
         return "optimizer"
-    if ATTENTION_KERNEL.search(name) or any("Attention" in a for a in [name, *lineage]):
+    if any(ATTENTION_KERNEL.search(a) or "Attention" in a for a in [name, *lineage]):
         backward = re.search(r"bwd|backward", name, re.I) or any("Backward" in a for a in lineage)
         return "attention backward" if backward else "attention forward"
     if GEMM.search(name):

@@ -107,6 +107,8 @@ class Trainer:
 def build(spec: RunSpec) -> Trainer:
     """Device, process group, layout, this rank's model in a DeepSpeed engine, its data, and its
     checkpointer with the parts its checkpoints hold."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
     from model.weight_grads import WeightGradStore
     from parallel.build import BuildOptions, build_model
     from parallel.topology import Topology
@@ -151,8 +153,12 @@ def build(spec: RunSpec) -> Trainer:
     )
     if zero_bubble:
         engine = ZeroBubbleEngine.adopt(engine, weight_grads)
-    if clip == GIVEN_NORM:  # DeepSpeed's bf16 optimizer computes the norm, on the device (train/run/bf16_optimizer.py)
-        optimizer.take_norm_from(bf16_optimizer.adopt(engine.optimizer))
+    on_device = clip == OWN_NORM  # the step's skip decided on the device, and reported so (train/run/step.py)
+    if clip == GIVEN_NORM:  # the optimizer DeepSpeed wraps ours in computes the norm
+        holder = engine.optimizer
+        if isinstance(holder, BF16_Optimizer):  # on the device (train/run/bf16_optimizer.py)
+            holder, on_device = bf16_optimizer.adopt(holder), True
+        optimizer.take_norm_from(holder)
     # Ranks of one data-parallel replica (its tp and pp ranks) read the same windows.
     train, dp = settings.train, (topology.dp_rank, topology.dp_size)
     speaks = topology.tp_rank == 0 and topology.pp_rank == 0  # one warning per data-parallel replica
@@ -161,7 +167,7 @@ def build(spec: RunSpec) -> Trainer:
     if train.eval_interval > 0 and train.eval_batches > 0:
         val_batches = data.validation_batches(spec.data, model_cfg.seq_len, train.global_batch_size, train.eval_batches, *dp)
     step = TrainStep(engine, train.micro_batch_size, device, autocast=runtime.autocast,
-                     skips_on_device=optimizer if clip in (OWN_NORM, GIVEN_NORM) else None)
+                     skips_on_device=optimizer if on_device else None)
     progress = Progress()
     checkpointer = Checkpointer(CheckpointSettings.from_config(train, spec.run_dir, device, spec.resume),
                                 checkpoint_parts(progress, batches, lr, engine, spec.schedule.state),

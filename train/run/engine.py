@@ -134,8 +134,9 @@ def clipping(parallel: ParallelConfig, runtime: Runtime) -> str:
     """Who clips the gradient (train/run/optimizer.py: ClippingAdamW), from the ZeRO stage and the precision:
       OWN_NORM         ZeRO stage 0 in fp32 or autocast: DeepSpeed runs no optimizer around ours, and its
                        own ZeRO-0 clipping neither reports the norm nor counts pipeline stages right
-      GIVEN_NORM       bf16 at ZeRO stage ≤ 1: DeepSpeed's bf16 optimizer computes the norm and skips a
-                       non-finite step; ours clips by that norm without reading it back
+      GIVEN_NORM       bf16 at ZeRO stage ≤ 1: DeepSpeed's bf16 optimizer computes the norm and ours clips by it
+                       and skips a non-finite step, all on the device (train/run/bf16_optimizer.py); with the
+                       optimizer offloaded DeepSpeed's ZeRO-1 optimizer computes it and skips on the host
       ELSEWHERE        ZeRO stage ≥ 1 otherwise (train/runtime/precision.py): DeepSpeed's ZeRO optimizer clips"""
     settings = deepspeed_settings(runtime.precision, int(parallel.zero_stage))
     if settings["zero_optimization"]["stage"] == 0:

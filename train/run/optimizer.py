@@ -98,7 +98,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 # Who clips the gradient (train/run/engine.py: clipping decides for a run):
 OWN_NORM = "own norm"  # ClippingAdamW computes ‖g‖, skips a non-finite step and clips (ZeRO stage 0)
-GIVEN_NORM = "given norm"  # DeepSpeed's bf16 optimizer computes ‖g‖ (train/run/bf16_flat.py); ClippingAdamW skips and clips
+GIVEN_NORM = "given norm"  # the optimizer around ours computes ‖g‖ (train/run/bf16_optimizer.py); ClippingAdamW clips (and skips)
 ELSEWHERE = "elsewhere"  # plain AdamW: DeepSpeed's ZeRO optimizer (or the caller) computes, skips and clips
 
 
@@ -135,15 +135,21 @@ class ClippingAdamW(torch.optim.AdamW):
         self._norm_holder = None
 
     def take_norm_from(self, holder) -> None:
-        """clip=GIVEN_NORM: `holder.device_norm` (‖g‖, a device tensor, NaN when not finite) when step runs."""
+        """clip=GIVEN_NORM: the optimizer around this one, whose ‖g‖ is its `device_norm` (DeepSpeed's bf16 optimizer
+        as gpt3d runs it, train/run/bf16_optimizer.py) or its `_global_grad_norm` (DeepSpeed's ZeRO-1 optimizer with
+        offload, which skips a non-finite step on the host before calling this one) when step runs."""
         self._norm_holder = holder
+
+    def _given_norm(self, device: torch.device) -> torch.Tensor:
+        norm = getattr(self._norm_holder, "device_norm", None)
+        return norm if norm is not None else torch.as_tensor(self._norm_holder._global_grad_norm, device=device)
 
     @torch.no_grad()
     def step(self, closure=None):
         params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
         if self.clip == ELSEWHERE or not params:
             return super().step(closure)
-        norm = self._norm_holder.device_norm if self.clip == GIVEN_NORM else global_grad_norm(params, self.mpu)
+        norm = self._given_norm(params[0].device) if self.clip == GIVEN_NORM else global_grad_norm(params, self.mpu)
         bad = (norm - norm) != 0  # 0-d, on the device: ‖g‖ − ‖g‖ is NaN exactly when ‖g‖ is inf or NaN
         self.skipped = self.found_inf = bad.float()  # fused AdamW's skip: found_inf ≠ 0 changes nothing
         if self.clip == OWN_NORM:
