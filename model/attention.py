@@ -46,6 +46,10 @@ def attention(q, k, v, causal: bool = True, window: int | None = None, impl: str
         raise ValueError(f"attention impl={impl!r}: must be one of {list(ATTENTION_IMPLS)}")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"attention window={window!r}: must be None or a positive integer")
+    if not isinstance(causal, bool):
+        raise ValueError(f"attention causal={causal!r}: must be True or False")
+    if q.dim() != 4 or q.shape[-1] < 1:
+        raise ValueError(f"attention q of shape {tuple(q.shape)}: must be 4-d (B, H, T, D) with head dim D ≥ 1")
     if impl == "auto":
         impl = "torch" if not q.is_cuda else "triton" if q.dtype in (torch.bfloat16, torch.float16) else "sdpa"
     if deterministic and impl == "sdpa":

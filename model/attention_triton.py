@@ -45,9 +45,15 @@ along the band's edges, such as the causal diagonal and a window's lower edge, a
 end) run masked, in sub-blocks of MASK_* (half an inner block in most configs). A masked strip is
 then at most one outer block plus one sub-block wide instead of plus one inner block, so the
 autotuner can pick large inner blocks for the unmasked bulk without paying for them along the
-edges (on an aligned causal diagonal the strip is the outer block's square either way). Matmuls
-accumulate in float32; inputs are bfloat16 or float16 (and float32 under the interpreter). The
-head dim is padded to a power of two inside the kernels with masked loads.
+edges (on an aligned causal diagonal the strip is the outer block's square either way). A masked
+tile masks rows and columns past T alike. In the backward's key blocks this matters: keys past T
+load as zeros, and their recomputed Aᵀ = 2^(0 − LSE₂) overflows for a query whose LSE is very
+negative (queries pointing away from every key), then inf · 0 = NaN reaches dQ. So the one key
+block that reaches past T (T not a multiple of BLOCK_N) runs all its tiles masked; every other
+program keeps its unmasked bulk. Masking sets the exponent to −∞ before the exp2, so nothing
+overflows even in masked entries. Matmuls accumulate in float32; inputs are bfloat16 or float16 on
+a GPU, float32 or float16 under the interpreter (whose tl.dot has no bfloat16). The head dim is
+padded to a power of two inside the kernels with masked loads.
 
 Tuning: each program's block sizes are autotuned per (bucket of T, band width, head dim, dtype):
 T is rounded up to a power of two and the band to its width, capped by that bucket, so new
@@ -80,9 +86,10 @@ LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
 # On a GPU the kernels take half precision only: float32 operands would need IEEE dot products,
 # which Triton builds from scalar FMAs that spill at every block size worth running. Under the
-# interpreter float32 is kept, for tests against float64 (the interpreter has no bf16 dot).
+# interpreter float32 is kept, for tests against float64, and bfloat16 is refused: the interpreter's
+# tl.dot has no bfloat16 and returns products wrong by orders of magnitude, without an error.
 DTYPES = (torch.bfloat16, torch.float16)
-INTERPRET_DTYPES = (torch.float32, *DTYPES)
+INTERPRET_DTYPES = (torch.float32, torch.float16)
 PREPROCESS_BLOCK = 64
 
 # Candidates, each (BLOCK_M queries, BLOCK_N keys, masked sub-block, num_warps, num_stages), by the
@@ -180,9 +187,11 @@ def _band_blocks(start, BLOCK_OUTER: tl.constexpr, BLOCK_INNER: tl.constexpr, MA
 
 @triton.jit
 def _visible(rows, cols, T, lo, hi):
-    """(len(rows), len(cols)) mask: col c visible to row r iff lo ≤ c − r ≤ hi and c < T."""
+    """(len(rows), len(cols)) mask: col c visible to row r iff lo ≤ c − r ≤ hi and r, c < T. Both
+    axes are checked: a row past T (a key, in the backward's transposed tiles) loads as zeros, and
+    its recomputed A = 2^(0 − LSE₂) overflows wherever a row's LSE is very negative."""
     offset = cols[None, :] - rows[:, None]
-    return (offset >= lo) & (offset <= hi) & (cols[None, :] < T)
+    return (offset >= lo) & (offset <= hi) & (rows[:, None] < T) & (cols[None, :] < T)
 
 
 @triton.jit
@@ -309,9 +318,10 @@ def _bwd_inner(dk, dv, k, v, Q, DO, DQ, LSE, DELTA, sqt, sdt, sdqt, keys, cols, 
             lse = tl.load(LSE + rows)
             delta = tl.load(DELTA + rows)
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK), raw K Qᵀ
-        p_t = tl.math.exp2(qk_t * qk_scale - lse[None, :])  # (BLOCK_N, BLOCK), one FMA then exp2
+        s_t = qk_t * qk_scale - lse[None, :]  # (BLOCK_N, BLOCK), one FMA: log2 Pᵀ
         if MASKED:  # query i sees key j iff lo ≤ j − i ≤ hi, i.e. −hi ≤ i − j ≤ −lo
-            p_t = tl.where(_visible(keys, rows, T, -hi, -lo), p_t, 0.0)
+            s_t = tl.where(_visible(keys, rows, T, -hi, -lo), s_t, float("-inf"))
+        p_t = tl.math.exp2(s_t)  # (BLOCK_N, BLOCK)
         dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK)
         ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)  # (BLOCK_N, BLOCK)
@@ -346,6 +356,10 @@ def _bwd_kv(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, sqb, sqh, sqt, skb, skh, skt, s
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     # query i sees key j iff −hi ≤ i − j ≤ −lo: the band seen from the keys' side
     first, full_lo, full_hi, last = _band_blocks(start_n, BLOCK_N, BLOCK_M, MASK_M, T, -hi, -lo)
+    # A key block reaching past T has no query tile visible to all its keys: every tile is masked
+    # (the keys past T load as zeros; unmasked, their Pᵀ = 2^(0 − LSE₂) overflows where a query's
+    # LSE is very negative, and inf · 0 reaches dQ). Only this one program of the grid pays for it.
+    full_hi = tl.where(start_n + BLOCK_N > T, full_lo, full_hi)
     dk, dv = _bwd_inner(dk, dv, k, v, Q, DO, DQ, LSE, DELTA, sqt, sdt, sdqt, keys, cols, first, full_lo, T, lo, hi,
                         sm_scale, qk_scale, HEAD_DIM, BLOCK_D, MASK_M, DOT_PRECISION, True, ATOMIC_DQ)
     dk, dv = _bwd_inner(dk, dv, k, v, Q, DO, DQ, LSE, DELTA, sqt, sdt, sdqt, keys, cols, full_lo, full_hi, T, lo,
@@ -376,9 +390,10 @@ def _dq_inner(dq, q, do, lse, delta, K, V, skt, svt, rows, cols, first, stop, T,
         k = _load_tile(K, keys, skt, cols, T, HEAD_DIM, BLOCK_D, MASKED)  # (BLOCK, BLOCK_D)
         v = _load_tile(V, keys, svt, cols, T, HEAD_DIM, BLOCK_D, MASKED)  # (BLOCK, BLOCK_D)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK), raw Q Kᵀ
-        p = tl.math.exp2(qk * qk_scale - lse[:, None])  # (BLOCK_M, BLOCK), one FMA then exp2
+        s = qk * qk_scale - lse[:, None]  # (BLOCK_M, BLOCK), one FMA: log2 P
         if MASKED:
-            p = tl.where(_visible(rows, keys, T, lo, hi), p, 0.0)
+            s = tl.where(_visible(rows, keys, T, lo, hi), s, float("-inf"))
+        p = tl.math.exp2(s)  # (BLOCK_M, BLOCK)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK)
         ds = (p * (dp - delta[:, None])).to(k.dtype)  # (BLOCK_M, BLOCK)
         dq += tl.dot(ds, k, input_precision=DOT_PRECISION)
@@ -438,18 +453,23 @@ def banded_attention(q, k, v, lo: int, hi: int, deterministic: bool = False):
 
 
 def check_inputs(q, k, v) -> None:
-    """Refuse what the kernel cannot take: mismatched q, k, v, a device, dtype or head dim it lacks."""
+    """Refuse what the kernel cannot take: mismatched q, k, v, a rank, device, dtype or head dim it lacks."""
     if not (q.shape == k.shape == v.shape) or not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v must share shape (B, H, T, D) and dtype; got {q.shape}, {k.shape}, "
                          f"{v.shape} and {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dim() != 4:
+        raise ValueError(f"impl='triton' takes 4-d q, k, v (B, H, T, D), not shape {tuple(q.shape)}")
     if not q.is_cuda and not INTERPRET:
         raise ValueError("impl='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is imported")
+    if INTERPRET and q.dtype == torch.bfloat16:
+        raise ValueError("impl='triton' under TRITON_INTERPRET=1 takes float32 or float16, not torch.bfloat16: "
+                         "the interpreter's tl.dot has no bfloat16 and would return wrong products")
     dtypes = INTERPRET_DTYPES if INTERPRET else DTYPES
     if q.dtype not in dtypes:
         raise ValueError(f"impl='triton' takes {[str(d) for d in dtypes]}, not {q.dtype}: use bf16 autocast, "
                          "or impl='sdpa' (or 'auto', which picks it for float32 on CUDA)")
-    if q.shape[-1] > MAX_HEAD_DIM:
-        raise ValueError(f"impl='triton' takes head dims up to {MAX_HEAD_DIM}, not {q.shape[-1]}")
+    if not 1 <= q.shape[-1] <= MAX_HEAD_DIM:
+        raise ValueError(f"impl='triton' takes head dims 1 to {MAX_HEAD_DIM}, not {q.shape[-1]}")
 
 
 def packed_qkv(q, k, v):
