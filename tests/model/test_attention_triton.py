@@ -32,13 +32,36 @@ from attention_reference import (HEAD_DIMS, LENGTHS, MASKS, TOL, errors_against_
                                  float64_attention, large_inputs, packed_errors_vs_float64, rel_err, split_heads)
 
 
+BACKWARDS = {"atomic": False, "deterministic": True}  # id → the `deterministic` argument
+
+
 def test_kernels_are_interpreted():
     from model import attention_triton
 
     assert attention_triton.INTERPRET
+    assert attention_triton.INTERPRET_TMA  # every test below reads through tensor descriptors, as sm_90 does,
 
 
-BACKWARDS = {"atomic": False, "deterministic": True}  # id → the `deterministic` argument
+@pytest.mark.parametrize("backward", BACKWARDS)
+@pytest.mark.parametrize("mask", MASKS)
+def test_pointer_loads_match_float64(mask, backward, monkeypatch):
+    """...except this one: the loads of GPUs without TMA (and of tensors a descriptor cannot take),
+    every tile through pointers, at a head dim padded to 128 columns and a ragged T. A spy on
+    `_use_tma` shows which path each launch took."""
+    from model import attention_triton as at
+
+    taken = []
+    use_tma = at._use_tma
+    monkeypatch.setattr(at, "_use_tma", lambda *tensors: taken.append(use_tma(*tensors)) or taken[-1])
+    monkeypatch.setattr(at, "INTERPRET_TMA", False)
+    causal, window = MASKS[mask]
+    errs = errors_vs_float64((1, 2, 70, 80), causal, window, "triton", deterministic=BACKWARDS[backward])
+    assert max(errs) < TOL, f"(O, dQ, dK, dV) relative errors {errs}"
+    assert taken == [False, False]  # the forward's launch, the backward's launches
+    monkeypatch.setattr(at, "INTERPRET_TMA", True)
+    x, odd = torch.randn(1, 2, 8, 64), torch.randn(1, 2, 8, 59)
+    assert use_tma(x, x, x) and not use_tma(odd, odd, odd)  # 59 float32 columns: rows 236 bytes apart
+
 
 
 @pytest.mark.parametrize("backward", BACKWARDS)
@@ -290,11 +313,10 @@ def gpu_configs(head_dim: int) -> list[dict]:
     """For each position i of the tuning lists at this head dim: every kernel's i-th GPU config
     (the block sizes the autotuner chooses among on a GPU), as triton.Configs by kernel name."""
     from model import attention_triton as kernels
+    from model.attention_configs import KERNELS, candidates
 
-    lists = {"forward": (kernels.FWD_TUNING, "MASK_N"), "backward": (kernels.BWD_TUNING, "MASK_M"),
-             "backward_kv": (kernels.BWD_TUNING, "MASK_M"), "backward_dq": (kernels.DQ_TUNING, "MASK_N")}
-    per_kernel = {name: kernels.triton_configs(kernels.candidates(tuning, head_dim), mask)
-                  for name, (tuning, mask) in lists.items()}
+    per_kernel = {name: kernels.triton_configs(candidates(tuning, head_dim), mask)
+                  for name, (tuning, mask) in KERNELS.items()}
     return [{name: configs[i] for name, configs in per_kernel.items()} for i in range(3)]
 
 
