@@ -13,9 +13,11 @@ GPU, bf16, B=8, H=16, T=2048, head dims 64, 80, 96, 128, and B=2, H=16, T=8192 a
                 only when `import flash_attn` works), and torch's scaled_dot_product_attention under
                 each backend, forced one at a time with sdpa_kernel: sdpa-flash (the baseline),
                 sdpa-cudnn, sdpa-efficient;
-  window 256    impl="triton" banded (and deterministic), the same kernel dense causal, flash-attn
-                with window_size=(255, 0), and each SDPA backend with the band as a boolean mask
-                (sdpa-efficient, the one that takes any mask, is the baseline).
+  window 256    impl="triton" banded (and deterministic), the same kernel dense causal, FlexAttention
+                (torch.nn.attention.flex_attention, compiled) with a sliding-window block mask (the
+                baseline: it skips the blocks outside the band, as the kernel does), flash-attn with
+                window_size=(255, 0), and each SDPA backend with the band as a boolean mask (which
+                computes the whole square).
 Before timing, each row's forward and gradients are checked against a float64 reference on the
 first (batch, 2 heads) slice of its inputs (column `err`: max relative error; above 2e-2 the row
 is reported as failed and not timed). A row whose backend refuses the case is printed with the
@@ -26,8 +28,9 @@ CPU, float32: impl="torch" (and its banded form) against impl="reference"; each 
 resident memory and its timings are measured in fresh subprocesses (see bench/README.md), times
 are the minimum over repetitions (the least disturbed by other load on the machine).
 
-FLOPs count the visible (query, key) pairs exactly: forward 4·B·H·D·pairs (two matmuls), backward
-2.5× that (five matmuls); causal pairs = T(T+1)/2 ≈ T²/2, banded ≈ T·w. speed× = the baseline's
+FLOPs count the visible (query, key) pairs exactly, in-band only: forward 4·B·H·D·pairs (two
+matmuls), backward 2.5× that (five matmuls); causal pairs = T(T+1)/2 ≈ T²/2, banded ≈ T·w, whatever
+a row computes outside the band (SDPA's masked square, FlexAttention's partial edge blocks). speed× = the baseline's
 forward+backward time / this row's (above 1: faster); mem× = this row's peak / the baseline's.
 The deterministic backward does seven matmuls' work, but its FLOP/s are counted with the same five,
 so its rows compare the time to the same result.
@@ -61,6 +64,7 @@ from model.attention import attention, band_mask, reference_attention
 SDPA_BACKENDS = {"sdpa-flash": "FLASH_ATTENTION", "sdpa-cudnn": "CUDNN_ATTENTION",
                  "sdpa-efficient": "EFFICIENT_ATTENTION"}
 FLASH_ATTN = ("flash-attn", "flash-attn-det")  # flash_attn_func, with deterministic=False / True
+FLEX = "flex"  # torch.nn.attention.flex_attention with a causal (sliding-window) block mask
 REPO = Path(__file__).resolve().parents[1]
 CHECK_TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 2e-4}
 
@@ -90,7 +94,8 @@ def flash_attn_available() -> bool:
 
 def attention_fn(impl, window):
     """fn(q, k, v), causal, for "triton", "triton-det" (deterministic=True), "torch", "reference", an
-    SDPA backend ("sdpa-flash", ...) or flash-attn ("flash-attn", "flash-attn-det"). SDPA gets
+    SDPA backend ("sdpa-flash", ...), FlexAttention ("flex", `flex_fn`) or flash-attn ("flash-attn",
+    "flash-attn-det"). SDPA gets
     is_causal without a window and the band as a boolean mask with one; flash-attn takes (B, T, H, D)
     and the band as window_size=(w − 1, 0)."""
     if impl in FLASH_ATTN:
@@ -101,6 +106,8 @@ def attention_fn(impl, window):
         return lambda q, k, v: flash_attn_func(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True, window_size=window_size,
             deterministic=deterministic).transpose(1, 2)  # (B, H, T, D) from (B, T, H, D)
+    if impl == FLEX:
+        return flex_fn(window)
     if impl not in SDPA_BACKENDS:
         deterministic = impl == "triton-det"
         impl = "triton" if deterministic else impl
@@ -119,6 +126,29 @@ def attention_fn(impl, window):
             mask = masks[t, q.device]
         with sdpa_kernel(backend):
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+
+    return run
+
+
+def flex_fn(window):
+    """fn(q, k, v), causal, through FlexAttention: its block mask (query i sees key j iff j ≤ i, and
+    i − j < window with one) built once per length and device outside the timed calls; compiled on a
+    GPU (eager FlexAttention is an unfused reference), eager on the CPU (the smoke run)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    def visible(b, h, q_idx, kv_idx):
+        keep = q_idx >= kv_idx
+        return keep if window is None else keep & (q_idx - kv_idx < window)
+
+    masks, compiled = {}, {}
+
+    def run(q, k, v):
+        t = q.shape[-2]
+        if (t, q.device) not in masks:
+            masks[t, q.device] = create_block_mask(visible, None, None, t, t, device=q.device)
+        if q.device not in compiled:
+            compiled[q.device] = torch.compile(flex_attention) if q.is_cuda else flex_attention
+        return compiled[q.device](q, k, v, block_mask=masks[t, q.device])  # (B, H, T, D)
 
     return run
 
@@ -154,8 +184,8 @@ def gpu_cases(quick, flash_attn):
             cases.append((f"T={t} d={d} window 256", shape,
                           [("triton w=256", "triton", 256), ("triton-det w=256", "triton-det", 256),
                            ("triton dense", "triton", None),
-                           *((f"{name} w=256", name, 256) for name in (*flash, *SDPA_BACKENDS))],
-                          "sdpa-efficient w=256"))
+                           *((f"{name} w=256", name, 256) for name in (FLEX, *flash, *SDPA_BACKENDS))],
+                          "flex w=256"))
     return cases
 
 
@@ -167,7 +197,7 @@ def smoke_cases(flash_attn):
                                           ("torch", "torch", None),
                                           *((name, name, None) for name in (*flash, *SDPA_BACKENDS))], "torch"),
             ("T=128 d=64 window 32", shape,
-             [("torch w=32", "torch", 32), *((f"{name} w=32", name, 32) for name in flash),
+             [("torch w=32", "torch", 32), *((f"{name} w=32", name, 32) for name in (FLEX, *flash)),
               ("sdpa-efficient w=32", "sdpa-efficient", 32)], "torch w=32")]
 
 

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Everything gpt3d measures on a GPU, in sections that each end well inside 9 minutes, in an order
-# that fits three jobs of a 10-minute slot (docs/benchmarks.md: "A plan for a short GPU slot").
+# that fits four jobs of a 10-minute slot (docs/benchmarks.md: "A plan for a short GPU slot").
 #
 #   bash bench/gpu_suite.sh --list                                          # sections, limits, jobs
 #   bash bench/gpu_suite.sh --only cuda-tests,attention,train-small,profile # job 1: the headline figures
 #   bash bench/gpu_suite.sh --only train-large,shard                        # job 2
 #   bash bench/gpu_suite.sh --only recovery-exact,recovery-paths            # job 3
+#   bash bench/gpu_suite.sh --only attention-sweep                          # job 4: kernel configs timed
 #   bash bench/gpu_suite.sh --only attention --dry-run                      # the commands, not run
 #   bash bench/gpu_suite.sh                                                 # every section, to the deadline
 #   bash bench/gpu_suite.sh --only shard /tmp/results                       # results into another folder
@@ -23,11 +24,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-SECTIONS=(cuda-tests attention train-small profile train-large shard recovery-exact recovery-paths)
+SECTIONS=(cuda-tests attention train-small profile train-large shard recovery-exact recovery-paths attention-sweep)
 declare -A LIMIT=([cuda-tests]=140 [attention]=170 [train-small]=140 [profile]=90
-                  [train-large]=420 [shard]=120 [recovery-exact]=240 [recovery-paths]=240)
+                  [train-large]=420 [shard]=120 [recovery-exact]=240 [recovery-paths]=240 [attention-sweep]=300)
 declare -A JOB=([cuda-tests]=1 [attention]=1 [train-small]=1 [profile]=1
-                [train-large]=2 [shard]=2 [recovery-exact]=3 [recovery-paths]=3)
+                [train-large]=2 [shard]=2 [recovery-exact]=3 [recovery-paths]=3 [attention-sweep]=4)
 declare -A TITLE=(
   [cuda-tests]="CUDA tests: the kernel against float64, autotuning pinned to each kernel's first config"
   [attention]="Attention kernel vs SDPA's flash, cuDNN and efficient backends (T=2048 and 8192)"
@@ -37,6 +38,7 @@ declare -A TITLE=(
   [shard]="One tensor-parallel rank's block vs the planner (gpt3-175b at tp=8, gpt3-13b at tp=2)"
   [recovery-exact]="Recovery: kill -9 and SIGTERM, resumed bit for bit (gpt3-125m, seq 512, pinned kernel configs)"
   [recovery-paths]="Recovery: non-finite steps skipped, batch ramp, checkpoint GB/s, async vs sync pause (gpt3-125m, seq 512)"
+  [attention-sweep]="Every attention block configuration the sm_90 compile keeps, per kernel and head dim, timed alone (JSON)"
 )
 
 bad() {  # bad MESSAGE: one line on stderr, exit code 2
@@ -55,7 +57,7 @@ list_sections() {
   for name in "${SECTIONS[@]}"; do
     printf '%-15s %5s s %4s  %s\n' "$name" "${LIMIT[$name]}" "${JOB[$name]}" "${TITLE[$name]}"
   done
-  for job in 1 2 3; do
+  for job in 1 2 3 4; do
     total=0
     for name in "${SECTIONS[@]}"; do
       if [ "${JOB[$name]}" = "$job" ]; then total=$((total + ${LIMIT[$name]})); fi
@@ -89,6 +91,7 @@ section_command() {  # section_command NAME: sets CMD to the section's command, 
            return ;;
     recovery-exact) CMD=("$PY" -m bench.recovery --device cuda --checks kill,sigterm --json "$json") ;;
     recovery-paths) CMD=("$PY" -m bench.recovery --device cuda --checks nonfinite,ramp,checkpoint --json "$json") ;;
+    attention-sweep) CMD=("$PY" -m bench.attention_sweep --seconds 270 --json "$json") ;;
   esac
   SHOW="${CMD[*]}"
 }

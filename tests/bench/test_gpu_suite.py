@@ -15,10 +15,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SECTIONS = ["cuda-tests", "attention", "train-small", "profile", "train-large", "shard", "recovery-exact",
-            "recovery-paths"]
+            "recovery-paths", "attention-sweep"]
 MODULE = {"cuda-tests": "pytest", "attention": "bench.attention", "train-small": "bench.train_speed",
           "profile": "bench.profile", "train-large": "bench.train_speed", "shard": "bench.shard",
-          "recovery-exact": "bench.recovery", "recovery-paths": "bench.recovery"}
+          "recovery-exact": "bench.recovery", "recovery-paths": "bench.recovery",
+          "attention-sweep": "bench.attention_sweep"}
 JOB_LIMIT_S = 540  # a 10-minute job, less a minute for starting and for the header
 STUB = r"""#!/usr/bin/env bash
 # Python on a CUDA machine, as the suite sees it: the probes answer, every other command is recorded.
@@ -57,7 +58,7 @@ def today_file(out: Path) -> Path:
     return out / f"Stub-GPU-{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}.md"
 
 
-def test_list_prints_every_section_with_its_limit_in_three_jobs_that_fit_ten_minutes(suite):
+def test_list_prints_every_section_with_its_limit_in_four_jobs_that_fit_ten_minutes(suite):
     proc, _, _, commands = suite("--list")
     assert proc.returncode == 0 and not commands, proc.stderr
     rows = [line.split() for line in proc.stdout.splitlines()[1:] if re.match(r"^[a-z-]+ +\d+ s ", line)]
@@ -66,7 +67,7 @@ def test_list_prints_every_section_with_its_limit_in_three_jobs_that_fit_ten_min
     jobs = {r[0]: int(r[3]) for r in rows}
     assert all(limit <= 480 for limit in limits.values())  # each section well inside 9 minutes
     job_lines = [line for line in proc.stdout.splitlines() if line.startswith("job ")]
-    assert len(job_lines) == 3
+    assert len(job_lines) == 4
     listed = []
     for number, line in enumerate(job_lines, 1):
         total, names = re.fullmatch(r"job \d: (\d+) s of limits: bash bench/gpu_suite.sh --only (\S+)", line).groups()
