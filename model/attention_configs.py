@@ -23,17 +23,18 @@ Three tables, three uses:
 TABLE is not yet chosen by measurement: no GPU has timed SWEEP. Its long-sequence entries are the
 configurations the autotuner's lists put first (the H200 run of 2026-11-27 measured them as the
 pinned defaults, before TMA loads); the short bucket (T ≤ 512) gives the forward 64-row query blocks,
-since 128 rows leave most of an H100's 132 SMs idle there (B=1, H=16, T=512: 64 programs). Every
-entry is in SWEEP (the sweep times each against its alternatives) and compiled at its head dim by
-tests/model/test_attention_compile.py.
+since 128 rows leave most of an H100's 132 SMs idle there (B=1, H=16, T=512: 64 programs), with the
+widest key block that compiles without spills for sm_80 too. Every entry is in SWEEP (the sweep times
+each against its alternatives); tests/model/test_attention_compile.py compiles each, and every
+candidate, at its head dims for sm_80 and sm_90.
 """
 
 from __future__ import annotations
 
 FWD_TUNING = {64: [(128, 128, 64, 8, 2), (128, 64, 32, 8, 3), (128, 128, 64, 8, 3)],
               128: [(128, 64, 32, 8, 3), (64, 64, 32, 8, 3), (128, 32, 16, 8, 3)]}
-BWD_TUNING = {64: [(64, 128, 32, 8, 2), (32, 128, 16, 8, 2), (64, 64, 32, 4, 2)],
-              128: [(32, 64, 16, 8, 2), (16, 128, 16, 8, 2), (16, 64, 16, 8, 2)]}
+BWD_TUNING = {64: [(64, 128, 32, 8, 2), (32, 128, 16, 8, 2), (32, 64, 16, 4, 2)],
+              128: [(32, 64, 16, 8, 2), (16, 128, 16, 8, 3), (16, 64, 16, 8, 2)]}
 DQ_TUNING = {64: [(128, 64, 32, 8, 3), (128, 64, 32, 8, 2), (64, 64, 32, 4, 3)],
              128: [(64, 64, 32, 8, 2), (128, 32, 16, 8, 2), (64, 32, 16, 4, 3)]}
 
@@ -44,10 +45,10 @@ KERNELS = {"forward": (FWD_TUNING, "MASK_N"), "backward": (BWD_TUNING, "MASK_M")
 # {kernel: {head dim: {T bucket: entry}}}: a bucket is the largest T rounded up to a power of two it
 # takes (the autotuner's T_TUNE); None takes every longer one.
 TABLE = {
-    "forward": {64: {512: (64, 128, 64, 4, 2), None: (128, 128, 64, 8, 2)},
-                80: {512: (64, 64, 32, 4, 3), None: (128, 64, 32, 8, 3)},
-                96: {512: (64, 64, 32, 4, 3), None: (128, 64, 32, 8, 3)},
-                128: {512: (64, 64, 32, 4, 3), None: (128, 64, 32, 8, 3)}},
+    "forward": {64: {512: (64, 64, 32, 4, 2), None: (128, 128, 64, 8, 2)},
+                80: {512: (64, 32, 16, 4, 3), None: (128, 64, 32, 8, 3)},
+                96: {512: (64, 32, 16, 4, 3), None: (128, 64, 32, 8, 3)},
+                128: {512: (64, 32, 16, 4, 3), None: (128, 64, 32, 8, 3)}},
     "backward": {64: {None: (64, 128, 32, 8, 2)}, 80: {None: (32, 64, 16, 8, 2)},
                  96: {None: (32, 64, 16, 8, 2)}, 128: {None: (32, 64, 16, 8, 2)}},
     "backward_kv": {64: {None: (64, 128, 32, 8, 2)}, 80: {None: (32, 64, 16, 8, 2)},

@@ -45,25 +45,26 @@ along the band's edges, such as the causal diagonal and a window's lower edge, a
 end) run masked, in sub-blocks of MASK_* (half an inner block in most configs). A masked strip is
 then at most one outer block plus one sub-block wide instead of plus one inner block, so the
 autotuner can pick large inner blocks for the unmasked bulk without paying for them along the
-edges (on an aligned causal diagonal the strip is the outer block's square either way). A masked
-tile masks rows and columns past T alike. In the backward's key blocks this matters: keys past T
-load as zeros, and their recomputed Aᵀ = 2^(0 − LSE₂) overflows for a query whose LSE is very
-negative (queries pointing away from every key), then inf · 0 = NaN reaches dQ. So the one key
-block that reaches past T (T not a multiple of BLOCK_N) runs all its tiles masked; every other
-program keeps its unmasked bulk. Masking sets the exponent to −∞ before the exp2, so nothing
-overflows even in masked entries. Matmuls accumulate in float32; inputs are bfloat16 or float16 on
+edges (on an aligned causal diagonal the strip is the outer block's square either way). The
+backward's masked tiles also mask the keys past T, its outer rows: they load as zeros, and their
+recomputed Aᵀ = 2^(0 − LSE₂) overflows for a query whose LSE is very negative (queries pointing away
+from every key), then inf · 0 = NaN reaches dQ. So the one key block that reaches past T (T not a
+multiple of BLOCK_N) runs all its tiles masked; every other program keeps its unmasked bulk.
+(Queries past T, the forward's and dQ pass's outer rows, are never stored and need no mask.)
+Masking sets the exponent to −∞ before the exp2, so nothing overflows even in masked entries. Matmuls accumulate in float32; inputs are bfloat16 or float16 on
 a GPU, float32 or float16 under the interpreter (whose tl.dot has no bfloat16). The head dim is
 padded to a power of two inside the kernels with masked loads.
 
-Loads: the outer tile (a program's queries, or keys and values) is loaded once through pointers,
-rows past T masked. The unmasked inner loops, the bulk of the work, read their tiles through TMA
-tensor descriptors on sm_90 and newer GPUs (USE_TMA, `_use_tma`): one per (batch, head) matrix,
-built on the device, whose loads are asynchronous bulk copies into shared memory that the software
-pipeliner overlaps with the matmuls of earlier tiles, with no address arithmetic in registers.
-Masked loops step in sub-blocks that no descriptor's block shape fits, and keep pointer loads; so
-does everything on older GPUs and on tensors whose strides a descriptor cannot take. On Hopper every
-matmul is a wgmma; the atomic backward computes its dQ share transposed, dQᵀ = Kᵀ dSᵀ, so that the
-product has BLOCK_D ≥ 64 rows (a wgmma needs 64 per warpgroup) whatever the query block.
+Hopper (HOPPER, `_hopper_path`: sm_90 and newer, and tensors a TMA descriptor can take): the outer
+tile (a program's queries, or keys and values) is loaded once through pointers, rows past T masked;
+the unmasked inner loops, the bulk of the work, read their tiles through TMA tensor descriptors, one
+per (batch, head) matrix, built on the device, whose loads are asynchronous bulk copies into shared
+memory that the software pipeliner overlaps with the matmuls of earlier tiles, with no address
+arithmetic in registers. Masked loops step in sub-blocks that no descriptor's block shape fits and
+keep pointer loads. Every matmul is a wgmma: the atomic backward computes its dQ share transposed,
+dQᵀ = Kᵀ dSᵀ, so that the product has BLOCK_D ≥ 64 rows (a wgmma needs 64 per warpgroup) whatever
+the query block. Elsewhere (older GPUs, other strides) every load goes through pointers and dQ is
+dS K, an mma.sync of any height, which takes fewer registers there.
 
 Tuning (model/attention_configs.py): each program's block sizes are autotuned per (bucket of T, band
 width, head dim, dtype): T is rounded up to a power of two and the band to its width, capped by
@@ -76,7 +77,8 @@ GPT3D_TRITON_AUTOTUNE=0 (before import) to run the committed TABLE instead, one 
 head dim and T bucket, with no benchmarking. A run records what the autotuner chose in its
 checkpoints and a resumed process pins those choices (`autotuners`, model/kernel_choices.py), so its
 kernels sum in the same order as before.
-Under TRITON_INTERPRET=1 the same kernels run on CPU tensors with small fixed blocks.
+Under TRITON_INTERPRET=1 the same kernels run on CPU tensors with small fixed blocks, on the Hopper
+path (or the other one: INTERPRET_HOPPER = False).
 """
 
 from __future__ import annotations
@@ -108,9 +110,9 @@ PREPROCESS_BLOCK = 64
 # crosses outer, inner and masked sub-block boundaries at small T.
 INTERPRET_FWD = (16, 32, 16)
 INTERPRET_BWD = (32, 16, 16)
-# Under the interpreter the unmasked loops read through tensor descriptors, as on sm_90 (`_use_tma`);
-# tests set it False to run the pointer loads older GPUs use.
-INTERPRET_TMA = True
+# Under the interpreter the kernels run the Hopper path (`_hopper_path`); tests set it False to run
+# the other one, older GPUs'.
+INTERPRET_HOPPER = True
 
 TUNING_KEY = ["T_TUNE", "BAND_TUNE", "HEAD_DIM"]  # the autotuner also keys on the tensors' dtypes
 # Integer arguments Triton would otherwise specialise on (value 1, multiple of 16), compiling one
@@ -189,11 +191,9 @@ def _band_blocks(start, BLOCK_OUTER: tl.constexpr, BLOCK_INNER: tl.constexpr, MA
 
 @triton.jit
 def _visible(rows, cols, T, lo, hi):
-    """(len(rows), len(cols)) mask: col c visible to row r iff lo ≤ c − r ≤ hi and r, c < T. Both
-    axes are checked: a row past T (a key, in the backward's transposed tiles) loads as zeros, and
-    its recomputed A = 2^(0 − LSE₂) overflows wherever a row's LSE is very negative."""
+    """(len(rows), len(cols)) mask: col c visible to row r iff lo ≤ c − r ≤ hi and c < T."""
     offset = cols[None, :] - rows[:, None]
-    return (offset >= lo) & (offset <= hi) & (rows[:, None] < T) & (cols[None, :] < T)
+    return (offset >= lo) & (offset <= hi) & (cols[None, :] < T)
 
 
 @triton.jit
@@ -212,11 +212,11 @@ def _load_tile(ptr, rows, stride, cols, T,
 
 @triton.jit
 def _tile_source(ptr, stride, T, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
-                 USE_TMA: tl.constexpr):
+                 HOPPER: tl.constexpr):
     """Where an unmasked loop reads (BLOCK, BLOCK_D) tiles of the (T, HEAD_DIM) matrix at ptr (row
-    stride `stride`): with USE_TMA a tensor descriptor, whose loads are TMA bulk copies on sm_90 that
+    stride `stride`): on HOPPER a tensor descriptor, whose loads are TMA bulk copies on sm_90 that
     fill rows past T and columns past HEAD_DIM with zeros; otherwise ptr itself, for `_load_tile`."""
-    if USE_TMA:
+    if HOPPER:
         source = tl.make_tensor_descriptor(ptr, shape=[T, HEAD_DIM], strides=[stride, 1], block_shape=[BLOCK, BLOCK_D])
     else:
         source = ptr
@@ -225,11 +225,11 @@ def _tile_source(ptr, stride, T, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, BL
 
 @triton.jit
 def _load_inner(ptr, source, start, rows, stride, cols, T, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                MASKED: tl.constexpr, USE_TMA: tl.constexpr):
+                MASKED: tl.constexpr, HOPPER: tl.constexpr):
     """The (len(rows), BLOCK_D) tile at rows = start + arange of an inner loop: through the tensor
-    descriptor `source` in unmasked loops with USE_TMA, otherwise `_load_tile` (rows checked against
+    descriptor `source` in unmasked loops on HOPPER, otherwise `_load_tile` (rows checked against
     T where MASKED: the masked loops step in sub-blocks the descriptor's block shape does not fit)."""
-    if USE_TMA and not MASKED:
+    if HOPPER and not MASKED:
         tile = source.load([start, 0])
     else:
         tile = _load_tile(ptr, rows, stride, cols, T, HEAD_DIM, BLOCK_D, MASKED)
@@ -243,29 +243,33 @@ def _store_tile(ptr, rows, stride, cols, tile, T, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def _add_tile_t(ptr, rows, stride, cols, tile_t, T,
-                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHECK_ROWS: tl.constexpr):
-    """Atomically add a float32 tile, given transposed as (BLOCK_D, len(rows)), into the rows `rows`
-    of a (T, HEAD_DIM) matrix; only the sum's order is unordered."""
-    ptrs = ptr + rows[None, :] * stride + cols[:, None]
-    if CHECK_ROWS:
-        tl.atomic_add(ptrs, tile_t, mask=(rows[None, :] < T) & (cols[:, None] < HEAD_DIM), sem="relaxed")
-    elif HEAD_DIM < BLOCK_D:
-        tl.atomic_add(ptrs, tile_t, mask=cols[:, None] < HEAD_DIM, sem="relaxed")
+def _add_tile(ptr, rows, stride, cols, tile, T,
+              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHECK_ROWS: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """Atomically add a float32 tile into the rows `rows` of a (T, HEAD_DIM) matrix, the tile given as
+    (len(rows), BLOCK_D), or TRANSPOSED as (BLOCK_D, len(rows)); only the sum's order is unordered."""
+    if TRANSPOSED:
+        r, c = rows[None, :], cols[:, None]
     else:
-        tl.atomic_add(ptrs, tile_t, sem="relaxed")
+        r, c = rows[:, None], cols[None, :]
+    ptrs = ptr + r * stride + c
+    if CHECK_ROWS:
+        tl.atomic_add(ptrs, tile, mask=(r < T) & (c < HEAD_DIM), sem="relaxed")
+    elif HEAD_DIM < BLOCK_D:
+        tl.atomic_add(ptrs, tile, mask=c < HEAD_DIM, sem="relaxed")
+    else:
+        tl.atomic_add(ptrs, tile, sem="relaxed")
 
 
 @triton.jit
 def _fwd_inner(acc, m_i, l_i, q, K, V, k_src, v_src, skt, svt, rows, cols, first, stop, T, lo, hi, qk_scale,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
-               DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr):
+               DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr, HOPPER: tl.constexpr):
     """Online-softmax update of (acc, m, ℓ) over key blocks [first, stop) of BLOCK keys; m in c·S units.
     k_src, v_src: `_tile_source` of K and V (read by unmasked loops)."""
     for start_n in range(first, stop, BLOCK):
         keys = start_n + tl.arange(0, BLOCK)
-        k = _load_inner(K, k_src, start_n, keys, skt, cols, T, HEAD_DIM, BLOCK_D, MASKED, USE_TMA)  # (BLOCK, BLOCK_D)
-        v = _load_inner(V, v_src, start_n, keys, svt, cols, T, HEAD_DIM, BLOCK_D, MASKED, USE_TMA)  # (BLOCK, BLOCK_D)
+        k = _load_inner(K, k_src, start_n, keys, skt, cols, T, HEAD_DIM, BLOCK_D, MASKED, HOPPER)  # (BLOCK, BLOCK_D)
+        v = _load_inner(V, v_src, start_n, keys, svt, cols, T, HEAD_DIM, BLOCK_D, MASKED, HOPPER)  # (BLOCK, BLOCK_D)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK), raw Q Kᵀ
         if MASKED:
             qk = tl.where(_visible(rows, keys, T, lo, hi), qk, float("-inf"))
@@ -282,7 +286,7 @@ def _fwd_inner(acc, m_i, l_i, q, K, V, k_src, v_src, skt, svt, rows, cols, first
 @triton.jit(do_not_specialize=NO_SPECIALIZE)
 def _fwd_kernel(Q, K, V, Out, LSE, sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot,
                 H, T, lo, hi, qk_scale, T_TUNE, BAND_TUNE,
-                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, HOPPER: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr):
     """O and LSE₂ for one query block. Grid (B·H, query blocks), last query block first: under a
     causal mask it has the most keys, and starting the longest programs first shortens the tail.
@@ -301,15 +305,15 @@ def _fwd_kernel(Q, K, V, Out, LSE, sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    k_src = _tile_source(K, skt, T, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
-    v_src = _tile_source(V, svt, T, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    k_src = _tile_source(K, skt, T, HEAD_DIM, BLOCK_N, BLOCK_D, HOPPER)
+    v_src = _tile_source(V, svt, T, HEAD_DIM, BLOCK_N, BLOCK_D, HOPPER)
     first, full_lo, full_hi, last = _band_blocks(start_m, BLOCK_M, BLOCK_N, MASK_N, T, lo, hi)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, K, V, k_src, v_src, skt, svt, rows, cols, first, full_lo, T, lo,
-                               hi, qk_scale, HEAD_DIM, BLOCK_D, MASK_N, DOT_PRECISION, True, USE_TMA)
+                               hi, qk_scale, HEAD_DIM, BLOCK_D, MASK_N, DOT_PRECISION, True, HOPPER)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, K, V, k_src, v_src, skt, svt, rows, cols, full_lo, full_hi, T, lo,
-                               hi, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, False, USE_TMA)
+                               hi, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, False, HOPPER)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, K, V, k_src, v_src, skt, svt, rows, cols, full_hi, last, T, lo,
-                               hi, qk_scale, HEAD_DIM, BLOCK_D, MASK_N, DOT_PRECISION, True, USE_TMA)
+                               hi, qk_scale, HEAD_DIM, BLOCK_D, MASK_N, DOT_PRECISION, True, HOPPER)
     l_i = tl.where(l_i > 0.0, l_i, 1.0)  # only rows past T see no key
     _store_tile(Out, rows, sot, cols, (acc / l_i[:, None]).to(Out.dtype.element_ty), T, HEAD_DIM)
     tl.store(LSE + bh * T + rows, m_i + tl.math.log2(l_i), mask=rows < T)
@@ -334,14 +338,14 @@ def _bwd_preprocess(Out, DO, DELTA, DQ, sob, soh, sot, sdb, sdh, sdt, sqb, sqh, 
 @triton.jit
 def _bwd_inner(dk, dv, k, v, Q, DO, q_src, do_src, DQ, LSE, DELTA, sqt, sdt, sdqt, keys, cols, first, stop, T, lo,
                hi, sm_scale, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
-               DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr, USE_TMA: tl.constexpr):
+               DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr, HOPPER: tl.constexpr):
     """For query blocks [first, stop) of BLOCK rows: dV += Pᵀ dO, dK += dSᵀ Q (unscaled), and with
     ATOMIC_DQ dQ_rows += dS K/√D added atomically (five matmuls per tile; four without). The
     transposed tiles keep keys as rows. q_src, do_src: `_tile_source` of Q and dO."""
     for start_m in range(first, stop, BLOCK):
         rows = start_m + tl.arange(0, BLOCK)
-        q = _load_inner(Q, q_src, start_m, rows, sqt, cols, T, HEAD_DIM, BLOCK_D, MASKED, USE_TMA)  # (BLOCK, BLOCK_D)
-        do = _load_inner(DO, do_src, start_m, rows, sdt, cols, T, HEAD_DIM, BLOCK_D, MASKED, USE_TMA)  # (BLOCK, BLOCK_D)
+        q = _load_inner(Q, q_src, start_m, rows, sqt, cols, T, HEAD_DIM, BLOCK_D, MASKED, HOPPER)  # (BLOCK, BLOCK_D)
+        do = _load_inner(DO, do_src, start_m, rows, sdt, cols, T, HEAD_DIM, BLOCK_D, MASKED, HOPPER)  # (BLOCK, BLOCK_D)
         if MASKED:
             lse = tl.load(LSE + rows, mask=rows < T, other=0.0)  # (BLOCK,)
             delta = tl.load(DELTA + rows, mask=rows < T, other=0.0)  # (BLOCK,)
@@ -350,23 +354,26 @@ def _bwd_inner(dk, dv, k, v, Q, DO, q_src, do_src, DQ, LSE, DELTA, sqt, sdt, sdq
             delta = tl.load(DELTA + rows)
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK), raw K Qᵀ
         s_t = qk_t * qk_scale - lse[None, :]  # (BLOCK_N, BLOCK), one FMA: log2 Pᵀ
-        if MASKED:  # query i sees key j iff lo ≤ j − i ≤ hi, i.e. −hi ≤ i − j ≤ −lo
-            s_t = tl.where(_visible(keys, rows, T, -hi, -lo), s_t, float("-inf"))
+        if MASKED:  # query i sees key j iff lo ≤ j − i ≤ hi, i.e. −hi ≤ i − j ≤ −lo; and keys past T none
+            s_t = tl.where(_visible(keys, rows, T, -hi, -lo) & (keys[:, None] < T), s_t, float("-inf"))
         p_t = tl.math.exp2(s_t)  # (BLOCK_N, BLOCK)
         dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK)
         ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)  # (BLOCK_N, BLOCK)
         dk += tl.dot(ds_t, q, input_precision=DOT_PRECISION)
-        if ATOMIC_DQ:  # dQᵀ = Kᵀ dSᵀ: BLOCK_D ≥ 64 rows, a Hopper wgmma even where BLOCK is 16 or 32
+        if ATOMIC_DQ and HOPPER:  # dQᵀ = Kᵀ dSᵀ: BLOCK_D ≥ 64 rows, a wgmma even where BLOCK is 16 or 32
             dq_t = tl.dot(tl.trans(k), ds_t, input_precision=DOT_PRECISION)  # (BLOCK_D, BLOCK)
-            _add_tile_t(DQ, rows, sdqt, cols, dq_t * sm_scale, T, HEAD_DIM, BLOCK_D, MASKED)
+            _add_tile(DQ, rows, sdqt, cols, dq_t * sm_scale, T, HEAD_DIM, BLOCK_D, MASKED, True)
+        elif ATOMIC_DQ:  # dQ = dS K: fewer registers where the product is an mma.sync of any height
+            dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION)  # (BLOCK, BLOCK_D)
+            _add_tile(DQ, rows, sdqt, cols, dq * sm_scale, T, HEAD_DIM, BLOCK_D, MASKED, False)
     return dk, dv
 
 
 @triton.jit(do_not_specialize=NO_SPECIALIZE)
 def _bwd_kv(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, sqb, sqh, sqt, skb, skh, skt, svb, svh, svt,
             sdb, sdh, sdt, sdqb, sdqh, sdqt, sgb, sgh, sgt, H, T, lo, hi, sm_scale, qk_scale, T_TUNE, BAND_TUNE,
-            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, HOPPER: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_M: tl.constexpr, ATOMIC_DQ: tl.constexpr):
     """dK, dV of one key block and, with ATOMIC_DQ, its share of dQ (float32, added into DQ; unused
     without). DK and DV share the strides (sgb, sgh, sgt). Grid (B·H, key blocks); under a causal
@@ -391,17 +398,17 @@ def _bwd_kv(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, sqb, sqh, sqt, skb, skh, skt, s
     # (the keys past T load as zeros; unmasked, their Pᵀ = 2^(0 − LSE₂) overflows where a query's
     # LSE is very negative, and inf · 0 reaches dQ). Only this one program of the grid pays for it.
     full_hi = tl.where(start_n + BLOCK_N > T, full_lo, full_hi)
-    q_src = _tile_source(Q, sqt, T, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
-    do_src = _tile_source(DO, sdt, T, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+    q_src = _tile_source(Q, sqt, T, HEAD_DIM, BLOCK_M, BLOCK_D, HOPPER)
+    do_src = _tile_source(DO, sdt, T, HEAD_DIM, BLOCK_M, BLOCK_D, HOPPER)
     dk, dv = _bwd_inner(dk, dv, k, v, Q, DO, q_src, do_src, DQ, LSE, DELTA, sqt, sdt, sdqt, keys, cols, first,
                         full_lo, T, lo, hi, sm_scale, qk_scale, HEAD_DIM, BLOCK_D, MASK_M, DOT_PRECISION, True,
-                        ATOMIC_DQ, USE_TMA)
+                        ATOMIC_DQ, HOPPER)
     dk, dv = _bwd_inner(dk, dv, k, v, Q, DO, q_src, do_src, DQ, LSE, DELTA, sqt, sdt, sdqt, keys, cols, full_lo,
                         full_hi, T, lo, hi, sm_scale, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, DOT_PRECISION, False,
-                        ATOMIC_DQ, USE_TMA)
+                        ATOMIC_DQ, HOPPER)
     dk, dv = _bwd_inner(dk, dv, k, v, Q, DO, q_src, do_src, DQ, LSE, DELTA, sqt, sdt, sdqt, keys, cols, full_hi,
                         last, T, lo, hi, sm_scale, qk_scale, HEAD_DIM, BLOCK_D, MASK_M, DOT_PRECISION, True,
-                        ATOMIC_DQ, USE_TMA)
+                        ATOMIC_DQ, HOPPER)
     grad_offset = b * sgb + h * sgh
     _store_tile(DK + grad_offset, keys, sgt, cols, (dk * sm_scale).to(DK.dtype.element_ty), T, HEAD_DIM)
     _store_tile(DV + grad_offset, keys, sgt, cols, dv.to(DV.dtype.element_ty), T, HEAD_DIM)
@@ -416,14 +423,14 @@ _bwd_kv_kernel = _autotuned("backward_kv", INTERPRET_BWD)(_bwd_kv)
 @triton.jit
 def _dq_inner(dq, q, do, lse, delta, K, V, k_src, v_src, skt, svt, rows, cols, first, stop, T, lo, hi, qk_scale,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
-              DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr):
+              DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr, HOPPER: tl.constexpr):
     """dQ_rows += dS K (unscaled) over key blocks [first, stop) of BLOCK keys, with P = 2^(QKᵀ·c − LSE₂),
     dP = dO Vᵀ and dS = P ⊙ (dP − Δ) recomputed per tile: three matmuls, no atomics. k_src, v_src:
     `_tile_source` of K and V."""
     for start_n in range(first, stop, BLOCK):
         keys = start_n + tl.arange(0, BLOCK)
-        k = _load_inner(K, k_src, start_n, keys, skt, cols, T, HEAD_DIM, BLOCK_D, MASKED, USE_TMA)  # (BLOCK, BLOCK_D)
-        v = _load_inner(V, v_src, start_n, keys, svt, cols, T, HEAD_DIM, BLOCK_D, MASKED, USE_TMA)  # (BLOCK, BLOCK_D)
+        k = _load_inner(K, k_src, start_n, keys, skt, cols, T, HEAD_DIM, BLOCK_D, MASKED, HOPPER)  # (BLOCK, BLOCK_D)
+        v = _load_inner(V, v_src, start_n, keys, svt, cols, T, HEAD_DIM, BLOCK_D, MASKED, HOPPER)  # (BLOCK, BLOCK_D)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK), raw Q Kᵀ
         s = qk * qk_scale - lse[:, None]  # (BLOCK_M, BLOCK), one FMA: log2 P
         if MASKED:
@@ -439,7 +446,7 @@ def _dq_inner(dq, q, do, lse, delta, K, V, k_src, v_src, skt, svt, rows, cols, f
 @triton.jit(do_not_specialize=NO_SPECIALIZE)
 def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdb, sdh, sdt,
                    sdqb, sdqh, sdqt, H, T, lo, hi, sm_scale, qk_scale, T_TUNE, BAND_TUNE,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, HOPPER: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr):
     """dQ = dS K/√D of one query block, summed in one program in key order and stored once in DQ's
     dtype: the deterministic backward's dQ. Grid (B·H, query blocks), last query block first, as the
@@ -456,15 +463,15 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, sqb, sqh, sqt, skb, skh, skt, sv
     lse = tl.load(LSE + bh * T + rows, mask=rows < T, other=0.0)  # (BLOCK_M,), base 2
     delta = tl.load(DELTA + bh * T + rows, mask=rows < T, other=0.0)  # (BLOCK_M,)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    k_src = _tile_source(K, skt, T, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
-    v_src = _tile_source(V, svt, T, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    k_src = _tile_source(K, skt, T, HEAD_DIM, BLOCK_N, BLOCK_D, HOPPER)
+    v_src = _tile_source(V, svt, T, HEAD_DIM, BLOCK_N, BLOCK_D, HOPPER)
     first, full_lo, full_hi, last = _band_blocks(start_m, BLOCK_M, BLOCK_N, MASK_N, T, lo, hi)
     dq = _dq_inner(dq, q, do, lse, delta, K, V, k_src, v_src, skt, svt, rows, cols, first, full_lo, T, lo, hi,
-                   qk_scale, HEAD_DIM, BLOCK_D, MASK_N, DOT_PRECISION, True, USE_TMA)
+                   qk_scale, HEAD_DIM, BLOCK_D, MASK_N, DOT_PRECISION, True, HOPPER)
     dq = _dq_inner(dq, q, do, lse, delta, K, V, k_src, v_src, skt, svt, rows, cols, full_lo, full_hi, T, lo, hi,
-                   qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, False, USE_TMA)
+                   qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, False, HOPPER)
     dq = _dq_inner(dq, q, do, lse, delta, K, V, k_src, v_src, skt, svt, rows, cols, full_hi, last, T, lo, hi,
-                   qk_scale, HEAD_DIM, BLOCK_D, MASK_N, DOT_PRECISION, True, USE_TMA)
+                   qk_scale, HEAD_DIM, BLOCK_D, MASK_N, DOT_PRECISION, True, HOPPER)
     _store_tile(DQ + b * sdqb + h * sdqh, rows, sdqt, cols, (dq * sm_scale).to(DQ.dtype.element_ty), T, HEAD_DIM)
 
 
@@ -557,7 +564,7 @@ def flash_forward(tensors, lo: int, hi: int):
     with _device_of(q):
         _fwd_kernel[grid](q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
                           h, t, lo, hi, LOG2E / math.sqrt(d), *tuning_key(t, lo, hi), **_shape_args(q),
-                          USE_TMA=_use_tma(q, k, v))
+                          HOPPER=_hopper_path(q, k, v))
     return o, lse
 
 
@@ -568,7 +575,7 @@ def flash_backward(tensors, o, lse, do, lo: int, hi: int, deterministic: bool):
     do = _unit_stride(do)
     b, h, t, d = q.shape
     shape_args = _shape_args(q)
-    tma = _use_tma(q, k, v, do)
+    hopper = _hopper_path(q, k, v, do)
     if len(tensors) == 1:
         grads = (torch.empty_like(tensors[0]),)  # (B, T, H, 3, D): the fused projection's gradient
     else:
@@ -588,12 +595,12 @@ def flash_backward(tensors, o, lse, do, lo: int, hi: int, deterministic: bool):
         kv_kernel = _bwd_kv_kernel if deterministic else _bwd_kernel
         kv_kernel[key_grid](q, k, v, do, lse, delta, dq_acc, dk, dv, *_strides(q), *_strides(k), *_strides(v),
                             *_strides(do), *_strides(dq_acc), *_strides(dk), h, t, lo, hi, *scales,
-                            *tuning_key(t, lo, hi), **shape_args, USE_TMA=tma, ATOMIC_DQ=not deterministic)
+                            *tuning_key(t, lo, hi), **shape_args, HOPPER=hopper, ATOMIC_DQ=not deterministic)
         if deterministic:
             query_grid = lambda meta: (b * h, triton.cdiv(t, meta["BLOCK_M"]))  # noqa: E731
             _bwd_dq_kernel[query_grid](q, k, v, do, lse, delta, dq, *_strides(q), *_strides(k), *_strides(v),
                                        *_strides(do), *_strides(dq), h, t, lo, hi, *scales,
-                                       *tuning_key(t, lo, hi), **shape_args, USE_TMA=tma)
+                                       *tuning_key(t, lo, hi), **shape_args, HOPPER=hopper)
     if not deterministic:
         dq.copy_(dq_acc)  # float32 → q's dtype, into its slot of the packed gradient
     return grads
@@ -609,16 +616,16 @@ def _shape_args(q):
     }
 
 
-def _use_tma(*tensors) -> bool:
-    """Whether the kernels read their inner loops' tiles through TMA tensor descriptors (USE_TMA): on
-    sm_90 and newer GPUs (older ones have no TMA: pointer loads), and under the interpreter while
-    INTERPRET_TMA holds; and only when every tensor (B, H, T, D) with unit last stride has its base and
-    its batch, head and time strides 16-byte aligned, as a descriptor needs (so half-precision head
-    dims that are multiples of 8). On a GPU it also installs the allocator Triton asks, at each
+def _hopper_path(*tensors) -> bool:
+    """Whether the kernels run their Hopper path (HOPPER: inner tiles through TMA tensor descriptors,
+    the dQ product transposed for wgmma): on sm_90 and newer GPUs, and under the interpreter while
+    INTERPRET_HOPPER holds; and only when every tensor (B, H, T, D) with unit last stride has its base
+    and its batch, head and time strides 16-byte aligned, as a descriptor needs (so half-precision
+    head dims that are multiples of 8). On a GPU it also installs the allocator Triton asks, at each
     launch, for the descriptors' global scratch (`_descriptor_scratch`)."""
     x = tensors[0]
     if INTERPRET:
-        available = INTERPRET_TMA
+        available = INTERPRET_HOPPER
     else:
         available = x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
     aligned = all(t.data_ptr() % 16 == 0 and all(t.stride(i) * t.element_size() % 16 == 0 for i in range(3))

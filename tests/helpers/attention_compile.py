@@ -12,8 +12,8 @@ per-thread register count and stack frame (cuobjdump's resource usage: a non-zer
 ptxas put spilled registers, since these kernels call nothing and keep no local arrays) and counts
 the `wgmma` instructions, the Ampere-style `mma.sync` ones (a product Triton could not make a wgmma
 on sm_90), the atomic instructions (`atom.`, `red.`) and the Hopper bulk-tensor loads
-(`cp.async.bulk.tensor`, TMA) in the PTX. sm_90 is compiled with USE_TMA (tensor descriptors), sm_80
-with pointer loads, as `_use_tma` picks at run time.
+(`cp.async.bulk.tensor`, TMA) in the PTX. sm_90 is compiled on the kernels' Hopper path (HOPPER: TMA
+tensor descriptors, the transposed dQ product), sm_80 on the other, as `_hopper_path` picks at run time.
 
   python tests/helpers/attention_compile.py          # the table, with TRITON_INTERPRET unset
   python tests/helpers/attention_compile.py --json   # one JSON record per compiled kernel
@@ -101,8 +101,8 @@ def compile_case(kernel_name: str, config: dict, head_dim: int, dtype: str, arch
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": max(16, triton.next_power_of_2(head_dim)), **meta, **fixed}
     if "DOT_PRECISION" in params:
         constexprs["DOT_PRECISION"] = "tf32"  # what the kernels get for bf16/fp16 (ignored for them)
-    if "USE_TMA" in params:
-        constexprs["USE_TMA"] = arch >= 90  # tensor descriptors on Hopper, pointer loads before it
+    if "HOPPER" in params:
+        constexprs["HOPPER"] = arch >= 90  # the Hopper path on sm_90, pointer loads and dQ = dS K before it
     signature, attrs = {}, {}
     for index, param in enumerate(fn.params):
         name = param.name

@@ -5,11 +5,11 @@ autotune config it tunes over and its TABLE choices (model/attention_configs.py)
 with no register spills, shared memory within the architecture's per-block limit, no atomic
 instruction in the deterministic kernels, and on Hopper every product a `wgmma` (no Ampere
 `mma.sync` left) and the inner loops' tiles read by TMA bulk tensor copies (`cp.async.bulk.tensor`:
-the kernels' USE_TMA path, which sm_90 compiles; sm_80 keeps pointer loads).
+the kernels' HOPPER path, which sm_90 compiles; sm_80 keeps pointer loads and dQ = dS K).
 tests/helpers/attention_compile.py does the compiling, in a subprocess without TRITON_INTERPRET=1 (which
 the interpreter tests set for this whole pytest process).
 
-About five minutes on 2 cores when Triton's cache is cold, seconds when it is warm.
+About 12 CPU-minutes when Triton's cache is cold (240 kernels), seconds when it is warm.
 """
 
 import itertools
