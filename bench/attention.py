@@ -4,6 +4,7 @@
   python -m bench.attention --quick   # small sizes: a smoke run (under a minute on CPU)
   python -m bench.attention --cpu     # the CPU benchmark on a machine with a GPU
   python -m bench.attention --smoke   # the GPU benchmark's code on the CPU at toy sizes, float32
+  python -m bench.attention --banded  # the banded cases alone, against FlexAttention (GPU)
   python -m bench.attention --json results.json   # also every row as JSON (any of the modes above)
 
 GPU, bf16, B=8, H=16, T=2048, head dims 64, 80, 96, 128, and B=2, H=16, T=8192 at head dims 64 and
@@ -13,11 +14,13 @@ GPU, bf16, B=8, H=16, T=2048, head dims 64, 80, 96, 128, and B=2, H=16, T=8192 a
                 only when `import flash_attn` works), and torch's scaled_dot_product_attention under
                 each backend, forced one at a time with sdpa_kernel: sdpa-flash (the baseline),
                 sdpa-cudnn, sdpa-efficient;
-  window 256    impl="triton" banded (and deterministic), the same kernel dense causal, FlexAttention
-                (torch.nn.attention.flex_attention, compiled) with a sliding-window block mask (the
-                baseline: it skips the blocks outside the band, as the kernel does), flash-attn with
-                window_size=(255, 0), and each SDPA backend with the band as a boolean mask (which
-                computes the whole square).
+  window 256    impl="triton" banded (and deterministic), the same kernel dense causal, flash-attn
+                with window_size=(255, 0), and each SDPA backend with the band as a boolean mask (which
+                computes the whole square; sdpa-efficient, the one that takes any mask, is the
+                baseline). With --banded these cases alone, with FlexAttention as their baseline
+                (torch.nn.attention.flex_attention, compiled, with a sliding-window block mask: it
+                skips the blocks outside the band, as the kernel does), the competitor GPT-3's banded
+                layers are measured against; its compile takes most of a minute per case.
 Before timing, each row's forward and gradients are checked against a float64 reference on the
 first (batch, 2 heads) slice of its inputs (column `err`: max relative error; above 2e-2 the row
 is reported as failed and not timed). A row whose backend refuses the case is printed with the
@@ -169,23 +172,25 @@ def check(fn, ins, do, window):
 
 
 # ---------------------------------------------------------------- GPU table: one process
-def gpu_cases(quick, flash_attn):
+def gpu_cases(quick, flash_attn, banded=False):
     """(case name, shape, [(row name, impl, window)], baseline row) for the GPU table; flash_attn:
-    whether to add the flash-attn rows."""
+    whether to add the flash-attn rows; banded: the window cases alone, with FlexAttention's rows
+    (its baseline), whose compile takes most of a minute per head dim and length."""
     sizes = [(2, 512, (64, 128))] if quick else [(8, 2048, (64, 80, 96, 128)), (2, 8192, (64, 128))]
     flash = FLASH_ATTN if flash_attn else ()
     cases = []
     for b, t, dims in sizes:
         for d in dims:
             shape = (b, 16, t, d)
-            cases.append((f"T={t} d={d} causal", shape,
-                          [("triton", "triton", None), ("triton-det", "triton-det", None),
-                           *((name, name, None) for name in (*flash, *SDPA_BACKENDS))], "sdpa-flash"))
+            if not banded:
+                cases.append((f"T={t} d={d} causal", shape,
+                              [("triton", "triton", None), ("triton-det", "triton-det", None),
+                               *((name, name, None) for name in (*flash, *SDPA_BACKENDS))], "sdpa-flash"))
+            others = (FLEX, *flash, *SDPA_BACKENDS) if banded else (*flash, *SDPA_BACKENDS)
             cases.append((f"T={t} d={d} window 256", shape,
                           [("triton w=256", "triton", 256), ("triton-det w=256", "triton-det", 256),
-                           ("triton dense", "triton", None),
-                           *((f"{name} w=256", name, 256) for name in (FLEX, *flash, *SDPA_BACKENDS))],
-                          "flex w=256"))
+                           ("triton dense", "triton", None), *((f"{name} w=256", name, 256) for name in others)],
+                          "flex w=256" if banded else "sdpa-efficient w=256"))
     return cases
 
 
@@ -438,6 +443,8 @@ def main():
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     parser.add_argument("--cpu", action="store_true", help="the CPU benchmark even when CUDA is available")
     parser.add_argument("--smoke", action="store_true", help="the GPU benchmark's code on the CPU, toy sizes")
+    parser.add_argument("--banded", action="store_true",
+                        help="on a GPU: the 256-token window cases alone, against FlexAttention (compiled)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="CPU threads per case")
     parser.add_argument("--json", metavar="PATH", type=Path, help="also write every row to PATH as a JSON list")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one CPU case, as JSON
@@ -450,7 +457,7 @@ def main():
         rows = gpu_table(smoke_cases(flash_attn_available()), torch.float32, device, rounds=2, inner=1, unit="GF")
     elif torch.cuda.is_available() and not args.cpu:
         device = torch.device("cuda")
-        cases = gpu_cases(args.quick, flash_attn_available())
+        cases = gpu_cases(args.quick, flash_attn_available(), args.banded)
         rows = gpu_table(cases, torch.bfloat16, device, rounds=10, inner=3, unit="TF")
     else:
         device = torch.device("cpu")

@@ -6,7 +6,7 @@
 #   bash bench/gpu_suite.sh --only cuda-tests,attention,train-small,profile # job 1: the headline figures
 #   bash bench/gpu_suite.sh --only train-large,shard                        # job 2
 #   bash bench/gpu_suite.sh --only recovery-exact,recovery-paths            # job 3
-#   bash bench/gpu_suite.sh --only attention-sweep                          # job 4: kernel configs timed
+#   bash bench/gpu_suite.sh --only attention-sweep,attention-band           # job 4: kernel configs, banded
 #   bash bench/gpu_suite.sh --only attention --dry-run                      # the commands, not run
 #   bash bench/gpu_suite.sh                                                 # every section, to the deadline
 #   bash bench/gpu_suite.sh --only shard /tmp/results                       # results into another folder
@@ -24,11 +24,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-SECTIONS=(cuda-tests attention train-small profile train-large shard recovery-exact recovery-paths attention-sweep)
+SECTIONS=(cuda-tests attention train-small profile train-large shard recovery-exact recovery-paths attention-sweep
+          attention-band)
 declare -A LIMIT=([cuda-tests]=140 [attention]=170 [train-small]=140 [profile]=90
-                  [train-large]=420 [shard]=120 [recovery-exact]=240 [recovery-paths]=240 [attention-sweep]=300)
+                  [train-large]=420 [shard]=120 [recovery-exact]=240 [recovery-paths]=240 [attention-sweep]=300
+                  [attention-band]=200)
 declare -A JOB=([cuda-tests]=1 [attention]=1 [train-small]=1 [profile]=1
-                [train-large]=2 [shard]=2 [recovery-exact]=3 [recovery-paths]=3 [attention-sweep]=4)
+                [train-large]=2 [shard]=2 [recovery-exact]=3 [recovery-paths]=3 [attention-sweep]=4
+                [attention-band]=4)
 declare -A TITLE=(
   [cuda-tests]="CUDA tests: the kernel against float64, autotuning pinned to each kernel's first config"
   [attention]="Attention kernel vs SDPA's flash, cuDNN and efficient backends (T=2048 and 8192)"
@@ -39,6 +42,7 @@ declare -A TITLE=(
   [recovery-exact]="Recovery: kill -9 and SIGTERM, resumed bit for bit (gpt3-125m, seq 512, pinned kernel configs)"
   [recovery-paths]="Recovery: non-finite steps skipped, batch ramp, checkpoint GB/s, async vs sync pause (gpt3-125m, seq 512)"
   [attention-sweep]="Every attention block configuration the sm_90 compile keeps, per kernel and head dim, timed alone (JSON)"
+  [attention-band]="GPT-3's banded layers (window 256): the kernel vs FlexAttention's sliding window (the baseline), flash-attn, SDPA"
 )
 
 bad() {  # bad MESSAGE: one line on stderr, exit code 2
@@ -92,6 +96,7 @@ section_command() {  # section_command NAME: sets CMD to the section's command, 
     recovery-exact) CMD=("$PY" -m bench.recovery --device cuda --checks kill,sigterm --json "$json") ;;
     recovery-paths) CMD=("$PY" -m bench.recovery --device cuda --checks nonfinite,ramp,checkpoint --json "$json") ;;
     attention-sweep) CMD=("$PY" -m bench.attention_sweep --seconds 270 --json "$json") ;;
+    attention-band) CMD=("$PY" -m bench.attention --banded --json "$json") ;;
   esac
   SHOW="${CMD[*]}"
 }

@@ -105,6 +105,17 @@ def test_attention_smoke_json_has_every_row_and_runs_the_kernel_rows_interpreted
     assert "backward on CPU" in by_name[window, "flex w=32"]["error"]  # FlexAttention differentiates on GPUs only
 
 
+def test_banded_gpu_table_is_the_window_cases_against_flex_attention():
+    from bench.attention import gpu_cases
+
+    banded = gpu_cases(quick=False, flash_attn=True, banded=True)
+    assert [name for name, *_ in banded] == [f"T={t} d={d} window 256" for t, dims in ((2048, (64, 80, 96, 128)),
+                                                                                        (8192, (64, 128))) for d in dims]
+    for _, _, rows, baseline in banded:
+        assert baseline == "flex w=256" and ("flex w=256", "flex", 256) in rows and ("flash-attn w=256", "flash-attn", 256) in rows
+    assert all(("flex" not in [impl for _, impl, _ in rows]) for *_, rows, _ in gpu_cases(quick=False, flash_attn=True))
+
+
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_flex_rows_mask_the_band_as_the_reference_does():
     """The FlexAttention rows' block mask (causal, and a sliding window) against float64, forward only:

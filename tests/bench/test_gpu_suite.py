@@ -15,11 +15,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SECTIONS = ["cuda-tests", "attention", "train-small", "profile", "train-large", "shard", "recovery-exact",
-            "recovery-paths", "attention-sweep"]
+            "recovery-paths", "attention-sweep", "attention-band"]
 MODULE = {"cuda-tests": "pytest", "attention": "bench.attention", "train-small": "bench.train_speed",
           "profile": "bench.profile", "train-large": "bench.train_speed", "shard": "bench.shard",
           "recovery-exact": "bench.recovery", "recovery-paths": "bench.recovery",
-          "attention-sweep": "bench.attention_sweep"}
+          "attention-sweep": "bench.attention_sweep", "attention-band": "bench.attention"}
 JOB_LIMIT_S = 540  # a 10-minute job, less a minute for starting and for the header
 STUB = r"""#!/usr/bin/env bash
 # Python on a CUDA machine, as the suite sees it: the probes answer, every other command is recorded.
