@@ -4,6 +4,7 @@
   python -m bench.attention --quick   # small sizes: a smoke run (under a minute on CPU)
   python -m bench.attention --cpu     # the CPU benchmark on a machine with a GPU
   python -m bench.attention --smoke   # the GPU benchmark's code on the CPU at toy sizes, float32
+  python -m bench.attention --banded  # the banded cases alone, against FlexAttention (GPU)
   python -m bench.attention --json results.json   # also every row as JSON (any of the modes above)
 
 GPU, bf16, B=8, H=16, T=2048, head dims 64, 80, 96, 128, and B=2, H=16, T=8192 at head dims 64 and
@@ -14,8 +15,12 @@ GPU, bf16, B=8, H=16, T=2048, head dims 64, 80, 96, 128, and B=2, H=16, T=8192 a
                 each backend, forced one at a time with sdpa_kernel: sdpa-flash (the baseline),
                 sdpa-cudnn, sdpa-efficient;
   window 256    impl="triton" banded (and deterministic), the same kernel dense causal, flash-attn
-                with window_size=(255, 0), and each SDPA backend with the band as a boolean mask
-                (sdpa-efficient, the one that takes any mask, is the baseline).
+                with window_size=(255, 0), and each SDPA backend with the band as a boolean mask (which
+                computes the whole square; sdpa-efficient, the one that takes any mask, is the
+                baseline). With --banded these cases alone, with FlexAttention as their baseline
+                (torch.nn.attention.flex_attention, compiled, with a sliding-window block mask: it
+                skips the blocks outside the band, as the kernel does), the competitor GPT-3's banded
+                layers are measured against; its compile takes most of a minute per case.
 Before timing, each row's forward and gradients are checked against a float64 reference on the
 first (batch, 2 heads) slice of its inputs (column `err`: max relative error; above 2e-2 the row
 is reported as failed and not timed). A row whose backend refuses the case is printed with the
@@ -26,8 +31,9 @@ CPU, float32: impl="torch" (and its banded form) against impl="reference"; each 
 resident memory and its timings are measured in fresh subprocesses (see bench/README.md), times
 are the minimum over repetitions (the least disturbed by other load on the machine).
 
-FLOPs count the visible (query, key) pairs exactly: forward 4·B·H·D·pairs (two matmuls), backward
-2.5× that (five matmuls); causal pairs = T(T+1)/2 ≈ T²/2, banded ≈ T·w. speed× = the baseline's
+FLOPs count the visible (query, key) pairs exactly, in-band only: forward 4·B·H·D·pairs (two
+matmuls), backward 2.5× that (five matmuls); causal pairs = T(T+1)/2 ≈ T²/2, banded ≈ T·w, whatever
+a row computes outside the band (SDPA's masked square, FlexAttention's partial edge blocks). speed× = the baseline's
 forward+backward time / this row's (above 1: faster); mem× = this row's peak / the baseline's.
 The deterministic backward does seven matmuls' work, but its FLOP/s are counted with the same five,
 so its rows compare the time to the same result.
@@ -61,6 +67,7 @@ from model.attention import attention, band_mask, reference_attention
 SDPA_BACKENDS = {"sdpa-flash": "FLASH_ATTENTION", "sdpa-cudnn": "CUDNN_ATTENTION",
                  "sdpa-efficient": "EFFICIENT_ATTENTION"}
 FLASH_ATTN = ("flash-attn", "flash-attn-det")  # flash_attn_func, with deterministic=False / True
+FLEX = "flex"  # torch.nn.attention.flex_attention with a causal (sliding-window) block mask
 REPO = Path(__file__).resolve().parents[1]
 CHECK_TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 2e-4}
 
@@ -90,7 +97,8 @@ def flash_attn_available() -> bool:
 
 def attention_fn(impl, window):
     """fn(q, k, v), causal, for "triton", "triton-det" (deterministic=True), "torch", "reference", an
-    SDPA backend ("sdpa-flash", ...) or flash-attn ("flash-attn", "flash-attn-det"). SDPA gets
+    SDPA backend ("sdpa-flash", ...), FlexAttention ("flex", `flex_fn`) or flash-attn ("flash-attn",
+    "flash-attn-det"). SDPA gets
     is_causal without a window and the band as a boolean mask with one; flash-attn takes (B, T, H, D)
     and the band as window_size=(w − 1, 0)."""
     if impl in FLASH_ATTN:
@@ -101,6 +109,8 @@ def attention_fn(impl, window):
         return lambda q, k, v: flash_attn_func(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True, window_size=window_size,
             deterministic=deterministic).transpose(1, 2)  # (B, H, T, D) from (B, T, H, D)
+    if impl == FLEX:
+        return flex_fn(window)
     if impl not in SDPA_BACKENDS:
         deterministic = impl == "triton-det"
         impl = "triton" if deterministic else impl
@@ -123,6 +133,29 @@ def attention_fn(impl, window):
     return run
 
 
+def flex_fn(window):
+    """fn(q, k, v), causal, through FlexAttention: its block mask (query i sees key j iff j ≤ i, and
+    i − j < window with one) built once per length and device outside the timed calls; compiled on a
+    GPU (eager FlexAttention is an unfused reference), eager on the CPU (the smoke run)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    def visible(b, h, q_idx, kv_idx):
+        keep = q_idx >= kv_idx
+        return keep if window is None else keep & (q_idx - kv_idx < window)
+
+    masks, compiled = {}, {}
+
+    def run(q, k, v):
+        t = q.shape[-2]
+        if (t, q.device) not in masks:
+            masks[t, q.device] = create_block_mask(visible, None, None, t, t, device=q.device)
+        if q.device not in compiled:
+            compiled[q.device] = torch.compile(flex_attention) if q.is_cuda else flex_attention
+        return compiled[q.device](q, k, v, block_mask=masks[t, q.device])  # (B, H, T, D)
+
+    return run
+
+
 def max_rel_err(x, ref):
     return ((x.double() - ref).abs().max() / ref.abs().max().clamp_min(1.0)).item()
 
@@ -139,23 +172,25 @@ def check(fn, ins, do, window):
 
 
 # ---------------------------------------------------------------- GPU table: one process
-def gpu_cases(quick, flash_attn):
+def gpu_cases(quick, flash_attn, banded=False):
     """(case name, shape, [(row name, impl, window)], baseline row) for the GPU table; flash_attn:
-    whether to add the flash-attn rows."""
+    whether to add the flash-attn rows; banded: the window cases alone, with FlexAttention's rows
+    (its baseline), whose compile takes most of a minute per head dim and length."""
     sizes = [(2, 512, (64, 128))] if quick else [(8, 2048, (64, 80, 96, 128)), (2, 8192, (64, 128))]
     flash = FLASH_ATTN if flash_attn else ()
     cases = []
     for b, t, dims in sizes:
         for d in dims:
             shape = (b, 16, t, d)
-            cases.append((f"T={t} d={d} causal", shape,
-                          [("triton", "triton", None), ("triton-det", "triton-det", None),
-                           *((name, name, None) for name in (*flash, *SDPA_BACKENDS))], "sdpa-flash"))
+            if not banded:
+                cases.append((f"T={t} d={d} causal", shape,
+                              [("triton", "triton", None), ("triton-det", "triton-det", None),
+                               *((name, name, None) for name in (*flash, *SDPA_BACKENDS))], "sdpa-flash"))
+            others = (FLEX, *flash, *SDPA_BACKENDS) if banded else (*flash, *SDPA_BACKENDS)
             cases.append((f"T={t} d={d} window 256", shape,
                           [("triton w=256", "triton", 256), ("triton-det w=256", "triton-det", 256),
-                           ("triton dense", "triton", None),
-                           *((f"{name} w=256", name, 256) for name in (*flash, *SDPA_BACKENDS))],
-                          "sdpa-efficient w=256"))
+                           ("triton dense", "triton", None), *((f"{name} w=256", name, 256) for name in others)],
+                          "flex w=256" if banded else "sdpa-efficient w=256"))
     return cases
 
 
@@ -167,7 +202,7 @@ def smoke_cases(flash_attn):
                                           ("torch", "torch", None),
                                           *((name, name, None) for name in (*flash, *SDPA_BACKENDS))], "torch"),
             ("T=128 d=64 window 32", shape,
-             [("torch w=32", "torch", 32), *((f"{name} w=32", name, 32) for name in flash),
+             [("torch w=32", "torch", 32), *((f"{name} w=32", name, 32) for name in (FLEX, *flash)),
               ("sdpa-efficient w=32", "sdpa-efficient", 32)], "torch w=32")]
 
 
@@ -408,6 +443,8 @@ def main():
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     parser.add_argument("--cpu", action="store_true", help="the CPU benchmark even when CUDA is available")
     parser.add_argument("--smoke", action="store_true", help="the GPU benchmark's code on the CPU, toy sizes")
+    parser.add_argument("--banded", action="store_true",
+                        help="on a GPU: the 256-token window cases alone, against FlexAttention (compiled)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="CPU threads per case")
     parser.add_argument("--json", metavar="PATH", type=Path, help="also write every row to PATH as a JSON list")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one CPU case, as JSON
@@ -420,7 +457,7 @@ def main():
         rows = gpu_table(smoke_cases(flash_attn_available()), torch.float32, device, rounds=2, inner=1, unit="GF")
     elif torch.cuda.is_available() and not args.cpu:
         device = torch.device("cuda")
-        cases = gpu_cases(args.quick, flash_attn_available())
+        cases = gpu_cases(args.quick, flash_attn_available(), args.banded)
         rows = gpu_table(cases, torch.bfloat16, device, rounds=10, inner=3, unit="TF")
     else:
         device = torch.device("cpu")

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Everything gpt3d measures on a GPU, in sections that each end well inside 9 minutes, in an order
-# that fits five jobs of a 10-minute slot (docs/benchmarks.md: "A plan for a short GPU slot").
+# that fits six jobs of a 10-minute slot (docs/benchmarks.md: "A plan for a short GPU slot").
 #
 #   bash bench/gpu_suite.sh --list                                          # sections, limits, jobs
 #   bash bench/gpu_suite.sh --only cuda-tests,train-small,step-65k,profile  # job 1: the headline figures
 #   bash bench/gpu_suite.sh --only train-large                              # job 2
 #   bash bench/gpu_suite.sh --only recovery-exact,recovery-paths            # job 3
 #   bash bench/gpu_suite.sh --only fp8-products,shard,fp8-large             # job 4: float8 where it pays
-#   bash bench/gpu_suite.sh --only attention                                # job 5: the attention kernel
+#   bash bench/gpu_suite.sh --only attention,attention-sweep                # job 5: the attention kernel, its configs
+#   bash bench/gpu_suite.sh --only attention-band                           # job 6: GPT-3's banded layers
 #   bash bench/gpu_suite.sh --only attention --dry-run                      # the commands, not run
 #   bash bench/gpu_suite.sh                                                 # every section, to the deadline
 #   bash bench/gpu_suite.sh --only shard /tmp/results                       # results into another folder
@@ -28,15 +29,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 SECTIONS=(cuda-tests train-small step-65k profile train-large recovery-exact recovery-paths fp8-products shard
-          fp8-large attention)
+          fp8-large attention attention-sweep attention-band)
 declare -A LIMIT=([cuda-tests]=140 [train-small]=180 [step-65k]=100 [profile]=90
                   [train-large]=420 [recovery-exact]=240 [recovery-paths]=240
-                  [fp8-products]=120 [shard]=240 [fp8-large]=180 [attention]=170)
+                  [fp8-products]=120 [shard]=240 [fp8-large]=180 [attention]=170 [attention-sweep]=300
+                  [attention-band]=200)
 declare -A JOB=([cuda-tests]=1 [train-small]=1 [step-65k]=1 [profile]=1
                 [train-large]=2 [recovery-exact]=3 [recovery-paths]=3
-                [fp8-products]=4 [shard]=4 [fp8-large]=4 [attention]=5)
+                [fp8-products]=4 [shard]=4 [fp8-large]=4 [attention]=5 [attention-sweep]=5 [attention-band]=6)
 declare -A TITLE=(
-  [cuda-tests]="CUDA tests: the kernel against float64, autotuning pinned to each kernel's first config"
+  [cuda-tests]="CUDA tests: the kernel against float64, each kernel on its committed TABLE config"
   [attention]="Attention kernel vs SDPA's flash, cuDNN and efficient backends (T=2048 and 8192)"
   [train-small]="Training step of gpt3-125m and gpt3-350m: plain rows vs Hugging Face GPT-2, and the DeepSpeed engine by precision: autocast, bf16, fp8 tensorwise and rowwise, compiled bf16 and fp8 (MFU)"
   [step-65k]="Training step of gpt3-125m and gpt3-350m through the DeepSpeed engine, bf16, at 65,536 tokens a step (micro batch 32, as llm.c runs a GPU)"
@@ -47,6 +49,8 @@ declare -A TITLE=(
   [fp8-large]="Training step of gpt3-1.3b (micro batch 2) through the DeepSpeed engine: bf16 and fp8, compiled, one engine at a time"
   [recovery-exact]="Recovery: kill -9 and SIGTERM, resumed bit for bit (gpt3-125m, seq 512, pinned kernel configs)"
   [recovery-paths]="Recovery: non-finite steps skipped, batch ramp, checkpoint GB/s, async vs sync pause (gpt3-125m, seq 512)"
+  [attention-sweep]="Every attention block configuration the sm_90 compile keeps, per kernel and head dim, timed alone (JSON)"
+  [attention-band]="GPT-3's banded layers (window 256): the kernel vs FlexAttention's sliding window (the baseline), flash-attn, SDPA"
 )
 
 bad() {  # bad MESSAGE: one line on stderr, exit code 2
@@ -65,7 +69,7 @@ list_sections() {
   for name in "${SECTIONS[@]}"; do
     printf '%-15s %5s s %4s  %s\n' "$name" "${LIMIT[$name]}" "${JOB[$name]}" "${TITLE[$name]}"
   done
-  for job in 1 2 3 4 5; do
+  for job in 1 2 3 4 5 6; do
     total=0
     for name in "${SECTIONS[@]}"; do
       if [ "${JOB[$name]}" = "$job" ]; then total=$((total + ${LIMIT[$name]})); fi
@@ -96,6 +100,8 @@ section_command() {  # section_command NAME: sets CMD to the section's command, 
     train-large) CMD=("$PY" -m bench.train_speed model=gpt3-760m model=gpt3-1.3b --json "$json") ;;
     fp8-products) CMD=("$PY" -m bench.fp8_products --budget-s $((LIMIT[fp8-products] - 25))) ;;
     fp8-large) CMD=("$PY" -m bench.train_speed model=gpt3-1.3b --fp8-pair --json "$json") ;;
+    attention-sweep) CMD=("$PY" -m bench.attention_sweep --seconds 270 --json "$json") ;;
+    attention-band) CMD=("$PY" -m bench.attention --banded --json "$json") ;;
     shard) shard175="$(printf '%q' "$PY") -m bench.shard model=gpt3-175b parallel.tp=8 train.micro_batch_size=1 train.precision=fp8"
            shard13="$(printf '%q' "$PY") -m bench.shard model=gpt3-13b parallel.tp=2 train.micro_batch_size=1 train.precision=fp8"
            CMD=(bash -c "$shard175 && $shard13")

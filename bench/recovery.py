@@ -6,7 +6,7 @@
   python -m bench.recovery model.n_layer=6        # overrides for every run, after the device's own
 
 Every run uses `model.deterministic_attention=true`, no evaluation and no sample, and the attention
-kernels' pinned configs (GPT3D_TRITON_AUTOTUNE=0, unless the environment sets it): autotuning in each
+kernels' committed TABLE configs (GPT3D_TRITON_AUTOTUNE=0, unless the environment sets it): autotuning in each
 process could pick other block sizes for the resumed run than for the uninterrupted one, and those
 round differently, so the exact checks would compare two kernels; it also spares every process the
 tuning. On CUDA (gpt3-125m: about 1.75 GB per checkpoint, three per long run) bench/gpu_suite.sh runs

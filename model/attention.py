@@ -44,7 +44,9 @@ from model.config import ATTENTION_IMPLS
 def attention(q, k, v, causal: bool = True, window: int | None = None, impl: str = "auto",
               deterministic: bool = False):
     """Scaled dot-product attention; q, k, v: (B, H, T, D). Returns (B, H, T, D)."""
-    impl = _resolved_impl(q, window, impl, deterministic)
+    if q.dim() != 4 or q.shape[-1] < 1:
+        raise ValueError(f"attention q of shape {tuple(q.shape)}: must be 4-d (B, H, T, D) with head dim D ≥ 1")
+    impl = _resolved_impl(q, causal, window, impl, deterministic)
     if impl == "reference":
         return reference_attention(q, k, v, causal=causal, window=window)
     if impl == "sdpa":
@@ -62,9 +64,12 @@ def packed_attention(qkv: torch.Tensor, head_dim: int, causal: bool = True, wind
     """The same attention on a QKV projection's output qkv (B, T, H·3·D), its rows ordered (head, {q, k, v},
     d_head): returns (B, T, H·D), the heads merged, as the output projection reads them. "triton" and "torch"
     read q, k, v in place and write the merged heads (model/attention_op.py); the others unpack and merge."""
+    if qkv.dim() != 3 or head_dim < 1 or qkv.shape[-1] % (3 * head_dim):
+        raise ValueError(f"attention qkv of shape {tuple(qkv.shape)} with head dim {head_dim}: must be 3-d (B, T, H·3·D) "
+                         f"with D ≥ 1 dividing its last dimension by 3·D")
     b, t, width = qkv.shape
     heads = width // (3 * head_dim)
-    impl = _resolved_impl(qkv, window, impl, deterministic)
+    impl = _resolved_impl(qkv, causal, window, impl, deterministic)
     if impl in ("triton", "torch"):
         from model.attention_op import attention_forward
 
@@ -75,12 +80,14 @@ def packed_attention(qkv: torch.Tensor, head_dim: int, causal: bool = True, wind
     return y.transpose(1, 2).reshape(b, t, heads * head_dim)  # (B, T, H·D)
 
 
-def _resolved_impl(x: torch.Tensor, window: int | None, impl: str, deterministic: bool) -> str:
-    """impl checked against its choices and the window, "auto" resolved for x's device and dtype."""
+def _resolved_impl(x: torch.Tensor, causal: bool, window: int | None, impl: str, deterministic: bool) -> str:
+    """impl checked against its choices, causal and the window checked, "auto" resolved for x's device and dtype."""
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention impl={impl!r}: must be one of {list(ATTENTION_IMPLS)}")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"attention window={window!r}: must be None or a positive integer")
+    if not isinstance(causal, bool):
+        raise ValueError(f"attention causal={causal!r}: must be True or False")
     if impl == "auto":
         impl = "torch" if not x.is_cuda else "triton" if x.dtype in (torch.bfloat16, torch.float16) else "sdpa"
     if deterministic and impl == "sdpa":

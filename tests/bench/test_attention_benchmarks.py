@@ -10,6 +10,9 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+import torch
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -79,7 +82,8 @@ def test_attention_smoke_json_has_every_row_and_runs_the_kernel_rows_interpreted
     causal, window = "T=128 d=64 causal", "T=128 d=64 window 32"
     assert set(by_name) == {(causal, name) for name in ("triton", "triton-det", "torch", "flash-attn", "flash-attn-det",
                                                         "sdpa-flash", "sdpa-cudnn", "sdpa-efficient")} | \
-        {(window, name) for name in ("torch w=32", "flash-attn w=32", "flash-attn-det w=32", "sdpa-efficient w=32")}
+        {(window, name) for name in ("torch w=32", "flex w=32", "flash-attn w=32", "flash-attn-det w=32",
+                                     "sdpa-efficient w=32")}
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     for (case, name), r in by_name.items():
         assert r["device"] == "CPU" and r["commit"] == commit and r["dtype"] == "float32", r
@@ -98,8 +102,54 @@ def test_attention_smoke_json_has_every_row_and_runs_the_kernel_rows_interpreted
     base = by_name[causal, "torch"]
     assert base["is_baseline"] and base["speed_vs_baseline"] == 1.0
     assert by_name[causal, "sdpa-cudnn"]["error"]  # a failed row is kept, with its reason
+    assert "backward on CPU" in by_name[window, "flex w=32"]["error"]  # FlexAttention differentiates on GPUs only
+
+
+def test_banded_gpu_table_is_the_window_cases_against_flex_attention():
+    from bench.attention import gpu_cases
+
+    banded = gpu_cases(quick=False, flash_attn=True, banded=True)
+    assert [name for name, *_ in banded] == [f"T={t} d={d} window 256" for t, dims in ((2048, (64, 80, 96, 128)),
+                                                                                        (8192, (64, 128))) for d in dims]
+    for _, _, rows, baseline in banded:
+        assert baseline == "flex w=256" and ("flex w=256", "flex", 256) in rows and ("flash-attn w=256", "flash-attn", 256) in rows
+    assert all(("flex" not in [impl for _, impl, _ in rows]) for *_, rows, _ in gpu_cases(quick=False, flash_attn=True))
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_rows_mask_the_band_as_the_reference_does():
+    """The FlexAttention rows' block mask (causal, and a sliding window) against float64, forward only:
+    FlexAttention has no backward on a CPU, where the smoke run reports its row as failed."""
+    from attention_reference import float64_attention, rel_err
+    from bench.attention import flex_fn
+
+    q, k, v = torch.randn(3, 1, 2, 100, 64, generator=torch.Generator().manual_seed(0)).unbind(0)  # each (B, H, T, D)
+    for window in (32, None):
+        ref = float64_attention(q.double(), k.double(), v.double(), True, window)
+        assert rel_err(flex_fn(window)(q, k, v), ref) < 2e-4, window
 
 
 def test_train_speed_names_the_configs_for_an_unknown_model():
     proc = run("bench.train_speed", "model=gpt3-7b", "--device", "cpu", check=False)
     assert proc.returncode != 0 and "gpt3-125m" in proc.stderr and "model=gpt3-7b" in proc.stderr
+
+
+def test_attention_sweep_lists_its_cases_and_its_smoke_run_times_them(tmp_path):
+    """The GPU sweep's code on the CPU: --list prints every (kernel, configuration, head dim, shape) of
+    SWEEP in timing order, each TABLE choice among them; --smoke runs two configurations per kernel
+    through the interpreter and writes one record per case, each as soon as it is timed."""
+    from model.attention_configs import TABLE, sweep_at
+
+    listed = [json.loads(line) for line in run("bench.attention_sweep", "--list").stdout.splitlines()]
+    assert len(listed) == 3 * sum(len(sweep_at(kernel, d)) for kernel in TABLE for d in (64, 80, 96, 128))
+    assert (listed[0]["T"], listed[0]["window"], listed[0]["head_dim"], listed[0]["kernel"]) == (2048, None, 128, "forward")
+    chosen = {(c["kernel"], c["head_dim"], c["T"], c["window"]) for c in listed if c["in_table"]}
+    shapes = {(c["T"], c["window"]) for c in listed}
+    assert chosen == {(kernel, d, t, w) for kernel in TABLE for d in TABLE[kernel] for t, w in shapes}  # TABLE ⊂ SWEEP
+    path = tmp_path / "sweep.json"
+    out = run("bench.attention_sweep", "--smoke", "--json", str(path)).stdout
+    records = json.loads(path.read_text())
+    assert len(records) == 8 and {r["kernel"] for r in records} == set(TABLE), out
+    for r in records:
+        assert r["error"] is None and r["ms"] > 0 and r["tflops"] > 0 and r["device"] == "CPU", r
+        assert (r["head_dim"], r["T"], r["batch"], r["heads"], r["dtype"]) == (64, 64, 1, 2, "float16"), r

@@ -15,11 +15,12 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SECTIONS = ["cuda-tests", "train-small", "step-65k", "profile", "train-large", "recovery-exact", "recovery-paths",
-            "fp8-products", "shard", "fp8-large", "attention"]
+            "fp8-products", "shard", "fp8-large", "attention", "attention-sweep", "attention-band"]
 MODULE = {"cuda-tests": "pytest", "attention": "bench.attention", "train-small": "bench.train_speed",
           "step-65k": "bench.train_speed", "profile": "bench.profile", "train-large": "bench.train_speed",
           "shard": "bench.shard", "recovery-exact": "bench.recovery", "recovery-paths": "bench.recovery",
-          "fp8-products": "bench.fp8_products", "fp8-large": "bench.train_speed"}
+          "fp8-products": "bench.fp8_products", "fp8-large": "bench.train_speed",
+          "attention-sweep": "bench.attention_sweep", "attention-band": "bench.attention"}
 JOB_LIMIT_S = 540  # a 10-minute job, less a minute for starting and for the header
 STUB = r"""#!/usr/bin/env bash
 # Python on a CUDA machine, as the suite sees it: the probes answer, every other command is recorded.
@@ -58,7 +59,7 @@ def today_file(out: Path) -> Path:
     return out / f"Stub-GPU-{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}.md"
 
 
-def test_list_prints_every_section_with_its_limit_in_five_jobs_that_fit_ten_minutes(suite):
+def test_list_prints_every_section_with_its_limit_in_six_jobs_that_fit_ten_minutes(suite):
     proc, _, _, commands = suite("--list")
     assert proc.returncode == 0 and not commands, proc.stderr
     rows = [line.split() for line in proc.stdout.splitlines()[1:] if re.match(r"^[a-z0-9-]+ +\d+ s ", line)]
@@ -67,7 +68,7 @@ def test_list_prints_every_section_with_its_limit_in_five_jobs_that_fit_ten_minu
     jobs = {r[0]: int(r[3]) for r in rows}
     assert all(limit <= 480 for limit in limits.values())  # each section well inside 9 minutes
     job_lines = [line for line in proc.stdout.splitlines() if line.startswith("job ")]
-    assert len(job_lines) == 5
+    assert len(job_lines) == 6
     listed = []
     for number, line in enumerate(job_lines, 1):
         total, names = re.fullmatch(r"job \d: (\d+) s of limits: bash bench/gpu_suite.sh --only (\S+)", line).groups()

@@ -4,17 +4,20 @@
 for a chosen architecture with no GPU present. Each kernel is compiled the way the runtime would
 compile it for contiguous or packed-QKV inputs (pointers and strides specialised as multiples of
 16; T, lo, hi never specialised, as the kernels declare), for every autotune config at the head
-dims it serves (and the pinned config at all of them), in both half-precision dtypes, for sm_80
+dims it serves and TABLE's choices at each head dim, in both half-precision dtypes, for sm_80
 and sm_90 (Hopper, whose tensor cores need `wgmma`). The kernels are those of both backwards: the
 default one (preprocess zeroing the dQ accumulator, then dK, dV and atomic dQ adds) and the
 deterministic one (preprocess, dK and dV alone, then the dQ pass). From each binary it reads the
 per-thread register count and stack frame (cuobjdump's resource usage: a non-zero STACK is where
 ptxas put spilled registers, since these kernels call nothing and keep no local arrays) and counts
-the `wgmma` instructions, the atomic instructions (`atom.`, `red.`) and the Hopper bulk-tensor
-loads (`cp.async.bulk.tensor`) in the PTX.
+the `wgmma` instructions, the Ampere-style `mma.sync` ones (a product Triton could not make a wgmma
+on sm_90), the atomic instructions (`atom.`, `red.`) and the Hopper bulk-tensor loads
+(`cp.async.bulk.tensor`, TMA) in the PTX. sm_90 is compiled on the kernels' Hopper path (HOPPER: TMA
+tensor descriptors, the transposed dQ product), sm_80 on the other, as `_hopper_path` picks at run time.
 
   python tests/helpers/attention_compile.py          # the table, with TRITON_INTERPRET unset
   python tests/helpers/attention_compile.py --json   # one JSON record per compiled kernel
+  python tests/helpers/attention_compile.py --prune  # the configuration space for sm_90: SWEEP
 
 Compiles run in parallel, one process per CPU, and land in Triton's on-disk cache
 (~/.triton/cache), so a second run takes seconds. tests/model/test_attention_compile.py runs this in a
@@ -36,6 +39,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, when run as a script
 
+from model.attention_configs import KERNELS, candidates, space, table_entries  # noqa: E402
+
 HEAD_DIMS = (64, 80, 96, 128)
 DTYPES = ("bf16", "fp16")
 ARCHS = (80, 90)
@@ -53,24 +58,29 @@ ATOMIC_RE = re.compile(r"^\s*(?:@!?%\w+\s+)?(?:atom|red)\.", re.MULTILINE)
 def kernels():
     """{name: (JITFunction, {head dim: [config kwargs + num_warps/num_stages]}, fixed constexprs,
     pointer types overriding POINTERS)} for every kernel the two backwards and the forward launch: the
-    configs the autotuner tries at that head dim plus the pinned one (used at every head dim)."""
+    configs the autotuner tries at that head dim and TABLE's choices for it (`configs_at`)."""
     from model import attention_triton as at
 
     if at.INTERPRET:
         raise RuntimeError("TRITON_INTERPRET=1 is set: the kernels are interpreted and cannot be compiled")
 
-    def per_head_dim(tuning, mask_name):
-        entries = {d: list(dict.fromkeys([*at.candidates(tuning, d), at.pinned(tuning)])) for d in HEAD_DIMS}
-        return {d: [_config_dict(c) for c in at.triton_configs(e, mask_name)] for d, e in entries.items()}
+    def per_head_dim(kernel):
+        return {d: [_config_dict(c) for c in at.triton_configs(configs_at(kernel, d), KERNELS[kernel][1])]
+                for d in HEAD_DIMS}
 
     preprocess = {d: [{"BLOCK_M": at.PREPROCESS_BLOCK, "num_warps": 4, "num_stages": 3}] for d in HEAD_DIMS}
-    return {"forward": (at._fwd_kernel.fn, per_head_dim(at.FWD_TUNING, "MASK_N"), {}, {}),
-            "backward": (at._bwd_kernel.fn, per_head_dim(at.BWD_TUNING, "MASK_M"), {"ATOMIC_DQ": True}, {}),
+    return {"forward": (at._fwd_kernel.fn, per_head_dim("forward"), {}, {}),
+            "backward": (at._bwd_kernel.fn, per_head_dim("backward"), {"ATOMIC_DQ": True}, {}),
             "preprocess": (at._bwd_preprocess, preprocess, {"ZERO_DQ": True}, {}),
-            "det-backward-dkdv": (at._bwd_kv_kernel.fn, per_head_dim(at.BWD_TUNING, "MASK_M"),
-                                  {"ATOMIC_DQ": False}, {}),
-            "det-backward-dq": (at._bwd_dq_kernel.fn, per_head_dim(at.DQ_TUNING, "MASK_N"), {}, {"DQ": "in"}),
+            "det-backward-dkdv": (at._bwd_kv_kernel.fn, per_head_dim("backward_kv"), {"ATOMIC_DQ": False}, {}),
+            "det-backward-dq": (at._bwd_dq_kernel.fn, per_head_dim("backward_dq"), {}, {"DQ": "in"}),
             "det-preprocess": (at._bwd_preprocess, preprocess, {"ZERO_DQ": False}, {"DQ": "in"})}
+
+
+def configs_at(kernel: str, head_dim: int) -> list[tuple]:
+    """The entries a kernel of model/attention_configs.py (KERNELS' names) may run at one head dim:
+    the autotuner's candidates and TABLE's choices for every T bucket."""
+    return list(dict.fromkeys([*candidates(KERNELS[kernel][0], head_dim), *table_entries(kernel, head_dim)]))
 
 
 def _config_dict(config):
@@ -91,6 +101,8 @@ def compile_case(kernel_name: str, config: dict, head_dim: int, dtype: str, arch
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": max(16, triton.next_power_of_2(head_dim)), **meta, **fixed}
     if "DOT_PRECISION" in params:
         constexprs["DOT_PRECISION"] = "tf32"  # what the kernels get for bf16/fp16 (ignored for them)
+    if "HOPPER" in params:
+        constexprs["HOPPER"] = arch >= 90  # the Hopper path on sm_90, pointer loads and dQ = dS K before it
     signature, attrs = {}, {}
     for index, param in enumerate(fn.params):
         name = param.name
@@ -119,7 +131,7 @@ def compile_case(kernel_name: str, config: dict, head_dim: int, dtype: str, arch
     ptx = compiled.asm["ptx"]
     return {"kernel": kernel_name, "config": config, "head_dim": head_dim, "dtype": dtype, "arch": arch,
             "registers": usage["REG"], "stack": usage["STACK"], "local": usage["LOCAL"],
-            "shared": compiled.metadata.shared, "wgmma": ptx.count("wgmma.mma_async"),
+            "shared": compiled.metadata.shared, "wgmma": ptx.count("wgmma.mma_async"), "mma_sync": ptx.count("mma.sync"),
             "atomics": len(ATOMIC_RE.findall(ptx)), "bulk_tensor": ptx.count("cp.async.bulk.tensor")}
 
 
@@ -159,13 +171,51 @@ def compile_all(workers: int | None = None, control: bool = False) -> list[dict]
 
 def print_table(records):
     print(f"{'kernel':<17} {'config (M, N, mask, warps, stages)':<36} {'arch':>5} {'dtype':>5} {'d':>4} "
-          f"{'regs':>5} {'stack B':>7} {'smem KiB':>8} {'wgmma':>6} {'atomic':>6}")
+          f"{'regs':>5} {'stack B':>7} {'smem KiB':>8} {'wgmma':>6} {'mma.sync':>8} {'TMA':>4} {'atomic':>6}")
     for r in records:
         c = r["config"]
         blocks = tuple(v for k, v in c.items() if k not in ("num_warps", "num_stages"))
         name = f"{blocks + (c['num_warps'], c['num_stages'])}"
         print(f"{r['kernel']:<17} {name:<36} {'sm_' + str(r['arch']):>5} {r['dtype']:>5} {r['head_dim']:>4} "
-              f"{r['registers']:>5} {r['stack']:>7} {r['shared'] / 1024:>8.1f} {r['wgmma']:>6} {r['atomics']:>6}")
+              f"{r['registers']:>5} {r['stack']:>7} {r['shared'] / 1024:>8.1f} {r['wgmma']:>6} {r['mma_sync']:>8} "
+              f"{r['bulk_tensor']:>4} {r['atomics']:>6}")
+
+
+# The prune (--prune): model/attention_configs.py's names → this file's kernels. The deterministic
+# dK/dV pass is the atomic kernel without its dQ product and takes the atomic one's survivors.
+PRUNED = {"forward": "forward", "backward": "backward", "backward_dq": "det-backward-dq"}
+PRUNE_HEAD_DIMS = (64, 128)  # 80 and 96 pad to 128 columns (BLOCK_D): SWEEP gives them 128's survivors
+SHARED_LIMIT_90 = 227 * 1024  # the largest dynamic shared memory one block may use on an H100
+
+
+def passes_on_hopper(record: dict) -> bool:
+    """An sm_90 compile the kernels may run: no spills, shared memory within the H100's limit, every
+    product a wgmma (no mma.sync), the inner tiles read by TMA (cp.async.bulk.tensor)."""
+    return (not record["stack"] and not record["local"] and record["shared"] <= SHARED_LIMIT_90
+            and record["wgmma"] > 0 and not record["mma_sync"] and record["bulk_tensor"] > 0)
+
+
+def prune(workers: int | None = None) -> list[dict]:
+    """Every configuration of `space` compiled for sm_90 in bf16 at PRUNE_HEAD_DIMS; each record
+    carries `passes` (`passes_on_hopper`)."""
+    cases = [(PRUNED[kernel], dict(zip(("BLOCK_M", "BLOCK_N", KERNELS[kernel][1], "num_warps", "num_stages"), entry)),
+              d, "bf16", 90) for kernel in PRUNED for d in PRUNE_HEAD_DIMS for entry in space(kernel)]
+    workers = workers or min(os.cpu_count() or 1, len(cases))
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        records = list(pool.map(compile_case, *zip(*cases)))
+    return [{**r, "passes": passes_on_hopper(r)} for r in records]
+
+
+def sweep_table(records) -> dict:
+    """SWEEP (model/attention_configs.py) from `prune`'s records: {kernel: {head dim: [entries]}}."""
+    names = {helper: kernel for kernel, helper in PRUNED.items()}
+    sweep = {kernel: {d: [] for d in PRUNE_HEAD_DIMS} for kernel in PRUNED}
+    for r in records:
+        if r["passes"]:
+            kernel = names[r["kernel"]]
+            entry = tuple(r["config"][k] for k in ("BLOCK_M", "BLOCK_N", KERNELS[kernel][1], "num_warps", "num_stages"))
+            sweep[kernel][r["head_dim"]].append(entry)
+    return sweep
 
 
 def main():
@@ -173,7 +223,18 @@ def main():
     parser.add_argument("--json", action="store_true", help="one JSON record per line instead of the table")
     parser.add_argument("--workers", type=int, help="parallel compiles (default: one per CPU)")
     parser.add_argument("--control", action="store_true", help="also compile SPILLING_CONTROL, last")
+    parser.add_argument("--prune", action="store_true",
+                        help="compile the configuration space for sm_90 and print SWEEP (model/attention_configs.py)")
     args = parser.parse_args()
+    if args.prune:
+        records = prune(args.workers)
+        if args.json:
+            for r in records:
+                print(json.dumps(r))
+        else:
+            print_table(records)
+            print("SWEEP =", repr(sweep_table(records)))
+        return
     records = compile_all(args.workers, args.control)
     if args.json:
         for r in records:

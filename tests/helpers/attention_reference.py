@@ -72,3 +72,41 @@ def split_heads(qkv, h, d):
     """q, k, v (each (B, H, T, D)) as views of a (B, T, H·3·D) projection, the way SelfAttention does."""
     b, t, _ = qkv.shape
     return qkv.view(b, t, h, 3, d).permute(3, 0, 2, 1, 4).unbind(0)
+
+
+def large_inputs(b, t, d, dtype, seed=0, device="cpu"):
+    """q, k, v, dO of shape (B, 2, T, D), drawn in float64 and rounded to `dtype`, with scores far from
+    unit size, one kind per head:
+      head 0: every query points away from every key (q = −25√D·u + n, k = 6u + n/2 for one unit
+              vector u, n standard normal), so every score QKᵀ/√D is about −150 ± 40 and so is each
+              row's log-sum-exp: e^(0 − LSE), what a zero key past T gives where it is not masked,
+              overflows float32;
+      head 1: the magnitudes of FlashAttention's backward-overflow test: q·5, k·3, v·3.
+    dO is standard normal."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v, do = (torch.randn(b, 2, t, d, generator=gen, dtype=torch.float64) for _ in range(4))  # (B, 2, T, D)
+    u = torch.randn(d, generator=gen, dtype=torch.float64)  # (D,)
+    u = u / u.norm()
+    q = torch.stack([q[:, 0] - 25 * math.sqrt(d) * u, q[:, 1] * 5], 1)  # (B, 2, T, D)
+    k = torch.stack([k[:, 0] / 2 + 6 * u, k[:, 1] * 3], 1)  # (B, 2, T, D)
+    v = torch.stack([v[:, 0], v[:, 1] * 3], 1)  # (B, 2, T, D)
+    return (x.to(device=device, dtype=dtype) for x in (q, k, v, do))
+
+
+def errors_against_plain(q, k, v, do, causal, window, impl, deterministic=False):
+    """Per head, the errors of `impl` and of plain PyTorch in the inputs' own dtype (float64_attention
+    on the same tensors, softmax and all in that dtype), both against float64 autograd on the same
+    rounded values: {"O", "dQ", "dK", "dV"} → [(impl's error, plain PyTorch's error) per head], each
+    max |x − ref| / max(max |ref|, 1) over that head. FlashAttention's tests ask a fused kernel in half
+    precision for at most 2× plain PyTorch's error in the same precision."""
+    ins = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = attention(*ins, causal=causal, window=window, impl=impl, deterministic=deterministic)
+    got = (out, *torch.autograd.grad(out, ins, do))
+    plain_ins = [x.clone().requires_grad_() for x in (q, k, v)]
+    plain = float64_attention(*plain_ins, causal, window)
+    plain = (plain, *torch.autograd.grad(plain, plain_ins, do))
+    ref_ins = [x.double().requires_grad_() for x in (q, k, v)]
+    ref = float64_attention(*ref_ins, causal, window)
+    ref = (ref, *torch.autograd.grad(ref, ref_ins, do.double()))
+    return {name: [(rel_err(x[:, h], r[:, h]), rel_err(p[:, h], r[:, h])) for h in range(q.shape[1])]
+            for name, x, p, r in zip(("O", "dQ", "dK", "dV"), got, plain, ref)}

@@ -2,6 +2,7 @@
 match a float64 autograd reference; a Block's parameter gradients match impl="reference"; memory
 stays O(T·D); blocks outside the band are never touched."""
 
+import re
 
 import pytest
 import torch
@@ -39,6 +40,12 @@ def test_bad_arguments_are_named():
         attention(q, q, q, impl="flash")
     with pytest.raises(ValueError, match="window=0"):
         attention(q, q, q, window=0)
+    with pytest.raises(ValueError, match="causal='no': must be True or False"):
+        attention(q, q, q, causal="no")
+    for bad in (q[0], q[..., :0]):  # 3-d; head dim 0
+        with pytest.raises(ValueError, match=re.escape(f"shape {tuple(bad.shape)}: must be 4-d (B, H, T, D) with head "
+                                                       "dim D ≥ 1")):
+            attention(bad, bad, bad, impl="reference")
 
 
 @pytest.mark.parametrize("layer_index", [0, 1])  # dense, then banded (window 16)

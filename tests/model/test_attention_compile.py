@@ -1,17 +1,15 @@
 """The attention kernels compiled ahead of time for sm_80 (A100) and sm_90 (H100), on the CPU:
 every kernel of the forward and of both backwards (the default one with atomic dQ adds, the
 deterministic one with its dK/dV pass and dQ pass), head dims 64/80/96/128, each with every
-autotune config it tunes over and the pinned config, bf16 and fp16, with no register spills,
-shared memory within the architecture's per-block limit, Hopper's `wgmma` tensor-core
-instructions in the sm_90 code, and no atomic instruction in the deterministic kernels.
+autotune config it tunes over and its TABLE choices (model/attention_configs.py), bf16 and fp16,
+with no register spills, shared memory within the architecture's per-block limit, no atomic
+instruction in the deterministic kernels, and on Hopper every product a `wgmma` (no Ampere
+`mma.sync` left) and the inner loops' tiles read by TMA bulk tensor copies (`cp.async.bulk.tensor`:
+the kernels' HOPPER path, which sm_90 compiles; sm_80 keeps pointer loads and dQ = dS K).
 tests/helpers/attention_compile.py does the compiling, in a subprocess without TRITON_INTERPRET=1 (which
 the interpreter tests set for this whole pytest process).
 
-The kernels load through pointers (tl.load), not TMA tensor descriptors, so no PTX may hold a
-Hopper bulk-tensor copy (cp.async.bulk.tensor); a kernel moved to descriptors must flip that check
-for itself.
-
-About five minutes on 2 cores when Triton's cache is cold, seconds when it is warm.
+About 12 CPU-minutes when Triton's cache is cold (240 kernels), seconds when it is warm.
 """
 
 import itertools
@@ -50,19 +48,22 @@ def _name(r):
 
 
 def _expected_cases():
-    """(kernel, config items, head dim, dtype, arch) for the autotune lists as model/attention_triton.py
-    declares them: each head dim's candidates and the pinned config."""
+    """(kernel, config items, head dim, dtype, arch) for the configurations model/attention_configs.py
+    declares: each head dim's autotune candidates and TABLE's choices at it."""
+    from model import attention_configs as ac
     from model import attention_triton as at
 
     def items(entry, mask):
         return tuple(zip(("BLOCK_M", "BLOCK_N", mask, "num_warps", "num_stages"), entry))
 
-    tuned = (("forward", at.FWD_TUNING, "MASK_N"), ("backward", at.BWD_TUNING, "MASK_M"),
-             ("det-backward-dkdv", at.BWD_TUNING, "MASK_M"), ("det-backward-dq", at.DQ_TUNING, "MASK_N"))
+    tuned = (("forward", "forward"), ("backward", "backward"), ("det-backward-dkdv", "backward_kv"),
+             ("det-backward-dq", "backward_dq"))
     cases = set()
     for d, dtype, arch in itertools.product(HEAD_DIMS, HALF_DTYPES, ARCHS):
-        for kernel, tuning, mask in tuned:
-            cases |= {(kernel, items(e, mask), d, dtype, arch) for e in [*at.candidates(tuning, d), at.pinned(tuning)]}
+        for kernel, name in tuned:
+            tuning, mask = ac.KERNELS[name]
+            cases |= {(kernel, items(e, mask), d, dtype, arch)
+                      for e in [*ac.candidates(tuning, d), *ac.table_entries(name, d)]}
         preprocess = (("BLOCK_M", at.PREPROCESS_BLOCK), ("num_warps", 4), ("num_stages", 3))
         cases |= {(kernel, preprocess, d, dtype, arch) for kernel in ("preprocess", "det-preprocess")}
     return cases
@@ -91,13 +92,16 @@ def test_shared_memory_fits_each_architecture(compiled):
     assert not too_big, "configs over the shared-memory limit:\n" + "\n".join(too_big)
 
 
-def test_hopper_code_uses_wgmma_and_ampere_code_cannot(compiled):
+def test_every_hopper_product_is_a_wgmma_and_ampere_code_has_none(compiled):
+    """On sm_90 each kernel's matmuls are wgmma instructions, none left as Ampere's mma.sync (which
+    Triton falls back to for a product it cannot shape for a warpgroup, such as fewer than 64 rows)."""
     records, _ = compiled
     matmul_kernels = [r for r in records if not r["kernel"].endswith("preprocess")]
     assert matmul_kernels
-    assert all(r["wgmma"] > 0 for r in matmul_kernels if r["arch"] == 90), \
-        [_name(r) for r in matmul_kernels if r["arch"] == 90 and not r["wgmma"]]
-    assert all(r["wgmma"] == 0 for r in records if r["arch"] == 80)
+    hopper = [r for r in matmul_kernels if r["arch"] == 90]
+    assert not [_name(r) for r in hopper if not r["wgmma"] or r["mma_sync"]], \
+        [f"{_name(r)}: {r['wgmma']} wgmma, {r['mma_sync']} mma.sync" for r in hopper if not r["wgmma"] or r["mma_sync"]]
+    assert all(r["wgmma"] == 0 and r["mma_sync"] > 0 for r in matmul_kernels if r["arch"] == 80)
 
 
 def test_deterministic_kernels_have_no_atomics(compiled):
@@ -112,8 +116,10 @@ def test_deterministic_kernels_have_no_atomics(compiled):
     assert all(r["atomics"] == 0 for r in records if r["kernel"] == "forward")
 
 
-def test_no_tensor_descriptor_loads_anywhere(compiled):
-    """No kernel uses TMA tensor descriptors (see the module docstring), so none may compile to
-    cp.async.bulk.tensor; this test is where a kernel that adopts them must be listed."""
+def test_hopper_inner_tiles_are_tma_bulk_copies(compiled):
+    """Every sm_90 matmul kernel reads tiles with TMA bulk tensor copies; sm_80 code and the
+    preprocess kernels (one pointer load per tile) have none."""
     records, _ = compiled
-    assert not [_name(r) for r in records if r["bulk_tensor"]]
+    hopper = [r for r in records if r["arch"] == 90 and not r["kernel"].endswith("preprocess")]
+    assert hopper and not [_name(r) for r in hopper if not r["bulk_tensor"]]
+    assert not [_name(r) for r in records if r["bulk_tensor"] and (r["arch"] == 80 or r["kernel"].endswith("preprocess"))]

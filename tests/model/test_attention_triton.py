@@ -2,10 +2,12 @@
 kernels that run on the GPU, with small blocks (outer 16, inner 32, masked sub-blocks of 16), so
 every case crosses several blocks, ragged last blocks, and masked and unmasked blocks of the band.
 Each feature is checked with the default backward (dQ added atomically) and the deterministic one
-(dQ in a pass of its own), which must also give the same bits twice.
+(dQ in a pass of its own), which must also give the same bits twice. The kernels run their sm_90
+path (INTERPRET_HOPPER: the unmasked loops read tiles through tensor descriptors, the atomic
+backward's dQ product is transposed); test_pointer_loads_match_float64 runs the other one, older GPUs'.
 
-The interpreter's tl.dot does not handle bfloat16, so low precision is covered by float16 here
-(same code path, other dtype); bfloat16 needs a GPU.
+The interpreter's tl.dot does not handle bfloat16 (the kernel refuses it there), so low precision
+is covered by float16 here (same code path, other dtype); bfloat16 needs a GPU.
 """
 
 import os
@@ -28,17 +30,40 @@ from model.attention import attention  # noqa: E402
 from model.config import GPTConfig  # noqa: E402
 from model.layers import Block  # noqa: E402
 
-from attention_reference import (HEAD_DIMS, LENGTHS, MASKS, TOL, errors_vs_float64, float64_attention,  # noqa: E402
-                                 packed_errors_vs_float64, rel_err, split_heads)
+from attention_reference import (HEAD_DIMS, LENGTHS, MASKS, TOL, errors_against_plain, errors_vs_float64,  # noqa: E402
+                                 float64_attention, large_inputs, packed_errors_vs_float64, rel_err, split_heads)
+
+
+BACKWARDS = {"atomic": False, "deterministic": True}  # id → the `deterministic` argument
 
 
 def test_kernels_are_interpreted():
     from model import attention_triton
 
     assert attention_triton.INTERPRET
+    assert attention_triton.INTERPRET_HOPPER  # the sm_90 path: tiles through tensor descriptors, dQ transposed
 
 
-BACKWARDS = {"atomic": False, "deterministic": True}  # id → the `deterministic` argument
+@pytest.mark.parametrize("backward", BACKWARDS)
+@pytest.mark.parametrize("mask", ["causal", "band"])
+def test_pointer_loads_match_float64(mask, backward, monkeypatch):
+    """The path of GPUs before sm_90 (and of tensors a descriptor cannot take), which every other test
+    here leaves aside: every tile through pointers and dQ = dS K, at a head dim padded to 128 columns
+    and a ragged T. A spy on `_hopper_path` shows which path each launch took."""
+    from model import attention_triton as at
+
+    taken = []
+    hopper_path = at._hopper_path
+    monkeypatch.setattr(at, "_hopper_path", lambda *tensors: taken.append(hopper_path(*tensors)) or taken[-1])
+    monkeypatch.setattr(at, "INTERPRET_HOPPER", False)
+    causal, window = MASKS[mask]
+    errs = errors_vs_float64((1, 2, 70, 80), causal, window, "triton", deterministic=BACKWARDS[backward])
+    assert max(errs) < TOL, f"(O, dQ, dK, dV) relative errors {errs}"
+    assert taken == [False, False]  # the forward's launch, the backward's launches
+    monkeypatch.setattr(at, "INTERPRET_HOPPER", True)
+    x, odd = torch.randn(1, 2, 8, 64), torch.randn(1, 2, 8, 59)
+    assert hopper_path(x, x, x) and not hopper_path(odd, odd, odd)  # 59 float32 columns: rows 236 bytes apart
+
 
 
 @pytest.mark.parametrize("backward", BACKWARDS)
@@ -56,6 +81,53 @@ def test_triton_float16_and_batch_heads(backward):
     errs = errors_vs_float64((2, 2, 40, 80), True, 20, "triton", dtype=torch.float16,
                              deterministic=BACKWARDS[backward])
     assert max(errs) < 2e-3, f"(O, dQ, dK, dV) relative errors {errs}"
+
+
+# Every head dim non-causal (where dQ was NaN), causal and banded at two head dims each; float32 at 64.
+LARGE_SCORE_CASES = [(d, torch.float16, "full") for d in HEAD_DIMS] + \
+    [(64, torch.float16, "causal"), (128, torch.float16, "causal"), (80, torch.float16, "band"),
+     (96, torch.float16, "band"), (64, torch.float32, "full"), (64, torch.float32, "causal")]
+
+
+@pytest.mark.parametrize("backward", BACKWARDS)
+@pytest.mark.parametrize("d, dtype, mask", LARGE_SCORE_CASES, ids=str)
+def test_large_scores_match_float64(d, dtype, mask, backward):
+    """FlashAttention's backward-overflow test, harder: one head whose queries all point away from
+    every key (each row's log-sum-exp near −100: e^(−LSE) overflows float32), one with its test's
+    magnitudes (q·5, k·3, v·3). T = 50 ends in a partial key block of the backward (blocks of 16)
+    and a partial query block of the forward. In float16 each of O, dQ, dK, dV, per head, is within
+    FlashAttention's rule, 2× the error of plain PyTorch in float16 against float64. In float32 plain
+    PyTorch's error (1e-6) is no yardstick: the kernel recomputes A in the backward from a score
+    summed in another order than the forward's and LSE rounded once, ~1e-5 relative at scores
+    near −150, which dK = dSᵀQ/√D (|Q| ≈ 200, cancelling sums) turns into ~1e-4 (measured at most
+    1.0e-4; plain PyTorch differentiates the one A it computed): float32 is held to the suite's TOL."""
+    causal, window = MASKS[mask]
+    q, k, v, do = large_inputs(1, 50, d, dtype)  # (1, 2, 50, D)
+    scores = q[:, 0].double() @ k[:, 0].double().transpose(-2, -1) / d ** 0.5  # (1, 50, 50)
+    assert torch.logsumexp(scores, -1).max() < -89  # e^(−LSE) > 2^128: what made dQ NaN, unmasked
+    errors = errors_against_plain(q, k, v, do, causal, window, "triton", deterministic=BACKWARDS[backward])
+    if dtype == torch.float16:
+        bad = [f"{name} head {h}: {mine:.2e} > 2 × {plain:.2e}" for name, per_head in errors.items()
+               for h, (mine, plain) in enumerate(per_head) if not mine <= 2 * plain]
+    else:
+        bad = [f"{name} head {h}: {mine:.2e}" for name, per_head in errors.items()
+               for h, (mine, _) in enumerate(per_head) if not mine < TOL]
+    assert not bad, bad
+
+
+def test_bad_inputs_are_refused_before_any_launch():
+    """Under the interpreter bfloat16 would run and be wrong by orders of magnitude (its tl.dot has
+    no bfloat16): refused, as is what the kernel cannot index."""
+    from model.attention_triton import check_inputs
+
+    x = torch.randn(1, 1, 8, 16)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1 takes float32 or float16, not torch.bfloat16"):
+        attention(*(x.bfloat16(),) * 3, impl="triton")
+    with pytest.raises(ValueError, match=r"takes 4-d q, k, v \(B, H, T, D\), not shape \(1, 8, 16\)"):
+        check_inputs(x[0], x[0], x[0])
+    empty = torch.randn(1, 1, 8, 0)
+    with pytest.raises(ValueError, match="head dims 1 to 256, not 0"):
+        check_inputs(empty, empty, empty)
 
 
 @pytest.mark.parametrize("layer_index", [0, 1])  # dense, then banded (window 24)
@@ -247,11 +319,10 @@ def gpu_configs(head_dim: int) -> list[dict]:
     """For each position i of the tuning lists at this head dim: every kernel's i-th GPU config
     (the block sizes the autotuner chooses among on a GPU), as triton.Configs by kernel name."""
     from model import attention_triton as kernels
+    from model.attention_configs import KERNELS, candidates
 
-    lists = {"forward": (kernels.FWD_TUNING, "MASK_N"), "backward": (kernels.BWD_TUNING, "MASK_M"),
-             "backward_kv": (kernels.BWD_TUNING, "MASK_M"), "backward_dq": (kernels.DQ_TUNING, "MASK_N")}
-    per_kernel = {name: kernels.triton_configs(kernels.candidates(tuning, head_dim), mask)
-                  for name, (tuning, mask) in lists.items()}
+    per_kernel = {name: kernels.triton_configs(candidates(tuning, head_dim), mask)
+                  for name, (tuning, mask) in KERNELS.items()}
     return [{name: configs[i] for name, configs in per_kernel.items()} for i in range(3)]
 
 

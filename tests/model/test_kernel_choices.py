@@ -69,10 +69,11 @@ def attention_tuned_and_saved() -> dict:
     """A process whose forward kernel chose a config for one key, as its autotuner leaves it, saved as a
     checkpoint's per-rank part (train/checkpoint/kernels.py)."""
     from model import attention_triton
+    from model.attention_configs import FWD_TUNING
     from train.checkpoint.kernels import KernelChoices
 
     tuner = attention_triton.autotuners()["forward"]
-    config = attention_triton.triton_configs([attention_triton.FWD_TUNING[64][1]], "MASK_N")[0]
+    config = attention_triton.triton_configs([FWD_TUNING[64][1]], "MASK_N")[0]
     tuner.cache[(2048, 2048, 64, "torch.bfloat16", "torch.bfloat16")] = config
     return json.loads(json.dumps(KernelChoices().state_dict()))
 
@@ -87,7 +88,7 @@ def attention_restored(state: dict) -> dict:
 
 
 def test_a_checkpoint_carries_the_attention_kernels_choices_to_the_resumed_process():
-    from model.attention_triton import FWD_TUNING
+    from model.attention_configs import FWD_TUNING
     from train.checkpoint.schema import rng_problem
 
     state = run_distributed(attention_tuned_and_saved, 1)[0]
