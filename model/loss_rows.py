@@ -14,7 +14,7 @@ Each reads z once (the gradient also writes it once): 2 bytes an element read an
 where the same math in torch operators makes about a dozen fp32 passes. On CUDA each is one Triton kernel
 (model/loss_rows_triton.py; its tests run it on the CPU through TRITON_INTERPRET=1), one program per row,
 looping over the columns in blocks with an online maximum (m, s updated together, s rescaled by
-exp(m_old − m_new)); elsewhere torch operators compute the same in fp32. Both are torch.library custom
+exp(m_old − m_new)); elsewhere torch operators compute the same in fp32, a block of rows at a time. Both are torch.library custom
 ops, so the compiler and the step bill (bench/op_ledger.py) see one call each.
 """
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+CPU_BLOCK_ELEMENTS = 2**20  # logits a block of the CPU path takes at once (4 MiB in fp32)
 
 
 @torch.library.custom_op("gpt3d::loss_row_stats", mutates_args=())
@@ -30,10 +31,13 @@ def row_stats(z: torch.Tensor, targets: torch.Tensor, owned: torch.Tensor,
     """(m, s, t), each (C,) fp32, of z (C, W): see the module docstring."""
     if z.is_cuda:
         return _kernels().row_stats(z, targets, owned, real)
-    zf = z[:, :real].float()  # (C, real)
-    m = zf.amax(dim=-1) if real else torch.full(z.shape[:1], float("-inf"), device=z.device)  # (C,)
-    s = torch.exp(zf - m.unsqueeze(-1)).sum(dim=-1)  # (C,)
-    t = torch.where(owned, zf.gather(-1, targets.clamp(0, max(real - 1, 0)).unsqueeze(-1)).squeeze(-1)
+    m = torch.full(z.shape[:1], float("-inf"), dtype=torch.float32, device=z.device)  # (C,)
+    s = torch.zeros_like(m)  # (C,)
+    for i, j in _row_blocks(z.shape[0], real):
+        zf = z[i:j, :real].float()  # (b, real)
+        m[i:j] = zf.amax(dim=-1)
+        s[i:j] = (zf - m[i:j, None]).exp_().sum(dim=-1)
+    t = torch.where(owned, z[:, :real].gather(-1, targets.clamp(0, max(real - 1, 0)).unsqueeze(-1)).squeeze(-1).float()
                     if real else torch.zeros_like(m), 0.0)  # (C,)
     return m, s, t
 
@@ -51,10 +55,19 @@ def row_grad_(z: torch.Tensor, targets: torch.Tensor, owned: torch.Tensor, m: to
     if z.is_cuda:
         _kernels().row_grad_(z, targets, owned, m, s, scale, real)
         return
-    g = torch.exp(z[:, :real].float() - m.unsqueeze(-1)).div_(s.unsqueeze(-1))  # (C, real) softmax
-    g.scatter_add_(1, targets.clamp(0, max(real - 1, 0)).unsqueeze(-1), -owned.to(g.dtype).unsqueeze(-1))
-    z[:, :real] = g.mul_(scale.unsqueeze(-1))
+    for i, j in _row_blocks(z.shape[0], real):
+        g = (z[i:j, :real].float() - m[i:j, None]).exp_().div_(s[i:j, None])  # (b, real) softmax
+        g.scatter_add_(1, targets[i:j].clamp(0, max(real - 1, 0)).unsqueeze(-1), -owned[i:j].to(g.dtype).unsqueeze(-1))
+        z[i:j, :real] = g.mul_(scale[i:j, None])
     z[:, real:] = 0
+
+
+def _row_blocks(rows: int, real: int) -> list[tuple[int, int]]:
+    """[(first row, end)] of blocks of about CPU_BLOCK_ELEMENTS logits: the CPU path's fp32 temporaries are
+    one block's, small enough to stay in cache and to be reused by the allocator from block to block (a whole
+    chunk's, hundreds of MB, would be mapped afresh and faulted in page by page at every call)."""
+    step = max(1, CPU_BLOCK_ELEMENTS // max(real, 1))
+    return [(i, min(i + step, rows)) for i in range(0, rows, step)]
 
 
 def _kernels():

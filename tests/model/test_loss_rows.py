@@ -65,3 +65,14 @@ def test_the_ops_pass_the_library_checks():
     torch.library.opcheck(row_stats, (z, targets, owned, REAL))
     m, s, _ = row_stats(z, targets, owned, REAL)
     torch.library.opcheck(row_grad_, (z.clone(), targets, owned, m, s, row_scale, REAL))
+
+
+def test_the_cpu_path_in_blocks_of_rows_equals_float64(monkeypatch):
+    """The torch path takes a block of rows at a time (model/loss_rows.py CPU_BLOCK_ELEMENTS); with blocks of two
+    rows (and a last one of one) every block's statistics and gradient land in their own rows."""
+    monkeypatch.setattr("model.loss_rows.CPU_BLOCK_ELEMENTS", 2 * REAL)
+    z, targets, owned, row_scale = chunk(torch.float32, 30.0, seed=1)
+    reference = float64_reference(z, targets, owned, row_scale)
+    stats = row_stats(z, targets, owned, REAL)
+    row_grad_(z, targets, owned, stats[0], stats[1], row_scale, REAL)
+    check(stats, z, reference, 1e-6)
