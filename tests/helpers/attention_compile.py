@@ -4,7 +4,8 @@
 for a chosen architecture with no GPU present. Each kernel is compiled the way the runtime would
 compile it for contiguous or packed-QKV inputs (pointers and strides specialised as multiples of
 16; T, lo, hi never specialised, as the kernels declare), for every autotune config at the head
-dims it serves and TABLE's choices at each head dim in bf16, TABLE's choices alone in fp16, for sm_80
+dims it serves and TABLE's choices at each head dim, in bf16 (what training runs: no precision of
+the trainer feeds the kernel fp16, whose results the interpreter tests check), for sm_80
 and sm_90 (Hopper, whose tensor cores need `wgmma`). The kernels are those of both backwards: the
 default one (preprocess zeroing the dQ accumulator, then dK, dV and atomic dQ adds) and the
 deterministic one (preprocess, dK and dV alone, then the dQ pass). From each binary it reads the
@@ -42,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, 
 from model.attention_configs import KERNELS, candidates, space, table_entries  # noqa: E402
 
 HEAD_DIMS = (64, 80, 96, 128)
-DTYPES = ("bf16", "fp16")
+DTYPES = ("bf16",)  # what training runs
 ARCHS = (80, 90)
 # Pointer arguments and their element types ("in" = the input dtype); every other non-constexpr
 # argument is an int32 except these float32 scalars. Strides are the int arguments named s…
@@ -56,28 +57,24 @@ ATOMIC_RE = re.compile(r"^\s*(?:@!?%\w+\s+)?(?:atom|red)\.", re.MULTILINE)
 
 
 def kernels():
-    """{name: (JITFunction, {(head dim, dtype): [config kwargs + num_warps/num_stages]}, fixed constexprs,
-    pointer types overriding POINTERS)} for every kernel the two backwards and the forward launch: in bf16
-    (what training runs) the configs the autotuner tries at that head dim and TABLE's choices for it
-    (`configs_at`); in fp16 TABLE's choices alone, since which 16-bit type a kernel reads changes neither
-    its registers nor its shared memory (and half of the cold compile is saved)."""
+    """{name: (JITFunction, {head dim: [config kwargs + num_warps/num_stages]}, fixed constexprs,
+    pointer types overriding POINTERS)} for every kernel the two backwards and the forward launch: the
+    configs the autotuner tries at that head dim and TABLE's choices for it (`configs_at`)."""
     from model import attention_triton as at
 
     if at.INTERPRET:
         raise RuntimeError("TRITON_INTERPRET=1 is set: the kernels are interpreted and cannot be compiled")
 
-    def per_case(kernel):
-        entries = {"bf16": lambda d: configs_at(kernel, d), "fp16": lambda d: table_entries(kernel, d)}
-        return {(d, dtype): [_config_dict(c) for c in at.triton_configs(entries[dtype](d), KERNELS[kernel][1])]
-                for d in HEAD_DIMS for dtype in DTYPES}
+    def per_head_dim(kernel):
+        return {d: [_config_dict(c) for c in at.triton_configs(configs_at(kernel, d), KERNELS[kernel][1])]
+                for d in HEAD_DIMS}
 
-    preprocess = {(d, dtype): [{"BLOCK_M": at.PREPROCESS_BLOCK, "num_warps": 4, "num_stages": 3}]
-                  for d in HEAD_DIMS for dtype in DTYPES}
-    return {"forward": (at._fwd_kernel.fn, per_case("forward"), {}, {}),
-            "backward": (at._bwd_kernel.fn, per_case("backward"), {"ATOMIC_DQ": True}, {}),
+    preprocess = {d: [{"BLOCK_M": at.PREPROCESS_BLOCK, "num_warps": 4, "num_stages": 3}] for d in HEAD_DIMS}
+    return {"forward": (at._fwd_kernel.fn, per_head_dim("forward"), {}, {}),
+            "backward": (at._bwd_kernel.fn, per_head_dim("backward"), {"ATOMIC_DQ": True}, {}),
             "preprocess": (at._bwd_preprocess, preprocess, {"ZERO_DQ": True}, {}),
-            "det-backward-dkdv": (at._bwd_kv_kernel.fn, per_case("backward_kv"), {"ATOMIC_DQ": False}, {}),
-            "det-backward-dq": (at._bwd_dq_kernel.fn, per_case("backward_dq"), {}, {"DQ": "in"}),
+            "det-backward-dkdv": (at._bwd_kv_kernel.fn, per_head_dim("backward_kv"), {"ATOMIC_DQ": False}, {}),
+            "det-backward-dq": (at._bwd_dq_kernel.fn, per_head_dim("backward_dq"), {}, {"DQ": "in"}),
             "det-preprocess": (at._bwd_preprocess, preprocess, {"ZERO_DQ": False}, {"DQ": "in"})}
 
 
@@ -161,8 +158,8 @@ SPILLING_CONTROL = ("forward", {"BLOCK_M": 128, "BLOCK_N": 64, "MASK_N": 32, "nu
 def all_cases():
     """Every (kernel, config, head dim, dtype, arch) the test must compile."""
     return [(name, config, d, dtype, arch)
-            for name, (_, configs, _, _) in kernels().items() for d in HEAD_DIMS for dtype in DTYPES
-            for config in configs[d, dtype] for arch in ARCHS]
+            for name, (_, configs, _, _) in kernels().items() for d in HEAD_DIMS for config in configs[d]
+            for dtype in DTYPES for arch in ARCHS]
 
 
 def compile_all(workers: int | None = None, control: bool = False) -> list[dict]:
