@@ -218,7 +218,7 @@ def _import_before_fork() -> None:
     from deepspeed.utils import logger
 
     import parallel.zero_bubble_engine  # noqa: F401
-    from train.runtime.process_group import skip_shared_memory_op
+    from parallel.topology import skip_shared_memory_op
 
     logger.setLevel("WARNING")
     skip_shared_memory_op()  # as a training run does: no C++ build at start-up

@@ -189,7 +189,7 @@ def _import_before_fork() -> None:
     import parallel.zero_bubble_engine  # noqa: F401
     import train.run.optimizer  # noqa: F401
     import train.run.step  # noqa: F401
-    from train.runtime.process_group import skip_shared_memory_op
+    from parallel.topology import skip_shared_memory_op
 
     logger.setLevel("WARNING")
     skip_shared_memory_op()

@@ -108,6 +108,7 @@ class Topology:
         from deepspeed import comm as ds_comm
         from deepspeed.runtime.pipe.topology import PipelineParallelGrid, PipeModelDataParallelTopology
 
+        skip_shared_memory_op()
         ds_comm.init_distributed(dist_backend=dist.get_backend(), verbose=False)  # wraps the existing group
         with contextlib.redirect_stdout(io.StringIO()):  # the grid prints its whole rank map on rank 0
             grid = PipelineParallelGrid(topology=PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp))
@@ -163,3 +164,21 @@ class Topology:
             f"Topology(tp={self.tp_size}, pp={self.pp_size}, dp={self.dp_size}; rank {self.rank} = "
             f"(pp {self.pp_rank}, dp {self.dp_rank}, tp {self.tp_rank}))"
         )
+
+
+def skip_shared_memory_op() -> None:
+    """Keep DeepSpeed from compiling its shared-memory all-reduce op, which gpt3d never calls.
+
+    When its communication layer starts, DeepSpeed JIT-compiles `deepspeed_shm_comm` (C++, into
+    the shared torch extension cache) for `inference_all_reduce`, an inference-only collective;
+    training goes through torch.distributed. The build takes 40–70 s on 2 cores, and two
+    environments sharing the cache (other compiler flags or include paths) rebuild it in turn at
+    every launch; a build killed midway leaves a lock file that every later build waits on without
+    end. Topology.create skips it where DeepSpeed's layer starts there (on a process group torch
+    made, as the tests' ranks do), as train/runtime/process_group.py's init_distributed does.
+    DeepSpeed builds only ops marked compatible in `deepspeed.ops.__compatible_ops__`, a table it
+    keeps as one editable dict; marking this op incompatible skips the build.
+    """
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False

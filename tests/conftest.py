@@ -1,8 +1,6 @@
 """Fixtures shared by test modules; each pytest-xdist worker computes on its share of the cores."""
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -16,15 +14,8 @@ def corpus(tmp_path_factory):
 
 
 def pytest_configure(config):
-    """DeepSpeed compiles its CPU shared-memory collective (a C++ extension) at the first distributed init, and
-    torch waits without end on a lock file that a killed build left behind: in a virtual environment the tests
-    build it in a folder of that environment's own (TORCH_EXTENSIONS_DIR, unless set), so no other checkout's
-    half-finished build can stall them, and `.ci/run`'s fresh environment starts with none.
-
-    Under pytest-xdist, torch in each worker takes cores / workers threads (at least one): two workers on
+    """Under pytest-xdist, torch in each worker takes cores / workers threads (at least one): two workers on
     two cores, each with torch's default of one thread per core, would contend for every core."""
-    if sys.prefix != sys.base_prefix:
-        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if workers:
         import torch

@@ -164,7 +164,7 @@ def _dry_run(model_cfg: GPTConfig, par: ParallelConfig, plan_cfg: PlanConfig, ou
     from parallel.topology import check_layout
     from train.planner.dry_run import dry_run
     from train.planner.from_config import gpus_of
-    from train.runtime.process_group import skip_shared_memory_op
+    from parallel.topology import skip_shared_memory_op
 
     try:
         check_layout(model_cfg.n_head, model_cfg.d_ff, par.tp, par.pp, model_cfg.n_layer, gpus_of(plan_cfg, par))

@@ -14,6 +14,8 @@ from datetime import timedelta
 
 import torch
 
+from parallel.topology import skip_shared_memory_op
+
 
 def init_distributed(device: torch.device, timeout_s: float = 1800.0) -> None:
     """Join the launcher's process group (torchrun / deepspeed / srun), or make a one-process one.
@@ -61,21 +63,6 @@ def _default_group_timeout(timeout: timedelta) -> None:
     import torch.distributed.distributed_c10d as c10d
 
     c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timeout
-
-
-def skip_shared_memory_op() -> None:
-    """Keep DeepSpeed from compiling its shared-memory all-reduce op, which gpt3d never calls.
-
-    When its communication layer starts, DeepSpeed JIT-compiles `deepspeed_shm_comm` (C++, into
-    the shared torch extension cache) for `inference_all_reduce`, an inference-only collective;
-    training goes through torch.distributed. The build takes 40–70 s on 2 cores, and two
-    environments sharing the cache (other compiler flags or include paths) rebuild it in turn at
-    every launch. DeepSpeed builds only ops marked compatible in `deepspeed.ops.__compatible_ops__`,
-    a table it keeps as one editable dict; marking this op incompatible skips the build.
-    """
-    import deepspeed.ops
-
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def _free_port() -> int:
