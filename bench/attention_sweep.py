@@ -145,28 +145,14 @@ def warm(chunk, dtype_name, stop_at):
 
 def timed(case, device, dtype, reps):
     """(ms, error): the median of `reps` timed calls after one untimed one."""
-    import torch
+    from bench.timing import call_seconds
 
     try:
         with Forced(case):
-            call = make_call(case, case["T"], device, dtype)
-            call()
-            times = []
-            for _ in range(reps):
-                if device.type == "cuda":
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    call()
-                    end.record()
-                    end.synchronize()
-                    times.append(start.elapsed_time(end))
-                else:
-                    start = time.perf_counter()
-                    call()
-                    times.append(1e3 * (time.perf_counter() - start))
+            seconds = call_seconds(make_call(case, case["T"], device, dtype), device, reps, warmup=1)
     except Exception as err:  # a configuration that does not compile or run: recorded, the sweep goes on
         return None, f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:200]}"
-    return statistics.median(times), None
+    return 1e3 * statistics.median(seconds), None
 
 
 def record(case, ms, error, device_name, batch, heads, dtype_name, stamp) -> dict:

@@ -37,6 +37,8 @@ from pathlib import Path
 
 import torch
 
+from bench.timing import call_seconds
+
 CASES = ("gpt3-125m:1:8", "gpt3-350m:1:8", "gpt3-760m:1:8", "gpt3-1.3b:1:2", "gpt3-2.7b:1:2", "gpt3-6.7b:1:1",
          "gpt3-13b:2:1", "gpt3-175b:8:1")  # the sizes bench.train_speed and bench.shard time, at their layouts
 RECIPES = ("tensorwise", "rowwise")
@@ -75,22 +77,7 @@ def sweep_shapes(cases: list[tuple[str, int, int]], seq_len: int | None = None,
 def timer(device: torch.device, iterations: int, warmup: int):
     """fn → its median seconds (CUDA events on a GPU, wall time on a CPU)."""
     def time_of(fn) -> float:
-        for _ in range(warmup):
-            fn()
-        seconds = []
-        for _ in range(iterations):
-            if device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                torch.cuda.synchronize(device)
-                seconds.append(start.elapsed_time(end) / 1e3)
-            else:
-                begin = time.perf_counter()
-                fn()
-                seconds.append(time.perf_counter() - begin)
-        return statistics.median(seconds)
+        return statistics.median(call_seconds(fn, device, iterations, warmup))
     return time_of
 
 

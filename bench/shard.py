@@ -37,10 +37,10 @@ from __future__ import annotations
 import contextlib
 import statistics
 import sys
-import time
 
 import torch
 
+from bench.timing import call_seconds
 from train.config.entry import EXIT_BAD_INPUT
 from train.config.sections import TrainConfig
 
@@ -68,7 +68,7 @@ def fake_tensor_parallel_rank(tp: int):
     """This process as rank 0 of a fake world of tp processes (collectives do nothing); the topology."""
     from parallel.topology import Topology
     from train.planner.dry_run import _fake_world
-    from train.runtime.process_group import skip_shared_memory_op
+    from parallel.topology import skip_shared_memory_op
 
     skip_shared_memory_op()  # DeepSpeed would compile an op the shard never calls
     with _fake_world(0, tp), defined_outputs():
@@ -154,21 +154,7 @@ def time_block(block, micro_batch: int, tokens: int, d_model: int, precision: st
             out = block(h)  # (b, T/σ, d)
         out.backward(grad)
 
-    for _ in range(warmup):
-        step()
-    seconds = []
-    for _ in range(iterations):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            torch.cuda.synchronize()
-            seconds.append(start.elapsed_time(end) / 1e3)
-        else:
-            begin = time.perf_counter()
-            step()
-            seconds.append(time.perf_counter() - begin)
+    seconds = call_seconds(step, device, iterations, warmup)
     return statistics.median(seconds) if device.type == "cuda" else min(seconds)
 
 
