@@ -31,6 +31,7 @@ from train.checkpoint import (
 )
 from train.config.sections import Sections
 from train.config.sections.parallel import ZB_H1
+from train.guard.peers import PeerWatch
 from train.monitor import metrics, report
 from train.monitor.metrics import full_shapes_model
 from train.run import batch_ramp
@@ -118,6 +119,7 @@ def build(spec: RunSpec) -> Trainer:
     device = runtime.device
     init_distributed(device, settings.train.collective_timeout_s)
     topology = Topology.create(settings.parallel.tp, settings.parallel.pp)
+    PeerWatch.start(spec.run_dir, topology.rank, topology.world_size, settings.train.peer_timeout_s)
 
     torch.manual_seed(settings.train.seed)
     pipelined = topology.pp_size > 1

@@ -106,6 +106,10 @@ class TrainConfig(Section):
                                             "gradient", POSITIVE_INT)
     step_timeout_s: Any = setting(1800, "a step (or evaluation, or checkpoint) running longer is a hang: write stacks, "
                                         "exit 3; the first step after a start gets 3× as long", POSITIVE_SECONDS)
+    peer_timeout_s: Any = setting(20, "a rank that hears nothing from its peer in the ring (or from the rendezvous "
+                                      "store) for this long takes the peer's process or node for gone: it writes the "
+                                      "host to <run dir>/lost-nodes.txt and every rank exits 3 (train/guard/peers.py)",
+                                  POSITIVE_SECONDS)
     collective_timeout_s: Any = setting(3600, "the process group's timeout: a collective waiting longer fails",
                                         POSITIVE_SECONDS)
     reset_schedule: bool = setting(False, "on resume: follow changed schedule settings (LR, warmup, decay, batch, "
