@@ -4,8 +4,8 @@ pdsh (`install` adds what is missing with apt-get).
 
 A node is a long-lived holder process (`sleep`) in a network namespace of its own (an address on the
 cluster's bridge), a UTS namespace (its hostname) and a mount namespace: a private tmpfs on /tmp (the node's
-local disk), the cluster's hosts file on /etc/hosts, and the shared folders bound back in, so that every node
-sees them as a cluster sees its shared filesystem. Its daemons (`slurmd -N <node>`, `sshd`) and everything
+local disk), the cluster's hosts file on /etc/hosts, its ssh folder (keys, and every node's name) on ~/.ssh,
+and the shared folders bound back in, so that every node sees them as a cluster sees its shared filesystem. Its daemons (`slurmd -N <node>`, `sshd`) and everything
 they start enter those namespaces through `nsenter`. The controller (`slurmctld`) and munge run in this
 machine's own network namespace, on the bridge's address; munge's socket is a file in the cluster's folder,
 which every node reaches.
@@ -42,6 +42,9 @@ for path in "$@"; do
 done
 exec 3<&-
 mount --bind "$root/hosts" /etc/hosts
+home="$(getent passwd "$(id -u)" | cut -d: -f6)"
+if [ ! -d "$home/.ssh" ]; then mkdir -m 700 "$home/.ssh"; echo "$home/.ssh" > "$root/run/made-ssh-dir"; fi
+mount --bind "$root/ssh" "$home/.ssh"
 mkdir -p /run/sshd
 echo $$ > "$root/run/holder.$(hostname)"
 exec sleep infinity
@@ -118,9 +121,9 @@ class Cluster:
         return self.root / "cluster.json"
 
     def env(self) -> dict[str, str]:
-        """What a client needs to use this cluster: SLURM's config file, ssh's (through pdsh)."""
-        return {"SLURM_CONF": str(self.root / "slurm.conf"), "PDSH_SSH_ARGS_APPEND": f"-F {self.root}/ssh/config",
-                "PDSH_RCMD_TYPE": "ssh"}
+        """What a SLURM client needs to use this cluster (inside the nodes, ssh finds its keys and the other nodes
+        in ~/.ssh, which is the cluster's ssh folder there)."""
+        return {"SLURM_CONF": str(self.root / "slurm.conf")}
 
     def save(self) -> None:
         state = {**asdict(self), "root": str(self.root)}
@@ -297,6 +300,10 @@ class Cluster:
         for pid in targets:
             _reap(pid)
         network.remove([self.netns(n) for n in self.nodes], [self.host_end(n) for n in self.nodes] + [self.bridge])
+        made = self.root / "run" / "made-ssh-dir"
+        if made.exists():  # the empty ~/.ssh a node needed as its mount point
+            Path(made.read_text().strip()).rmdir()
+            made.unlink()
         self.pids.clear()
         self.save()
 

@@ -5,7 +5,7 @@
   a requeued job may start CRED_EXPIRE_S after its requeue (AuthInfo cred_expire; a site's default is 120 s),
   and the scheduler looks at the queue every second (sched_interval; 60 by default).
 - sshd_config: one per node (its own pid file), root by key only, keys in the cluster's folder.
-- ssh_config: the client side (DeepSpeed's runner calls pdsh, pdsh calls ssh with this file).
+- ssh_config: the client side, ~/.ssh/config inside the nodes (DeepSpeed's runner calls ssh and pdsh).
 - hosts: every node's name and address, bound over /etc/hosts inside each node.
 """
 
