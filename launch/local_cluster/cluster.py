@@ -16,6 +16,7 @@ every process left inside a node's namespace, by PID, then removes the namespace
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -77,10 +78,17 @@ def check_privileges() -> None:
 
 def install() -> list[str]:
     """apt-get install whatever of PACKAGES is missing; returns what was installed."""
-    needed = missing_packages()
-    if not needed:
+    if not missing_packages():
         return []
     check_privileges()
+    with open("/tmp/gpt3d-local-cluster-install.lock", "w") as lock:  # one apt-get at a time (pytest workers)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _apt_install(missing_packages())
+
+
+def _apt_install(needed: list[str]) -> list[str]:
+    if not needed:
+        return []
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *needed]):
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
