@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from cli import assert_same_losses, metrics, train
-from cluster_runs import node_local_files, submit, tiny, wait_job
+from cli import assert_same_losses, metrics
+from cluster_runs import node_local_files, one_process, submit, tiny, wait_job
 
 STEPS = 6
 LAYOUTS = {  # name: (overrides, sbatch options, precision)
@@ -29,9 +29,8 @@ def one_process(tmp_path_factory, shared_corpus):
     """The one-process run of each precision (the reference every layout must follow)."""
     runs = {}
     for precision in ("fp32", "bf16"):
-        run_dir = tmp_path_factory.mktemp(f"one-{precision}")
-        train(run_dir, None, *tiny(shared_corpus, f"train.max_steps={STEPS}", f"train.precision={precision}"))
-        runs[precision] = metrics(run_dir)
+        runs[precision] = one_process(tmp_path_factory.mktemp(f"one-{precision}"), shared_corpus,
+                                      f"train.max_steps={STEPS}", f"train.precision={precision}")
     return runs
 
 

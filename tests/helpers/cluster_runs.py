@@ -5,7 +5,6 @@ shared folder, which every node sees; a test's own tmp_path is not shared."""
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import re
 import subprocess
@@ -13,7 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cli import BIN, REPO, TINY, clean_env
+from cli import BIN, REPO, TINY, clean_env, metrics, run_module
 
 # sbatch options every test job takes: no GPUs, one CPU a task (a node of the local cluster has 4)
 NO_GPUS = ["--gpus-per-node=0", "--cpus-per-task=1"]
@@ -55,6 +54,13 @@ def tiny(corpus: Path, *overrides: str, auto: bool = False) -> list[str]:
     return [*base, f"data.paths=[{corpus}/*.txt]", "logging.wandb.mode=disabled", *overrides]
 
 
+def one_process(run_dir: Path, corpus: Path, *overrides: str, auto: bool = False) -> list[dict]:
+    """The one-process run of the same settings (forked by this worker's warm interpreter); its metrics."""
+    proc = run_module("train", [f"hydra.run.dir={run_dir}", *tiny(corpus, *overrides, auto=auto)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return metrics(run_dir)
+
+
 def submit(cluster, run_dir: Path, args: list[str], sbatch: tuple[str, ...] = ("--nodes=2",),
            env: dict | None = None) -> int:
     """`sbatch <sbatch> launch/slurm.sbatch <args>` with RUN_DIR=run_dir, its output in <run_dir>.slurm.out;
@@ -81,13 +87,14 @@ class Ended:
     output: str
 
 
-def wait_job(cluster, job_id: int, out: Path, timeout: float = 300) -> Ended:
-    """Until the job has ended (its batch script done, even if a dead node keeps it completing)."""
+def wait_job(cluster, job_id: int, out: Path, timeout: float = 300, completing: bool = False) -> Ended:
+    """Until the job has ended; `completing`: or its batch script has, while SLURM still waits for a node that
+    died to clean up (a lost node keeps the job COMPLETING until SLURM declares the node down)."""
     deadline = time.monotonic() + timeout
     while True:
         fields = job(cluster, job_id)
         state = fields["JobState"]
-        if state in DONE_STATES or (state == "COMPLETING" and fields.get("ExitCode", "0:0") != "0:0"):
+        if state in DONE_STATES or (completing and state == "COMPLETING" and fields.get("EndTime", "Unknown") != "Unknown"):
             break
         assert time.monotonic() < deadline, f"job {job_id} still {state} after {timeout} s:\n{read(out)[-3000:]}"
         time.sleep(0.3)
@@ -124,8 +131,3 @@ def node_local_files(cluster, node: str) -> list[str]:
     proc = subprocess.run(cluster.on_node(node, ["find", "/tmp", "-xdev", "-type", "f"], wd="/"), capture_output=True,
                           text=True, timeout=30)
     return proc.stdout.split()
-
-
-def in_subnet(address: str, cluster) -> bool:
-    return ipaddress.ip_address(address) in ipaddress.ip_network(f"{cluster.controller_addr}/{cluster.prefix_len}",
-                                                                strict=False)

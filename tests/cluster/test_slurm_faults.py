@@ -1,0 +1,102 @@
+"""What SLURM and a cluster do to a run, on the local cluster through sbatch launch/slurm.sbatch, each ending on
+the one-process run's curve (fp32, data parallelism across the two nodes):
+
+- preemption as SLURM does it: a one-minute limit with --signal=USR1@40 reaches both ranks, they save and the
+  script requeues the job, which resumes in the same run folder and finishes;
+- scancel: SIGTERM to every task ends the run with a checkpoint, and the job is not requeued;
+- a node lost (its link down, then every process in it killed): the survivor notices within
+  train.peer_timeout_s, the script starts it again on the node left, with parallel.layout=auto, from the
+  newest checkpoint;
+- a link cut for a few seconds (shorter than train.peer_timeout_s), then restored: the run goes on, nothing
+  restarted.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+
+import pytest
+from cli import assert_same_losses, metrics
+from cluster_runs import job, one_process, rows, submit, tiny, wait_job, wait_rows
+
+ACROSS = ("--nodes=2", "--ntasks-per-node=1")
+
+
+def test_slurm_time_limit_signal_checkpoints_requeues_and_resumes_on_the_curve(cluster, shared, shared_corpus,
+                                                                               tmp_path):
+    steps = 300
+    args = tiny(shared_corpus, f"train.max_steps={steps}", "train.checkpoint_interval=0", "train.eval_interval=0")
+    run_dir = shared / "run"
+    job_id = submit(cluster, run_dir, args, (*ACROSS, "--time=1", "--signal=USR1@40"))
+    ended = wait_job(cluster, job_id, f"{run_dir}.slurm.out", timeout=400)
+    assert (ended.state, ended.exit_code, ended.restarts) == ("COMPLETED", 0, 1), ended.output[-3000:]
+    stop = json.loads(ended.output.split("stopped early (")[1].split(")")[0])
+    assert stop["signal"] == "SIGUSR1" and 0 < stop["step"] < steps
+    assert f"requeueing job {job_id}" in ended.output
+    step = stop["step"]
+    assert f"resumed from {run_dir / 'checkpoints' / f'step{step:08d}'} at step {step}" in ended.output
+    assert_same_losses(metrics(run_dir), one_process(tmp_path / "one", shared_corpus, f"train.max_steps={steps}",
+                                                     "train.checkpoint_interval=0", "train.eval_interval=0"))
+
+
+def test_scancel_ends_both_ranks_with_a_checkpoint_and_no_requeue(cluster, shared, shared_corpus):
+    args = tiny(shared_corpus, "train.max_steps=400", "train.checkpoint_interval=0", "train.eval_interval=0")
+    run_dir = shared / "run"
+    job_id = submit(cluster, run_dir, args, ACROSS)
+    wait_rows(run_dir, 3)
+    cluster.slurm("scancel", str(job_id))
+    ended = wait_job(cluster, job_id, f"{run_dir}.slurm.out")
+    assert ended.state == "CANCELLED" and ended.restarts == 0, ended.output[-3000:]
+    marker = json.loads((run_dir / "preempted.json").read_text())
+    assert marker["signal"] == "SIGTERM"
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step{marker['step']:08d}"
+    assert [r["step"] for r in metrics(run_dir)] == list(range(1, marker["step"] + 1))
+    time.sleep(3)
+    assert job(cluster, job_id)["JobState"] == "CANCELLED"  # not pending again: no requeue
+
+
+@pytest.fixture
+def node2_back(cluster):
+    yield
+    if "node2/holder" not in cluster.pids:
+        cluster.revive("node2")
+
+
+def test_a_lost_node_the_job_goes_on_by_itself_on_the_node_left_on_the_curve(cluster, shared, shared_corpus,
+                                                                            tmp_path, node2_back):
+    steps, overrides = 40, ("train.checkpoint_interval=10", "parallel.layout=auto", "train.peer_timeout_s=8")
+    run_dir = shared / "run"
+    job_id = submit(cluster, run_dir, tiny(shared_corpus, f"train.max_steps={steps}", *overrides, auto=True),
+                    ("--nodes=1-2",), env={"MAX_RESTARTS": "1"})
+    wait_rows(run_dir, 14)
+    cluster.kill_node("node2")
+    ended = wait_job(cluster, job_id, f"{run_dir}.slurm.out", timeout=300, completing=True)
+    assert ended.exit_code == 0 and ended.restarts == 0, ended.output[-3000:]
+    assert "rank 0: rank 1 (host node2) sent no heartbeat" in ended.output
+    assert "starting again on 1 node(s) (node1), restart 1 of 1" in ended.output
+    assert (run_dir / "lost-nodes.txt").exists() is False  # cleared for the start that finished
+    resumed = int(ended.output.split("resumed from ")[1].split(" at step ")[1].split(" ")[0])
+    assert 10 <= resumed <= 14 and resumed % 10 == 0
+    assert "now tp=1 pp=1 dp=1 zero=0" in ended.output
+    reference = one_process(tmp_path / "one", shared_corpus, f"train.max_steps={steps}", *overrides, auto=True)
+    assert_same_losses(metrics(run_dir), reference)
+
+
+def test_a_link_cut_shorter_than_the_peer_timeout_is_ridden_out(cluster, shared, shared_corpus, tmp_path):
+    steps = 30
+    args = tiny(shared_corpus, f"train.max_steps={steps}", "train.checkpoint_interval=0")
+    run_dir = shared / "run"
+    job_id = submit(cluster, run_dir, args, ACROSS, env={"MAX_RESTARTS": "1"})
+    wait_rows(run_dir, 5)
+    cluster.cut_link("node2")
+    time.sleep(4)
+    stalled = rows(run_dir)
+    cluster.restore_link("node2")
+    ended = wait_job(cluster, job_id, f"{run_dir}.slurm.out")
+    assert (ended.state, ended.exit_code, ended.restarts) == ("COMPLETED", 0, 0), ended.output[-3000:]
+    assert "starting again" not in ended.output and "heartbeat" not in ended.output
+    assert stalled < steps
+    assert_same_losses(metrics(run_dir), one_process(tmp_path / "one", shared_corpus, f"train.max_steps={steps}",
+                                                     "train.checkpoint_interval=0"))
