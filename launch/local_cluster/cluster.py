@@ -277,9 +277,11 @@ class Cluster:
         """A lost node comes back: fresh namespaces' holder, slurmd and sshd, its link up; idle again to SLURM."""
         if f"{node}/holder" in self.pids:
             raise ClusterError(f"node {node} is up; kill_node it first")
+        # SLURM would wait SlurmdTimeout to take the node for dead and end its share of the jobs it ran: said
+        # at once, as an administrator would. A down node returns to service when its slurmd registers.
+        self.slurm("scontrol", "update", f"NodeName={node}", "State=DOWN", "Reason=revived", check=False)
         network.set_link(self.host_end(node), up=True)
         self._start_node(node)
-        self.slurm("scontrol", "update", f"NodeName={node}", "State=RESUME", check=False)
         self.wait_idle([node])
 
     def cut_link(self, node: str) -> None:

@@ -21,7 +21,8 @@ DONE_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_
 
 
 def bring_up(root: Path):
-    """A 2-node cluster in `root` on a subnet and names of this worker's own; one line on failure."""
+    """A 2-node cluster in `root` on a subnet, controller port and names of this worker's own; one line on
+    failure."""
     import pytest
 
     from launch.local_cluster.cluster import ClusterError, up
@@ -29,17 +30,30 @@ def bring_up(root: Path):
 
     pid = os.getpid()
     for i in range(200):
-        subnet = f"10.231.{(pid + i) % 200 + 20}.0/24"
+        index = (pid + i) % 200 + 20
+        subnet = f"10.231.{index}.0/24"
         try:
-            if subnet_in_use(subnet) is None:
+            if subnet_in_use(subnet) is None and port_free(17000 + index):
                 break
-        except (OSError, RuntimeError) as error:  # no `ip`: up() below names what is missing
-            print(error)
+        except (OSError, RuntimeError):  # no `ip`: up() below names what is missing
             break
     try:
-        return up(root, nodes=2, subnet=subnet, prefix=f"g3t{pid % 10**6}", shared=(str(REPO),))
+        return up(root, nodes=2, subnet=subnet, prefix=f"g3t{pid % 10**6}", shared=(str(REPO),),
+                  ctld_port=17000 + index)
     except ClusterError as error:
         pytest.fail(f"local cluster: {error}", pytrace=False)
+
+
+def port_free(port: int) -> bool:
+    """Nothing listens on `port` here (slurmctld listens on every address of this machine's namespace)."""
+    import socket
+
+    with socket.socket() as sock:
+        try:
+            sock.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
 
 
 def job_env(cluster, extra: dict | None = None) -> dict:
