@@ -5,8 +5,8 @@ pdsh (`install` adds what is missing with apt-get).
 A node is a long-lived holder process (`sleep`) in a network namespace of its own (an address on the
 cluster's bridge), a UTS namespace (its hostname) and a mount namespace: a private tmpfs on /tmp (the node's
 local disk), the cluster's hosts file on /etc/hosts, its ssh folder (keys, and every node's name) on ~/.ssh,
-and the shared folders bound back in, so that every node sees them as a cluster sees its shared filesystem. Its daemons (`slurmd -N <node>`, `sshd`) and everything
-they start enter those namespaces through `nsenter`. The controller (`slurmctld`) and munge run in this
+and the shared folders bound back in, so that every node sees them as a cluster sees its shared filesystem.
+Its daemons (`slurmd -N <node>`, `sshd`) and everything they start enter those namespaces through `nsenter`. The controller (`slurmctld`) and munge run in this
 machine's own network namespace, on the bridge's address; munge's socket is a file in the cluster's folder,
 which every node reaches.
 
@@ -57,7 +57,8 @@ class ClusterError(RuntimeError):
 
 
 def find(program: str) -> str | None:
-    return shutil.which(program) or next((f"{d}/{program}" for d in SBIN if os.access(f"{d}/{program}", os.X_OK)), None)
+    here = (f"{d}/{program}" for d in SBIN if os.access(f"{d}/{program}", os.X_OK))
+    return shutil.which(program) or next(here, None)
 
 
 def missing_packages() -> list[str]:
@@ -199,9 +200,9 @@ class Cluster:
         (self.root / "state" / node).mkdir(parents=True, exist_ok=True)
         marker = self.root / "run" / f"holder.{node}"
         marker.unlink(missing_ok=True)
-        self._daemon(f"{node}/unshare", ["nsenter", f"--net=/run/netns/{self.netns(node)}", "unshare", "--uts", "--mount",
-                                         "--propagation", "private", "--fork", "--", "bash", "-c", HOLDER, "holder",
-                                         node, str(self.root), *self.shared])
+        self._daemon(f"{node}/unshare", ["nsenter", f"--net=/run/netns/{self.netns(node)}", "unshare", "--uts",
+                                         "--mount", "--propagation", "private", "--fork", "--", "bash", "-c", HOLDER,
+                                         "holder", node, str(self.root), *self.shared])
         deadline = time.monotonic() + 10
         while not marker.exists() or not marker.read_text().strip():
             if time.monotonic() > deadline:

@@ -14,7 +14,6 @@ the one-process run's curve (fp32, data parallelism across the two nodes):
 from __future__ import annotations
 
 import json
-import subprocess
 import time
 
 import pytest

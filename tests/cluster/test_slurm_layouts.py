@@ -25,7 +25,7 @@ LAYOUTS = {  # name: (overrides, sbatch options, precision)
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory, shared_corpus):
+def references(tmp_path_factory, shared_corpus):
     """The one-process run of each precision (the reference every layout must follow)."""
     runs = {}
     for precision in ("fp32", "bf16"):
@@ -35,7 +35,7 @@ def one_process(tmp_path_factory, shared_corpus):
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
-def test_a_layout_across_two_nodes_follows_the_one_process_run(cluster, shared, shared_corpus, one_process, name):
+def test_a_layout_across_two_nodes_follows_the_one_process_run(cluster, shared, shared_corpus, references, name):
     overrides, options, precision = LAYOUTS[name]
     run_dir = shared / "run"
     args = tiny(shared_corpus, f"train.max_steps={STEPS}", f"train.precision={precision}", *overrides,
@@ -47,7 +47,7 @@ def test_a_layout_across_two_nodes_follows_the_one_process_run(cluster, shared, 
     ranks = 2 * int(options[1].split("=")[1])
     tp, pp = (2 if "parallel.tp=2" in overrides else 1), (2 if "parallel.pp=2" in overrides else 1)
     assert f"{ranks} process(es) on cpu (tp={tp} pp={pp} dp={ranks // tp // pp} zero=0)" in ended.output
-    assert_same_losses(metrics(run_dir), one_process[precision], precision)
+    assert_same_losses(metrics(run_dir), references[precision], precision)
 
     # one run folder: one metrics file, one offline W&B run, the checkpoint's parts from every saving rank
     assert [p.relative_to(run_dir).as_posix() for p in run_dir.rglob("metrics.jsonl")] == ["metrics.jsonl"]

@@ -11,9 +11,8 @@ from __future__ import annotations
 import subprocess
 import time
 
-from cluster_runs import job, job_env, on_node, read, submit, tiny, wait_job
-
 from cli import REPO
+from cluster_runs import job, job_env, on_node, read, submit, tiny, wait_job
 
 
 def test_a_refused_setting_ends_both_nodes_with_one_line_and_exit_2(cluster, shared, shared_corpus):

@@ -108,7 +108,8 @@ def wait_job(cluster, job_id: int, out: Path, timeout: float = 300, completing: 
     while True:
         fields = job(cluster, job_id)
         state = fields["JobState"]
-        if state in DONE_STATES or (completing and state == "COMPLETING" and fields.get("EndTime", "Unknown") != "Unknown"):
+        script_done = fields.get("EndTime", "Unknown") != "Unknown"
+        if state in DONE_STATES or (completing and state == "COMPLETING" and script_done):
             break
         assert time.monotonic() < deadline, f"job {job_id} still {state} after {timeout} s:\n{read(out)[-3000:]}"
         time.sleep(0.3)

@@ -2,8 +2,6 @@
 
 - SIGTERM to ONE worker of a 2-rank torchrun: both ranks finish the step the signal arrived in, save a
   checkpoint at it and exit 0; re-running the same command resumes from it.
-- launch/slurm.sbatch (srun and scontrol replaced by stand-ins that start the tasks locally): SIGUSR1 to
-  one task, exit 0 with a checkpoint, the job requeues itself; the requeued job resumes and finishes.
 - Ctrl-C as a terminal sends it (SIGINT to the whole process group, background data workers included):
   exit 0 with a checkpoint; a second SIGINT exits at once.
 - a hang (one rank of two stopped with SIGSTOP): the live rank writes its stacks and exits with code 3.
@@ -107,50 +105,6 @@ def test_sigterm_to_one_rank_of_two_stops_both_after_the_step_and_resumes(tmp_pa
     assert f"resumed from {run_dir / 'checkpoints' / f'step{step:08d}'} at step {step}" in proc.stdout
     assert [r["step"] for r in metrics(run_dir)] == list(range(1, STEPS + 1))
     assert not (run_dir / "preempted.json").exists()
-
-
-FAKE_SRUN = """#!/usr/bin/env bash
-# stand-in for SLURM's srun in tests: SLURM_NTASKS copies of the command on this machine, with their ids
-while [[ "$1" == --* ]]; do shift; done
-pids=()
-for ((i = 0; i < SLURM_NTASKS; i++)); do SLURM_PROCID=$i SLURM_LOCALID=$i "$@" & pids+=($!); done
-rc=0
-for pid in "${pids[@]}"; do wait "$pid" || rc=$?; done
-exit $rc
-"""
-
-FAKE_SCONTROL = """#!/usr/bin/env bash
-# stand-in for SLURM's scontrol in tests: the first node is this one; requeues are written down
-case "$1" in
-  show) echo 127.0.0.1 ;;
-  requeue) echo "$2" >> "$SCONTROL_LOG" ;;
-esac
-"""
-
-
-def test_slurm_script_stops_on_sigusr1_to_one_task_requeues_and_resumes(tmp_path, corpus):
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
-        (bin_dir / name).write_text(text)
-        (bin_dir / name).chmod(0o755)
-    run_dir, requeues = tmp_path / "run", tmp_path / "requeues.txt"
-    env = {"PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242",
-           "SLURM_JOB_NODELIST": "node-001", "SLURM_NTASKS": "2", "RUN_DIR": str(run_dir),
-           "SCONTROL_LOG": str(requeues), "MASTER_PORT": str(free_port())}
-    cmd = ["bash", str(REPO / "launch" / "slurm.sbatch"), *arguments(run_dir, corpus, *RUN)[1:]]  # it sets the run dir
-    step, out, _ = interrupted(tmp_path / "job", cmd, run_dir,
-                               lambda proc: os.kill(rank_process(proc.pid, 1).pid, signal.SIGUSR1), env=env)
-    assert "SIGUSR1 reached rank 1" in out and "requeueing job 4242" in out
-    check_stopped_at(run_dir, step, "SIGUSR1", rank=1)
-    assert requeues.read_text().split() == ["4242"]
-    # SLURM starts the requeued job: same id, same run directory
-    env["MASTER_PORT"] = str(free_port())
-    proc = subprocess.run(cmd, cwd=REPO, env=clean_env(env), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"at step {step}" in proc.stdout and "resumed from" in proc.stdout
-    assert [r["step"] for r in metrics(run_dir)] == list(range(1, STEPS + 1))
-    assert requeues.read_text().split() == ["4242"] and not (run_dir / "preempted.json").exists()
 
 
 def test_ctrl_c_with_data_workers_stops_after_the_step_with_a_checkpoint(tmp_path, corpus):
