@@ -114,6 +114,7 @@ def steps_logged(run_dir: Path) -> int:
 def one_repeat(cluster: Cluster, launcher: str, run_dir: Path, overrides: list[str]) -> dict:
     corpus = write_corpus(cluster.root / "shared" / "bench-corpus")
     args = [*TOY, f"data.paths=[{corpus}/*.txt]", *overrides]
+    cluster.wait_idle()  # both nodes free: a node range starts on the nodes free at the time
     logs, ended = LAUNCHERS[launcher](cluster, run_dir, args)
     deadline = time.monotonic() + TIMEOUT_S
     try:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Launch gpt3d with the deepspeed launcher. Without a hostfile it uses this node's GPUs; with
 # HOSTFILE (see launch/hostfile.example) it starts the ranks on every listed node over ssh (run
-# this once, on the first node; the nodes need passwordless ssh and a shared filesystem).
+# this once, on the first node; the nodes need passwordless ssh and a shared filesystem: DeepSpeed
+# first runs `ssh <first host> hostname`, then pdsh -R ssh, with your ~/.ssh keys and config).
 #
 #   one node:     launch/deepspeed.sh model=gpt3-1.3b parallel.zero_stage=1
 #   two nodes:    HOSTFILE=launch/hostfile.example launch/deepspeed.sh model=gpt3-13b parallel.tp=8 parallel.pp=2

@@ -9,7 +9,10 @@
 # Elastic (MAX_RESTARTS set, or NNODES a range MIN:MAX): torchrun's c10d rendezvous on MASTER_ADDR:MASTER_PORT;
 # when a worker or node fails, torchrun stops the others and starts them again (at most MAX_RESTARTS times)
 # on the nodes that are left (at least MIN), and they resume from the newest intact checkpoint of the same
-# run directory. With parallel.layout=auto each start takes a layout that fits its world size.
+# run directory. With parallel.layout=auto each start takes a layout that fits its world size. A node that
+# dies without closing its connections is noticed by the ranks' heartbeat (train.peer_timeout_s, 20 s); the
+# agents left then meet again, and the rendezvous waits its last call (30 s) for more nodes before it goes on
+# with fewer. (Tested across the nodes of a local SLURM cluster: docs/cluster.md.)
 #
 #   elastic, one node:  MAX_RESTARTS=3 launch/torchrun.sh model=gpt3-1.3b parallel.layout=auto
 #   elastic, 2-4 nodes: NNODES=2:4 MAX_RESTARTS=3 MASTER_ADDR=10.0.0.1 GPT3D_RUN_STAMP=exp1 launch/torchrun.sh \

@@ -18,6 +18,7 @@ COMMANDS = {"train.__main__", "train.generate", "train.evaluate", "train.harness
             "train.plan", "train.curves"}
 # The floors, bottom to top: a module imports only modules of its own floor and the floors below.
 FLOORS = (
+    ("launch.local_cluster",),  # a SLURM cluster of namespaces on one machine: stands alone, imports no gpt3d
     ("model",),  # the network for one device
     ("parallel",),  # the parallel runtime: topology, sharding, stages, collectives
     ("train.config",),  # the settings: sections, their checks, the command line

@@ -2,8 +2,8 @@
 the one-process run's curve (fp32, data parallelism across the two nodes):
 
 - preemption as SLURM does it: a one-minute limit with --signal=USR1@40 reaches both ranks, they save and the
-  script requeues the job, which resumes in the same run folder and finishes;
-- scancel: SIGTERM to every task ends the run with a checkpoint, and the job is not requeued;
+  script requeues the job, which resumes in the same run folder; then scancel: SIGTERM to every task ends the
+  requeued run with a checkpoint, and the job is not requeued again;
 - a node lost (its link down, then every process in it killed): the survivor notices within
   train.peer_timeout_s, the script starts it again on the node left, with parallel.layout=auto, from the
   newest checkpoint;
@@ -23,37 +23,37 @@ from cluster_runs import job, one_process, rows, submit, tiny, wait_job, wait_ro
 ACROSS = ("--nodes=2", "--ntasks-per-node=1")
 
 
-def test_slurm_time_limit_signal_checkpoints_requeues_and_resumes_on_the_curve(cluster, shared, shared_corpus,
-                                                                               tmp_path):
-    steps = 300
-    args = tiny(shared_corpus, f"train.max_steps={steps}", "train.checkpoint_interval=0", "train.eval_interval=0")
+def test_slurm_time_limit_signal_requeues_and_resumes_then_scancel_ends_with_a_checkpoint(cluster, shared,
+                                                                                         shared_corpus, tmp_path):
+    """One job, both of SLURM's stops: the time limit's SIGUSR1 (checkpoint, requeue, resume in the same folder),
+    then scancel's SIGTERM to the requeued job (checkpoint, CANCELLED, no requeue); its steps on the curve."""
+    common = ("train.checkpoint_interval=0", "train.eval_interval=0")
     run_dir = shared / "run"
-    job_id = submit(cluster, run_dir, args, (*ACROSS, "--time=1", "--signal=USR1@40"))
-    ended = wait_job(cluster, job_id, f"{run_dir}.slurm.out", timeout=400)
-    assert (ended.state, ended.exit_code, ended.restarts) == ("COMPLETED", 0, 1), ended.output[-3000:]
-    stop = json.loads(ended.output.split("stopped early (")[1].split(")")[0])
-    assert stop["signal"] == "SIGUSR1" and 0 < stop["step"] < steps
-    assert f"requeueing job {job_id}" in ended.output
+    job_id = submit(cluster, run_dir, tiny(shared_corpus, "train.max_steps=5000", *common),
+                    (*ACROSS, "--time=1", "--signal=USR1@40"))
+    out = run_dir.parent / "run.slurm.out"
+    deadline = time.monotonic() + 240
+    while "resumed from" not in (text := out.read_text() if out.exists() else ""):
+        assert time.monotonic() < deadline, text[-3000:]
+        time.sleep(0.2)
+    stop = json.loads(text.split("stopped early (")[1].split(")")[0])
+    assert stop["signal"] == "SIGUSR1" and stop["step"] > 0, text[-3000:]
     step = stop["step"]
-    assert f"resumed from {run_dir / 'checkpoints' / f'step{step:08d}'} at step {step}" in ended.output
-    assert_same_losses(metrics(run_dir), one_process(tmp_path / "one", shared_corpus, f"train.max_steps={steps}",
-                                                     "train.checkpoint_interval=0", "train.eval_interval=0"))
-
-
-def test_scancel_ends_both_ranks_with_a_checkpoint_and_no_requeue(cluster, shared, shared_corpus):
-    args = tiny(shared_corpus, "train.max_steps=400", "train.checkpoint_interval=0", "train.eval_interval=0")
-    run_dir = shared / "run"
-    job_id = submit(cluster, run_dir, args, ACROSS)
-    wait_rows(run_dir, 3)
+    assert f"requeueing job {job_id}" in text
+    assert f"resumed from {run_dir / 'checkpoints' / f'step{step:08d}'} at step {step}" in text
+    wait_rows(run_dir, step + 3)
     cluster.slurm("scancel", str(job_id))
-    ended = wait_job(cluster, job_id, f"{run_dir}.slurm.out")
-    assert ended.state == "CANCELLED" and ended.restarts == 0, ended.output[-3000:]
+    ended = wait_job(cluster, job_id, out)
+    assert ended.state == "CANCELLED" and ended.restarts == 1, ended.output[-3000:]
     marker = json.loads((run_dir / "preempted.json").read_text())
-    assert marker["signal"] == "SIGTERM"
+    assert marker["signal"] == "SIGTERM" and marker["step"] > step + 2
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step{marker['step']:08d}"
-    assert [r["step"] for r in metrics(run_dir)] == list(range(1, marker["step"] + 1))
-    time.sleep(3)
+    time.sleep(2)
     assert job(cluster, job_id)["JobState"] == "CANCELLED"  # not pending again: no requeue
+    got = metrics(run_dir)
+    assert [r["step"] for r in got] == list(range(1, marker["step"] + 1))
+    assert_same_losses(got, one_process(tmp_path / "one", shared_corpus, f"train.max_steps={marker['step']}",
+                                        *common))
 
 
 @pytest.fixture
@@ -67,6 +67,7 @@ def test_a_lost_node_the_job_goes_on_by_itself_on_the_node_left_on_the_curve(clu
                                                                             tmp_path, node2_back):
     steps, overrides = 40, ("train.checkpoint_interval=10", "parallel.layout=auto", "train.peer_timeout_s=8")
     run_dir = shared / "run"
+    cluster.wait_idle()  # a node range starts on the nodes free at the time
     job_id = submit(cluster, run_dir, tiny(shared_corpus, f"train.max_steps={steps}", *overrides, auto=True),
                     ("--nodes=1-2",), env={"MAX_RESTARTS": "1"})
     wait_rows(run_dir, 14)
