@@ -25,8 +25,8 @@ configurations the autotuner's lists put first (the H200 run of 2026-11-27 measu
 pinned defaults, before TMA loads); the short bucket (T ≤ 512) gives the forward 64-row query blocks,
 since 128 rows leave most of an H100's 132 SMs idle there (B=1, H=16, T=512: 64 programs), with the
 widest key block that compiles without spills for sm_80 too. Every entry is in SWEEP (the sweep times
-each against its alternatives); tests/model/test_attention_compile.py compiles each, and every
-candidate, at its head dims for sm_80 and sm_90.
+each against its alternatives); tests/model/test_attention_compile.py compiles each at its head dims
+for sm_80 and sm_90, and every candidate for sm_90.
 """
 
 from __future__ import annotations

@@ -71,8 +71,8 @@ width, head dim, dtype): T is rounded up to a power of two and the band to its w
 that bucket, so new sequence lengths reuse a tuned choice instead of benchmarking every config
 again. Each kernel has its candidates (FWD_TUNING; BWD_TUNING for both key-block kernels; DQ_TUNING
 for the deterministic dQ pass), which depend on the head dim (larger tiles fit at 64);
-tests/model/test_attention_compile.py compiles every one ahead of time, on the CPU, for sm_80 and
-sm_90 at the head dims it serves (64–128), bf16 and fp16: no register spills. Set
+tests/model/test_attention_compile.py compiles every one ahead of time, on the CPU, for sm_90 at the
+head dims it serves (64–128), in bf16, and TABLE's choices for sm_80 too: no register spills. Set
 GPT3D_TRITON_AUTOTUNE=0 (before import) to run the committed TABLE instead, one config per kernel,
 head dim and T bucket, with no benchmarking. A run records what the autotuner chose in its
 checkpoints and a resumed process pins those choices (`autotuners`, model/kernel_choices.py), so its

@@ -3,10 +3,10 @@
 `triton.compile` with a `GPUTarget` runs Triton's whole pipeline (Triton IR → PTX → ptxas → cubin)
 for a chosen architecture with no GPU present. Each kernel is compiled the way the runtime would
 compile it for contiguous or packed-QKV inputs (pointers and strides specialised as multiples of
-16; T, lo, hi never specialised, as the kernels declare), for every autotune config at the head
-dims it serves and TABLE's choices at each head dim, in bf16 (what training runs: no precision of
-the trainer feeds the kernel fp16, whose results the interpreter tests check), for sm_80
-and sm_90 (Hopper, whose tensor cores need `wgmma`). The kernels are those of both backwards: the
+16; T, lo, hi never specialised, as the kernels declare), in bf16 (what training runs: no precision of
+the trainer feeds the kernel fp16, whose results the interpreter tests check): for sm_90 (Hopper, whose
+tensor cores need `wgmma`) every autotune config at the head dims it serves and TABLE's choices at
+each head dim, for sm_80 TABLE's choices. The kernels are those of both backwards: the
 default one (preprocess zeroing the dQ accumulator, then dK, dV and atomic dQ adds) and the
 deterministic one (preprocess, dK and dV alone, then the dQ pass). From each binary it reads the
 per-thread register count and stack frame (cuobjdump's resource usage: a non-zero STACK is where
@@ -45,6 +45,9 @@ from model.attention_configs import KERNELS, candidates, space, table_entries  #
 HEAD_DIMS = (64, 80, 96, 128)
 DTYPES = ("bf16",)  # what training runs
 ARCHS = (80, 90)
+# Every autotune candidate is compiled for the GPU the kernels are tuned for; on sm_80 TABLE's choices only
+# (what GPT3D_TRITON_AUTOTUNE=0 runs; an autotuned A100 run times its candidates and keeps the fastest).
+TUNED_ARCH = 90
 # Pointer arguments and their element types ("in" = the input dtype); every other non-constexpr
 # argument is an int32 except these float32 scalars. Strides are the int arguments named s…
 # DQ is the float32 accumulator, except in the deterministic dQ pass (`kernels` overrides it).
@@ -66,10 +69,11 @@ def kernels():
         raise RuntimeError("TRITON_INTERPRET=1 is set: the kernels are interpreted and cannot be compiled")
 
     def per_head_dim(kernel):
-        return {d: [_config_dict(c) for c in at.triton_configs(configs_at(kernel, d), KERNELS[kernel][1])]
-                for d in HEAD_DIMS}
+        return {arch: {d: [_config_dict(c) for c in at.triton_configs(configs_at(kernel, d, arch), KERNELS[kernel][1])]
+                       for d in HEAD_DIMS} for arch in ARCHS}
 
-    preprocess = {d: [{"BLOCK_M": at.PREPROCESS_BLOCK, "num_warps": 4, "num_stages": 3}] for d in HEAD_DIMS}
+    preprocess = {arch: {d: [{"BLOCK_M": at.PREPROCESS_BLOCK, "num_warps": 4, "num_stages": 3}] for d in HEAD_DIMS}
+                  for arch in ARCHS}
     return {"forward": (at._fwd_kernel.fn, per_head_dim("forward"), {}, {}),
             "backward": (at._bwd_kernel.fn, per_head_dim("backward"), {"ATOMIC_DQ": True}, {}),
             "preprocess": (at._bwd_preprocess, preprocess, {"ZERO_DQ": True}, {}),
@@ -78,10 +82,11 @@ def kernels():
             "det-preprocess": (at._bwd_preprocess, preprocess, {"ZERO_DQ": False}, {"DQ": "in"})}
 
 
-def configs_at(kernel: str, head_dim: int) -> list[tuple]:
-    """The entries a kernel of model/attention_configs.py (KERNELS' names) may run at one head dim:
-    the autotuner's candidates and TABLE's choices for every T bucket."""
-    return list(dict.fromkeys([*candidates(KERNELS[kernel][0], head_dim), *table_entries(kernel, head_dim)]))
+def configs_at(kernel: str, head_dim: int, arch: int) -> list[tuple]:
+    """The entries compiled for a kernel of model/attention_configs.py (KERNELS' names) at one head dim: on
+    TUNED_ARCH the autotuner's candidates and TABLE's choices for every T bucket, elsewhere TABLE's only."""
+    tuned = candidates(KERNELS[kernel][0], head_dim) if arch == TUNED_ARCH else []
+    return list(dict.fromkeys([*tuned, *table_entries(kernel, head_dim)]))
 
 
 def _config_dict(config):
@@ -158,8 +163,8 @@ SPILLING_CONTROL = ("forward", {"BLOCK_M": 128, "BLOCK_N": 64, "MASK_N": 32, "nu
 def all_cases():
     """Every (kernel, config, head dim, dtype, arch) the test must compile."""
     return [(name, config, d, dtype, arch)
-            for name, (_, configs, _, _) in kernels().items() for d in HEAD_DIMS for config in configs[d]
-            for dtype in DTYPES for arch in ARCHS]
+            for name, (_, configs, _, _) in kernels().items() for arch in ARCHS for d in HEAD_DIMS
+            for config in configs[arch][d] for dtype in DTYPES]
 
 
 def compile_all(workers: int | None = None, control: bool = False) -> list[dict]:

@@ -20,9 +20,9 @@ DONE_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_
                "DEADLINE", "PREEMPTED"}
 
 
-def bring_up(root: Path):
-    """A 2-node cluster in `root` on a subnet, controller port and names of this worker's own; one line on
-    failure."""
+def bring_up(root: Path, instance: int = 0):
+    """A 2-node cluster in `root` on a subnet, controller port and names of this worker's own (`instance`: a
+    second one beside the session's); one line on failure."""
     import pytest
 
     from launch.local_cluster.cluster import ClusterError, up
@@ -38,7 +38,7 @@ def bring_up(root: Path):
         except (OSError, RuntimeError):  # no `ip`: up() below names what is missing
             break
     try:
-        return up(root, nodes=2, subnet=subnet, prefix=f"g3t{pid % 10**6}", shared=(str(REPO),),
+        return up(root, nodes=2, subnet=subnet, prefix=f"g3t{pid % 10**5}{instance}", shared=(str(REPO),),
                   ctld_port=17000 + index)
     except ClusterError as error:
         pytest.fail(f"local cluster: {error}", pytrace=False)
