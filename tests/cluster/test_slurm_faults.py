@@ -91,12 +91,13 @@ def test_a_link_cut_shorter_than_the_peer_timeout_is_ridden_out(cluster, shared,
     job_id = submit(cluster, run_dir, args, ACROSS, env={"MAX_RESTARTS": "1"})
     wait_rows(run_dir, 5)
     cluster.cut_link("node2")
+    cut = rows(run_dir)
     time.sleep(4)
-    stalled = rows(run_dir)
+    during = rows(run_dir) - cut  # the link really was cut: no step gets through it (one may be ending)
     cluster.restore_link("node2")
     ended = wait_job(cluster, job_id, f"{run_dir}.slurm.out")
     assert (ended.state, ended.exit_code, ended.restarts) == ("COMPLETED", 0, 0), ended.output[-3000:]
     assert "starting again" not in ended.output and "heartbeat" not in ended.output
-    assert stalled < steps
+    assert during <= 1
     assert_same_losses(metrics(run_dir), one_process(tmp_path / "one", shared_corpus, f"train.max_steps={steps}",
                                                      "train.checkpoint_interval=0"))
