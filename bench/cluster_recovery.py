@@ -127,7 +127,8 @@ def one_repeat(cluster: Cluster, launcher: str, run_dir: Path, overrides: list[s
         cluster.kill_node("node2")
         seen: dict[str, float] = {}
         resumed_step = None
-        while (code := ended()) is None or len(seen) < len(PHASES) + 1:
+        while True:
+            code = ended()
             text = logs[0].read_text()[len(before):]
             now = time.monotonic() - killed
             for phase, pattern in PHASES.items():
@@ -144,7 +145,8 @@ def one_repeat(cluster: Cluster, launcher: str, run_dir: Path, overrides: list[s
         while (code := ended()) is None and time.monotonic() < deadline:
             time.sleep(0.2)
     finally:
-        cluster.revive("node2")
+        if "node2/holder" not in cluster.pids:  # killed: bring it back for the next repeat
+            cluster.revive("node2")
     missing = [p for p in (*PHASES, "stepped") if p not in seen]
     if missing or code != 0:
         tail = "\n".join(logs[0].read_text().splitlines()[-40:])

@@ -19,7 +19,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from launch.local_cluster.cluster import Cluster, ClusterError, up
+from launch.local_cluster.cluster import Cluster, up
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,9 +68,9 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.update(cluster.env())
             os.execvp(argv[0], argv)
         else:
-            getattr(cluster, args.command.replace("-", "_").replace("revive", "revive"))(args.node)
+            getattr(cluster, args.command.replace("-", "_"))(args.node)
         return 0
-    except ClusterError as error:
+    except RuntimeError as error:  # ClusterError, or an `ip` command that failed (its own message)
         print(f"local_cluster: {error}", file=sys.stderr)
         return 2
 

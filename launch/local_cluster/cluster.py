@@ -6,9 +6,9 @@ A node is a long-lived holder process (`sleep`) in a network namespace of its ow
 cluster's bridge), a UTS namespace (its hostname) and a mount namespace: a private tmpfs on /tmp (the node's
 local disk), the cluster's hosts file on /etc/hosts, its ssh folder (keys, and every node's name) on ~/.ssh,
 and the shared folders bound back in, so that every node sees them as a cluster sees its shared filesystem.
-Its daemons (`slurmd -N <node>`, `sshd`) and everything they start enter those namespaces through `nsenter`. The controller (`slurmctld`) and munge run in this
-machine's own network namespace, on the bridge's address; munge's socket is a file in the cluster's folder,
-which every node reaches.
+Its daemons (`slurmd -N <node>`, `sshd`) and everything they start enter those namespaces through `nsenter`.
+The controller (`slurmctld`) and munge run in this machine's own network namespace, on the bridge's address;
+munge's socket is a file in the cluster's folder, which every node reaches.
 
 Everything the cluster started is recorded by PID in <root>/cluster.json; `down` ends those processes and
 every process left inside a node's namespace, by PID, then removes the namespaces and the bridge.
@@ -44,7 +44,7 @@ done
 exec 3<&-
 mount --bind "$root/hosts" /etc/hosts
 home="$(getent passwd "$(id -u)" | cut -d: -f6)"
-if [ ! -d "$home/.ssh" ]; then mkdir -m 700 "$home/.ssh"; echo "$home/.ssh" > "$root/run/made-ssh-dir"; fi
+mkdir -p -m 700 "$home/.ssh"  # the mount point, made empty where there was none, and left (other clusters use it)
 mount --bind "$root/ssh" "$home/.ssh"
 mkdir -p /run/sshd
 echo $$ > "$root/run/holder.$(hostname)"
@@ -112,6 +112,8 @@ class Cluster:
     prefix_len: int
     shared: list[str]
     pids: dict[str, int] = field(default_factory=dict)  # "munged", "slurmctld", "<node>/holder", "<node>/slurmd", ...
+    started: dict[str, int] = field(default_factory=dict)  # each's start time (clock ticks since boot): a PID reused
+    # by another process since (a stale cluster.json) is never signalled
 
     # --- names and environment ---------------------------------------------------------------------------------
 
@@ -192,9 +194,16 @@ class Cluster:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True, env={**os.environ, **self.env()})
         log.close()
-        self.pids[key] = proc.pid
-        self.save()
+        self._record(key, proc.pid)
         return proc.pid
+
+    def _record(self, key: str, pid: int) -> None:
+        self.pids[key], self.started[key] = pid, _start_time(pid)
+        self.save()
+
+    def _ours(self) -> dict[str, int]:
+        """The recorded processes that are still the ones the cluster started."""
+        return {key: pid for key, pid in self.pids.items() if _start_time(pid) == self.started.get(key)}
 
     def _start_node(self, node: str) -> None:
         (self.root / "state" / node).mkdir(parents=True, exist_ok=True)
@@ -208,8 +217,7 @@ class Cluster:
             if time.monotonic() > deadline:
                 raise ClusterError(f"node {node}'s namespaces did not come up; see {self.root}/log/{node}-unshare.out")
             time.sleep(0.05)
-        self.pids[f"{node}/holder"] = int(marker.read_text())
-        self.save()
+        self._record(f"{node}/holder", int(marker.read_text()))
         self._daemon(f"{node}/slurmd", self.on_node(node, [find("slurmd"), "-D", "-N", node, "-f",
                                                            str(self.root / "slurm.conf")], wd=self.root))
         self._daemon(f"{node}/sshd", self.on_node(node, [find("sshd"), "-D", "-e", "-f",
@@ -270,8 +278,11 @@ class Cluster:
             for pid in pids:
                 _signal(pid, signal.SIGKILL)
             time.sleep(0.05)
+        for key, pid in self._ours().items():
+            if key.startswith(f"{node}/"):
+                _signal(pid, signal.SIGKILL)
         for key in [k for k in self.pids if k.startswith(f"{node}/")]:
-            _signal(self.pids.pop(key), signal.SIGKILL)
+            del self.pids[key], self.started[key]
         self.save()
 
     def revive(self, node: str) -> None:
@@ -296,7 +307,7 @@ class Cluster:
     def down(self) -> None:
         """End every process the cluster started or holds (SIGTERM, then SIGKILL after 5 s), remove its
         namespaces and bridge. The folder stays (logs, and the runs in its shared/)."""
-        targets = set(self.pids.values())
+        targets = set(self._ours().values())
         for node in self.nodes:
             targets.update(network.namespace_pids(self.netns(node)))
         for pid in targets:
@@ -311,12 +322,18 @@ class Cluster:
         for pid in targets:
             _reap(pid)
         network.remove([self.netns(n) for n in self.nodes], [self.host_end(n) for n in self.nodes] + [self.bridge])
-        made = self.root / "run" / "made-ssh-dir"
-        if made.exists():  # the empty ~/.ssh a node needed as its mount point
-            Path(made.read_text().strip()).rmdir()
-            made.unlink()
         self.pids.clear()
+        self.started.clear()
         self.save()
+
+
+def _start_time(pid: int) -> int | None:
+    """When process `pid` started (field 22 of /proc/<pid>/stat), or None when there is no such process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
 
 
 def _signal(pid: int, sig: int) -> None:
@@ -361,9 +378,12 @@ def up(root: Path, nodes: int = 2, subnet: str = "10.231.0.0/24", prefix: str = 
         raise ClusterError(f"nodes={nodes}: a local cluster has 1 to 64 nodes")
     if len(prefix) > 10 or not prefix.replace("-", "").isalnum():
         raise ClusterError(f"prefix {prefix!r}: at most 10 letters, digits or dashes (interface names hold 15)")
+    try:
+        controller, addrs = network.addresses(subnet, nodes)
+    except ValueError as error:
+        raise ClusterError(f"--subnet {subnet}: {error}") from None
     if (route := network.subnet_in_use(subnet)) is not None:
         raise ClusterError(f"subnet {subnet} is already routed on this machine ({route}); pick another --subnet")
-    controller, addrs = network.addresses(subnet, nodes)
     root.mkdir(parents=True, exist_ok=True)
     names = [f"node{i + 1}" for i in range(nodes)]
     cluster = Cluster(root=root, prefix=prefix, nodes=dict(zip(names, addrs)), controller_addr=controller,

@@ -1,9 +1,10 @@
 """The text of the cluster's configuration files, each from the cluster's settings alone.
 
 - slurm.conf: one controller on the bridge, the nodes at their addresses, one partition of all of them.
-  A site's timings (SlurmdTimeout=300: SLURM takes a silent node for dead after five minutes), but for two:
-  a requeued job may start CRED_EXPIRE_S after its requeue (AuthInfo cred_expire; a site's default is 120 s),
-  and the scheduler looks at the queue every second (sched_interval; 60 by default).
+  SlurmdTimeout is SLURM's default (300: a silent node is taken for dead after five minutes); at a test
+  cluster's pace: a requeued job may start CRED_EXPIRE_S after its requeue (AuthInfo cred_expire, 120 s by
+  default), the scheduler looks at the queue every second (sched_interval, 60), KillWait 5 s (30),
+  MessageTimeout 5 s (10), SlurmctldTimeout 10 s (120), finished jobs kept 600 s for scontrol (MinJobAge, 300).
 - sshd_config: one per node (its own pid file), root by key only, keys in the cluster's folder.
 - ssh_config: the client side, ~/.ssh/config inside the nodes (DeepSpeed's runner calls ssh and pdsh).
 - hosts: every node's name and address, bound over /etc/hosts inside each node.

@@ -22,11 +22,11 @@ def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 def addresses(subnet: str, nodes: int) -> tuple[str, list[str]]:
-    """(the controller's address, each node's), in `subnet` (a /24 or larger)."""
+    """(the controller's address, each node's), in `subnet` (an IPv4 network, e.g. 10.231.0.0/24)."""
     net = ipaddress.ip_network(subnet)
     hosts = list(net.hosts())
-    if len(hosts) < 11 + nodes:
-        raise ValueError(f"subnet {subnet} holds {len(hosts)} addresses; {nodes} nodes need at least {11 + nodes}")
+    if len(hosts) < 10 + nodes:
+        raise ValueError(f"subnet {subnet} holds {len(hosts)} addresses; {nodes} nodes need at least {10 + nodes}")
     return str(hosts[0]), [str(hosts[10 + i]) for i in range(nodes)]
 
 
@@ -34,9 +34,14 @@ def subnet_in_use(subnet: str) -> str | None:
     """The route already covering `subnet` on this machine, if any (two clusters on one subnet would collide)."""
     net = ipaddress.ip_network(subnet)
     for line in ip("-4", "route", "show").stdout.splitlines():
-        dest = line.split()[0]
-        if dest != "default" and ipaddress.ip_network(dest, strict=False).overlaps(net):
-            return line
+        for word in line.split()[:2]:  # "10.0.0.0/8 dev …", or a type first: "blackhole 10.0.0.0/8"
+            try:
+                dest = ipaddress.ip_network(word, strict=False)
+            except ValueError:
+                continue
+            if dest.overlaps(net):
+                return line
+            break
     return None
 
 

@@ -53,7 +53,7 @@ def test_a_node_range_gets_every_free_node_without_ntasks_per_node_and_the_minim
 
 def test_a_requeued_job_asks_for_the_node_count_it_had_not_its_range(cluster):
     cluster.wait_idle()
-    cmd = ["sbatch", "--parsable", "--exclusive", "--nodes=1-2", "--wrap=sleep 60"]
+    cmd = ["sbatch", "--parsable", "--exclusive", "--nodes=1-2", "--output=/dev/null", "--wrap=sleep 60"]
     job_id = int(subprocess.run(cmd, cwd=REPO, env=job_env(cluster), capture_output=True, text=True,
                                 check=True).stdout.strip())
     try:
