@@ -32,7 +32,7 @@ from train.config.entry import (
     quiet_library_warnings,
     register_config,
 )
-from train.config.launch import is_rank_zero, launched_by_launcher
+from train.config.launch import is_rank_zero, launcher_stops_all_at_first_exit
 
 REPORT_GRACE_S = 30  # the longest another rank waits for rank 0 to report bad input (see _refuse)
 
@@ -97,12 +97,13 @@ def main(cfg: DictConfig) -> None:
 def _refuse(err: Exception) -> None:
     """Bad input: one line on rank 0 (every rank finds the same), exit EXIT_BAD_INPUT on every rank.
 
-    Under a launcher the other ranks exit only after REPORT_GRACE_S (or when the launcher stops them, once
-    rank 0 has exited): a launcher stops every rank as soon as one fails, so a rank that ended first could
-    get rank 0 stopped before its line was written."""
+    Under torchrun or DeepSpeed's launcher the other ranks exit only after REPORT_GRACE_S (or when the launcher
+    stops them, once rank 0 has exited): those launchers stop every rank as soon as one fails, so a rank that
+    ended first could get rank 0 stopped before its line was written. srun, as launch/slurm.sbatch runs it,
+    lets each rank end by itself: no wait."""
     if is_rank_zero():
         print(f"gpt3d: error: {err}", file=sys.stderr, flush=True)
-    elif launched_by_launcher():
+    elif launcher_stops_all_at_first_exit():
         time.sleep(REPORT_GRACE_S)
     raise SystemExit(EXIT_BAD_INPUT) from None
 

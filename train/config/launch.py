@@ -22,6 +22,13 @@ def launched_by_launcher() -> bool:
     return "LOCAL_RANK" in os.environ
 
 
+def launcher_stops_all_at_first_exit() -> bool:
+    """Whether this rank's launcher ends every rank as soon as one exits: torchrun's agent (it sets
+    TORCHELASTIC_RUN_ID) and DeepSpeed's launch.py (CROSS_RANK) do; srun as launch/slurm.sbatch runs it
+    (--kill-on-bad-exit=0) does not."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or "CROSS_RANK" in os.environ
+
+
 def launch_timestamp(fmt: str = "%Y-%m-%d_%H-%M-%S") -> str:
     stamp = os.environ.get("GPT3D_RUN_STAMP")
     if stamp:
