@@ -40,7 +40,7 @@ def test_torchrun_static_two_nodes(cluster, shared, shared_corpus, tmp_path):
 def test_torchrun_elastic_goes_on_with_one_node_when_the_other_is_lost(cluster, shared, shared_corpus, tmp_path):
     run_dir, steps = shared / "run", 40
     overrides = (f"train.max_steps={steps}", "train.checkpoint_interval=10", "parallel.layout=auto",
-                 "train.peer_timeout_s=8")
+                 "train.peer_timeout_s=6")
     env = {"NNODES": "1:2", "MAX_RESTARTS": "1", "MASTER_ADDR": "node1", "MASTER_PORT": "29520",
            "GPT3D_RUN_STAMP": "elastic", "RUN_DIR": str(run_dir)}
     logs = [shared / f"{node}.log" for node in cluster.nodes]

@@ -41,6 +41,7 @@ def test_slurm_time_limit_signal_requeues_and_resumes_then_scancel_ends_with_a_c
     assert f"requeueing job {job_id}" in text
     assert f"resumed from {run_dir / 'checkpoints' / f'step{step:08d}'} at step {step}" in text
     wait_rows(run_dir, step + 3)
+    assert not (run_dir / "preempted.json").exists()  # the resumed run cleared the marker it was requeued on
     cluster.slurm("scancel", str(job_id))
     ended = wait_job(cluster, job_id, out)
     assert ended.state == "CANCELLED" and ended.restarts == 1, ended.output[-3000:]
@@ -67,7 +68,7 @@ def test_a_cut_link_is_ridden_out_then_a_lost_node_the_job_goes_on_by_itself_on_
                                                                                          node2_back):
     """One run: node2's link cut for 4 s (shorter than train.peer_timeout_s) stalls the steps and nothing more;
     later node2 dies, and the job goes on on node1 alone from the newest checkpoint."""
-    steps, overrides = 40, ("train.checkpoint_interval=10", "parallel.layout=auto", "train.peer_timeout_s=8")
+    steps, overrides = 40, ("train.checkpoint_interval=10", "parallel.layout=auto", "train.peer_timeout_s=6")
     run_dir = shared / "run"
     cluster.wait_idle()  # a node range starts on the nodes free at the time
     job_id = submit(cluster, run_dir, tiny(shared_corpus, f"train.max_steps={steps}", *overrides, auto=True),

@@ -1,7 +1,7 @@
 """sbatch launch/slurm.sbatch on two nodes of the local cluster: the ranks of one run on two hosts talk over the
-cluster's link, and each layout ends on the one-process run's curve (fp32 1e-5; bf16 like the other layouts).
+cluster's link, and each layout ends on the one-process run's curve (fp32 1e-5; bf16 like the other layouts). (Data parallelism across the nodes, one
+task a node, is what test_slurm_faults.py's runs do, each on the curve.)
 
-- data parallelism across the nodes (fp32), one task a node;
 - pp=2, one stage a node: the activations and their gradients cross the link (bf16);
 - tp=2 inside a node x dp=2 across the nodes (fp32), two tasks a node.
 
@@ -18,7 +18,6 @@ from cluster_runs import node_local_files, one_process, submit, tiny, wait_job
 
 STEPS = 6
 LAYOUTS = {  # name: (overrides, sbatch options, precision)
-    "dp-across": (["parallel.tp=1"], ("--nodes=2", "--ntasks-per-node=1"), "fp32"),
     "pp-across": (["parallel.pp=2"], ("--nodes=2", "--ntasks-per-node=1"), "bf16"),
     "tp-in-dp-across": (["parallel.tp=2"], ("--nodes=2", "--ntasks-per-node=2"), "fp32"),
 }
