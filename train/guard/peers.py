@@ -18,11 +18,13 @@ Declaring: the lost host is appended to the file GPT3D_LOST_NODES names (default
 launch/slurm.sbatch reads to start again without that node): the silent peer's SLURM node name or host name, or
 MASTER_ADDR when the store is what went silent. Then one line on stderr and exit code EXIT_CODE at once
 (os._exit: the main thread may be inside a collective). The watch ends with the process group (a finished
-run's ranks leave one by one, the store's host among them) or the process. One-process runs have no watch.
+run's ranks leave one by one, the store's host among them) or, at the latest, at the process's exit (atexit).
+One-process runs have no watch.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import threading
@@ -53,7 +55,17 @@ class PeerWatch:
         self.timeout_s, self.interval_s = timeout_s, timeout_s / INTERVALS
         self.store = connect(timeout_s)
         self.store.set(f"host/{rank}", host_name())
-        threading.Thread(target=self._watch, name="gpt3d-peers", daemon=True).start()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="gpt3d-peers", daemon=True)
+        self._thread.start()
+        atexit.register(self._stop)
+
+    def _stop(self) -> None:
+        """At the process's exit: the thread ends and the store's client is released here, in the main thread,
+        before the interpreter and torch's C++ objects are torn down under a thread still using them."""
+        self._stopped.set()
+        self._thread.join(timeout=2 * self.interval_s + 1)
+        self.store = None
 
     @classmethod
     def start(cls, run_dir: Path, rank: int, world: int, timeout_s: float) -> PeerWatch | None:
@@ -79,8 +91,7 @@ class PeerWatch:
         import torch.distributed as dist
 
         beat, seen, seen_at, ok_at = 0, None, time.monotonic(), time.monotonic()
-        while dist.is_initialized():
-            time.sleep(self.interval_s)
+        while dist.is_initialized() and not self._stopped.wait(self.interval_s):
             now = time.monotonic()
             try:
                 if self.store is None:  # a call timed out: its late reply must not answer the next one
@@ -95,7 +106,7 @@ class PeerWatch:
                 self.store, value = None, seen
             if value != seen:
                 seen, seen_at = value, now
-            if not dist.is_initialized():
+            if self._stopped.is_set() or not dist.is_initialized():
                 return
             if now - seen_at > self.timeout_s:
                 host = self._host(self.peer)
