@@ -29,6 +29,8 @@ def test_a_node_has_its_own_hostname_address_and_tmp_and_sees_the_shared_folders
         assert not os.path.exists(f"/tmp/local-{node}")  # its /tmp is its own
     other = list(cluster.nodes)[1]
     assert inside(cluster, list(cluster.nodes)[0], "sh", "-c", f"ls /tmp/local-{other} 2>/dev/null || true") == ""
+    for node in cluster.nodes:  # the session's cluster: other tests look at its nodes' /tmp
+        inside(cluster, node, "rm", f"/tmp/local-{node}")
     # each node reaches the other by name, over the bridge
     first, second = cluster.nodes
     assert inside(cluster, first, "getent", "hosts", second).split()[0] == cluster.nodes[second]
