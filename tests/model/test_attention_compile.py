@@ -63,8 +63,8 @@ def _expected_cases():
     for d, dtype, arch in itertools.product(HEAD_DIMS, HALF_DTYPES, ARCHS):
         for kernel, name in tuned:
             tuning, mask = ac.KERNELS[name]
-            tuned = ac.candidates(tuning, d) if arch == 90 else []  # sm_80: TABLE's choices only
-            cases |= {(kernel, items(e, mask), d, dtype, arch) for e in [*tuned, *ac.table_entries(name, d)]}
+            autotuned = ac.candidates(tuning, d) if arch == 90 else []  # sm_80: TABLE's choices only
+            cases |= {(kernel, items(e, mask), d, dtype, arch) for e in [*autotuned, *ac.table_entries(name, d)]}
         preprocess = (("BLOCK_M", at.PREPROCESS_BLOCK), ("num_warps", 4), ("num_stages", 3))
         cases |= {(kernel, preprocess, d, dtype, arch) for kernel in ("preprocess", "det-preprocess")}
     return cases
