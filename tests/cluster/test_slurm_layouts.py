@@ -1,6 +1,6 @@
 """sbatch launch/slurm.sbatch on two nodes of the local cluster: the ranks of one run on two hosts talk over the
-cluster's link, and each layout ends on the one-process run's curve (fp32 1e-5; bf16 like the other layouts). (Data parallelism across the nodes, one
-task a node, is what test_slurm_faults.py's runs do, each on the curve.)
+cluster's link, and each layout ends on the one-process run's curve (fp32 1e-5; bf16 like the other layouts). (Data
+parallelism across the nodes, one task a node, is what test_slurm_faults.py's runs do, each on the curve.)
 
 - pp=2, one stage a node: the activations and their gradients cross the link (bf16);
 - tp=2 inside a node x dp=2 across the nodes (fp32), two tasks a node.

@@ -146,3 +146,14 @@ def node_local_files(cluster, node: str) -> list[str]:
     proc = subprocess.run(cluster.on_node(node, ["find", "/tmp", "-xdev", "-type", "f"], wd="/"), capture_output=True,
                           text=True, timeout=30)
     return proc.stdout.split()
+
+
+def wait_all(procs: list[subprocess.Popen], logs: list, timeout: float = 300) -> None:
+    for proc, log in zip(procs, logs):
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise AssertionError(f"{log} still running after {timeout} s:\n{read(log)[-3000:]}") from None
+        assert code == 0, f"{log} exited {code}:\n{read(log)[-3000:]}"
