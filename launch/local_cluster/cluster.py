@@ -212,11 +212,8 @@ class Cluster:
         self._daemon(f"{node}/unshare", ["nsenter", f"--net=/run/netns/{self.netns(node)}", "unshare", "--uts",
                                          "--mount", "--propagation", "private", "--fork", "--", "bash", "-c", HOLDER,
                                          "holder", node, str(self.root), *self.shared])
-        deadline = time.monotonic() + 10
-        while not marker.exists() or not marker.read_text().strip():
-            if time.monotonic() > deadline:
-                raise ClusterError(f"node {node}'s namespaces did not come up; see {self.root}/log/{node}-unshare.out")
-            time.sleep(0.05)
+        _wait_for(lambda: marker.exists() and marker.read_text().strip(),
+                  f"node {node}'s namespaces did not come up; see {self.root}/log/{node}-unshare.out")
         self._record(f"{node}/holder", int(marker.read_text()))
         self._daemon(f"{node}/slurmd", self.on_node(node, [find("slurmd"), "-D", "-N", node, "-f",
                                                            str(self.root / "slurm.conf")], wd=self.root))
@@ -253,11 +250,7 @@ class Cluster:
         self._daemon("munged", [find("munged"), "-F", "--force", f"--socket={socket}", f"--key-file={key}",
                                 f"--pid-file={self.root}/run/munged.pid", f"--log-file={self.root}/log/munged.log",
                                 f"--seed-file={self.root}/munge/seed"])
-        deadline = time.monotonic() + 10
-        while not socket.exists():
-            if time.monotonic() > deadline:
-                raise ClusterError(f"munged did not start; see {self.root}/log/munged.out")
-            time.sleep(0.05)
+        _wait_for(socket.exists, f"munged did not start; see {self.root}/log/munged.out")
         self._daemon("slurmctld", ["unshare", "--uts", "--", "bash", "-c",
                                    f'hostname {files.CONTROLLER_NAME} && exec "$0" -D -c -f "$1"',
                                    find("slurmctld"), str(self.root / "slurm.conf")])
@@ -327,13 +320,27 @@ class Cluster:
         self.save()
 
 
-def _start_time(pid: int) -> int | None:
-    """When process `pid` started (field 22 of /proc/<pid>/stat), or None when there is no such process."""
+def _wait_for(ready, failure: str, timeout_s: float = 10) -> None:
+    """Until `ready()` is true; ClusterError(failure) after `timeout_s` seconds."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        if time.monotonic() > deadline:
+            raise ClusterError(failure)
+        time.sleep(0.05)
+
+
+def _stat(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat's fields from the third on (state, ppid, …), or None when there is no such process."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return None
-    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def _start_time(pid: int) -> int | None:
+    """When process `pid` started (field 22 of /proc/<pid>/stat), or None when there is no such process."""
+    fields = _stat(pid)
+    return None if fields is None else int(fields[19])
 
 
 def _signal(pid: int, sig: int) -> None:
@@ -350,11 +357,8 @@ def _alive(pid: int) -> bool:
             return False
     except ChildProcessError:
         pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}/stat").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    fields = _stat(pid)
+    return fields is not None and fields[0] != "Z"
 
 
 def _reap(pid: int) -> None:

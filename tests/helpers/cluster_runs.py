@@ -125,13 +125,12 @@ def rows(run_dir: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-def wait_rows(run_dir: Path, n: int, timeout: float = 240) -> float:
-    """Until metrics.jsonl holds n rows; the monotonic time it was seen."""
+def wait_rows(run_dir: Path, n: int, timeout: float = 240) -> None:
+    """Until metrics.jsonl holds n rows."""
     deadline = time.monotonic() + timeout
     while rows(run_dir) < n:
         assert time.monotonic() < deadline, f"no step {n} in {run_dir} within {timeout} s"
         time.sleep(0.05)
-    return time.monotonic()
 
 
 def on_node(cluster, node: str, cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
