@@ -13,7 +13,16 @@ EXIT_DATA_UNREADABLE (5), each with one line.
 
 from __future__ import annotations
 
-import shutil
+import signal
+
+# First, before the imports that take seconds: hold SIGUSR1 pending until the stop handlers are in place
+# (StopSignals.install, train/guard/preemption.py), in this thread and every thread and child started
+# meanwhile. It is a scheduler's warning that time is almost up (SLURM's --signal), it can come while
+# the run still starts (imports, rendezvous, building, loading), and its default action would end the
+# process with nothing saved. SIGTERM and SIGINT keep theirs: a launcher must be able to stop a hung start.
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+
+import shutil  # noqa: E402 (after the mask)
 import sys
 import time
 from pathlib import Path

@@ -51,8 +51,12 @@ class StopSignals:
         self._previous: dict = {}
 
     def install(self) -> None:
+        """Handle the stop signals from now on, and take the ones held pending while the run started
+        (`python -m train` blocks SIGUSR1 first thing, train/__main__.py: a scheduler's warning that came
+        while the run started is taken here, and the run stops after its first step)."""
         if threading.current_thread() is threading.main_thread():  # Python lets only the main thread set handlers
             self._previous = {sig: signal.signal(sig, self._on_signal) for sig in SIGNALS}
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
@@ -72,7 +76,8 @@ class StopSignals:
             return
         self.received, self.received_step = signum, self.step
         if os.environ.get("LOCAL_RANK", "0") == "0":  # one line per node, not one per rank
-            _write(f"gpt3d: rank {self.rank}: {signal.Signals(signum).name} during step {self.step}: finishing it, "
+            what = f"during step {self.step}: finishing it" if self.step else "while the run started: training one step"
+            _write(f"gpt3d: rank {self.rank}: {signal.Signals(signum).name} {what}, "
                    f"then saving a checkpoint and stopping (Ctrl-C again to exit at once, without one)\n")
 
 
@@ -164,5 +169,6 @@ def stop_message(step: int, verdict: Verdict, checkpoint: Path, run_dir: Path, f
     name = signal.Signals(verdict.signal).name
     what = ("the run had reached its last step" if finished else
             f"to resume, re-run the same command with hydra.run.dir={run_dir} (train.resume=auto)")
-    return (f"{name} reached rank {verdict.rank} during step {verdict.step}: stopped after step {step}, checkpoint "
+    when = f"during step {verdict.step}" if verdict.step else "while the run started"
+    return (f"{name} reached rank {verdict.rank} {when}: stopped after step {step}, checkpoint "
             f"{checkpoint}; {what}")

@@ -4,6 +4,7 @@
   checkpoint at it and exit 0.
 - Ctrl-C as a terminal sends it (SIGINT to the whole process group, background data workers included):
   exit 0 with a checkpoint; a second SIGINT exits at once.
+- SIGUSR1 while a run still starts: held until the handlers exist, then a stop after step 1.
 - a hang (one rank of two stopped with SIGSTOP): the live rank writes its stacks and exits with code 3.
 """
 
@@ -112,6 +113,35 @@ def test_ctrl_c_with_data_workers_stops_after_the_step_with_a_checkpoint(tmp_pat
     assert "SIGINT reached rank 0" in out
     assert f"rank 0: SIGINT during step {step}: finishing it" in err
     check_stopped_at(run_dir, step, "SIGINT", rank=0)
+
+
+def signal_masks(pid: int) -> tuple[int, int]:
+    """(blocked, caught) signal masks of a process, from /proc (bit n - 1 for signal n)."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    return int(fields["SigBlk"], 16), int(fields["SigCgt"], 16)
+
+
+def test_a_warning_signal_while_the_run_starts_is_held_then_stops_it_after_step_one(tmp_path, corpus):
+    """SLURM's SIGUSR1 can come while a run still imports and builds, before any handler exists; its default
+    action would kill the process with nothing saved. Sent while /proc shows it blocked and not yet caught,
+    it waits for the handlers, and the run stops after step 1 with a checkpoint and the marker."""
+    run_dir = tmp_path / "run"
+    proc = start(tmp_path / "log", [*launcher("process", 1), *arguments(run_dir, corpus, *RUN)])
+    usr1 = 1 << (signal.SIGUSR1 - 1)
+    try:
+        deadline = time.monotonic() + 60
+        while not (masks := signal_masks(proc.pid))[0] & usr1:
+            assert proc.poll() is None and time.monotonic() < deadline, read_log(tmp_path / "log")
+            time.sleep(0.005)
+        assert not masks[1] & usr1 and rows_logged(run_dir) == 0  # still starting: no handler, no step
+        os.kill(proc.pid, signal.SIGUSR1)
+        assert proc.wait(timeout=300) == 0, read_log(tmp_path / "log")[1][-3000:]
+    finally:
+        proc.kill()
+    out, err = read_log(tmp_path / "log")
+    assert "SIGUSR1 reached rank 0 while the run started: stopped after step 1" in out, out[-3000:]
+    assert "rank 0: SIGUSR1 while the run started: training one step, then saving a checkpoint" in err
+    check_stopped_at(run_dir, 1, "SIGUSR1", rank=0)
 
 
 def test_a_second_interrupt_exits_at_once_and_a_launchers_duplicate_does_not():
