@@ -24,17 +24,26 @@ from model.modes import LayerModes
 TIED_COPY, TIED_OWNER = "lm_head.weight", (0, "wte.weight")
 
 
-def make_layer(config: GPTConfig, index: int, modes: LayerModes = LayerModes()) -> nn.Module:
-    """Layer `index` of the flat list (untied, uninitialised), built in `modes`: 0 Embedding,
-    1 … L Block, L + 1 Head."""
+def layer_type(config: GPTConfig, index: int) -> type[nn.Module]:
+    """The class of layer `index` of the flat list: 0 Embedding, 1 … L Block, L + 1 Head."""
     if index == 0:
-        return Embedding(config)
+        return Embedding
     if 1 <= index <= config.n_layer:
+        return Block
+    if index == config.n_layer + 1:
+        return Head
+    raise IndexError(f"layer {index} of a {config.n_layer}-block GPT: layers are 0 … {config.n_layer + 1}")
+
+
+def make_layer(config: GPTConfig, index: int, modes: LayerModes = LayerModes()) -> nn.Module:
+    """Layer `index` of the flat list (untied, uninitialised), built in `modes` (classes: `layer_type`)."""
+    kind = layer_type(config, index)
+    if kind is Embedding:
+        return Embedding(config)
+    if kind is Block:
         return Block(config, index - 1, selective_recomputation=modes.selective, fp8=modes.fp8,
                      weight_grads=modes.weight_grads, fp8_linears=modes.fp8_linears)
-    if index == config.n_layer + 1:
-        return Head(config, fused_loss=modes.fused_loss)
-    raise IndexError(f"layer {index} of a {config.n_layer}-block GPT: layers are 0 … {config.n_layer + 1}")
+    return Head(config, fused_loss=modes.fused_loss)
 
 
 def layer_list(config: GPTConfig, modes: LayerModes = LayerModes()) -> list[nn.Module]:

@@ -2,7 +2,8 @@
 
     model.gpt.layer_list(config)   [Embedding, Block_0 … Block_{L-1}, Head], on the meta device, built
                                    in their modes (the Head's loss, the blocks' recomputation and
-                                   which of their linears compute in float8)
+                                   which of their linears compute in float8); at pp > 1 only this
+                                   stage's are built (parallel/pipeline.py: stage_layer_list)
       → this stage's layers        all of them when pp = 1 (parallel/pipeline.py: stage_bounds)
       → tensor-parallel plan       parallel/tensor.py: shard_layer, the same for every layer, each
                                    replacement built in its modes (sequence parallelism, overlap)
@@ -29,11 +30,11 @@ from torch import nn
 
 from model import GPT, GPTConfig
 from model.compile import compile_blocks
-from model.gpt import init_layers_, layer_list
+from model.gpt import init_layers_, layer_list, make_layer
 from model.init import materialize_
 from model.modes import BLOCK_LINEARS, Float8, LayerModes
 from model.weight_grads import WeightGradStore
-from parallel.pipeline import PipelineStages, stage_bounds
+from parallel.pipeline import PipelineStages, stage_bounds, stage_layer_list
 from parallel.tensor import TP_PLAN, SequenceParallelLayerNorm, check_plan, full_plan, shard_layer
 from parallel.topology import check_layout
 
@@ -74,8 +75,12 @@ def build_model(
     check_layout(config.n_head, config.d_ff, topology.tp_size, topology.pp_size, config.n_layer, topology.world_size)
     modes = options.layer_modes
     with torch.device("meta"):
-        layers = layer_list(config, modes)
-    check_plan(full_plan(TP_PLAN, options.sequence_parallel), _module_names(layers))
+        if topology.pp_size == 1:
+            layers = layer_list(config, modes)
+        else:
+            layers = stage_layer_list(config, modes, topology.pp_rank, topology.pp_size)
+        kinds = [make_layer(config, i, modes) for i in (0, 1, config.n_layer + 1)]  # one layer of each class
+    check_plan(full_plan(TP_PLAN, options.sequence_parallel), _module_names(kinds))
     bounds = stage_bounds(config.n_layer, topology.pp_size)
     local = {i: layers[i] for i in range(bounds[topology.pp_rank], bounds[topology.pp_rank + 1])}
     for index, layer in local.items():

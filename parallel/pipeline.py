@@ -6,7 +6,8 @@
     (ids, targets) ─► (hidden, targets) ─► … ─► loss
 
 The layers are model/'s own (model.gpt.layer_list): blocks are balanced over pp stages by count
-(`stage_bounds`, DeepSpeed's partition_balanced, as its "type:Block" method), the Embedding
+(`stage_bounds`, DeepSpeed's partition_balanced, as its "type:Block" method, which
+PipelineStages takes from it), the Embedding
 joins the first stage and the Head the last. parallel/build.py builds only this stage's layers.
 
 The loss runs inside the last stage's forward, as the Head's own (model.layers.Head): a micro
@@ -33,11 +34,12 @@ from functools import lru_cache
 
 import torch
 import torch.distributed as dist
-from deepspeed.pipe import PipelineModule
+from deepspeed.pipe import LayerSpec, PipelineModule
 from deepspeed.runtime.utils import partition_balanced
 from torch import nn
 
-from model.gpt import TIED_COPY, TIED_OWNER, run_layers
+from model.gpt import TIED_COPY, TIED_OWNER, layer_type, make_layer, run_layers
+from model.modes import LayerModes
 
 
 @lru_cache(maxsize=256)
@@ -48,11 +50,33 @@ def stage_bounds(n_layer: int, pp: int) -> tuple[int, ...]:
     return tuple(int(b) for b in partition_balanced(weights=is_block, num_parts=pp))
 
 
+class OtherStageLayer(LayerSpec):
+    """A layer of another stage, in this stage's list: its class, which DeepSpeed's partition by type
+    name reads, and nothing built."""
+
+    def __init__(self, kind: type[nn.Module], index: int):
+        super().__init__(kind)
+        self.index = index
+
+    def build(self, log=False):
+        raise RuntimeError(f"DeepSpeed put layer {self.index} on this stage, against stage_bounds")
+
+
+def stage_layer_list(config, modes: LayerModes, stage: int, pp: int) -> list[nn.Module | LayerSpec]:
+    """The flat layer list as stage `stage` of `pp` gives it to DeepSpeed: its own layers built (on the
+    current device, in `modes`), every other one an `OtherStageLayer`. (All L + 2 built, even on the
+    meta device, would cost every rank of a 175B run about a second.)"""
+    bounds = stage_bounds(config.n_layer, pp)
+    own = range(bounds[stage], bounds[stage + 1])
+    return [make_layer(config, i, modes) if i in own else OtherStageLayer(layer_type(config, i), i)
+            for i in range(config.n_layer + 2)]
+
+
 class PipelineStages(PipelineModule):
     """This rank's stage of the layer list as a DeepSpeed PipelineModule.
 
     layers: the full list, with this stage's layers built (sharded, allocated, initialised, in their
-    modes) and the others left on the meta device, never touched. checkpoint_every = k > 0
+    modes) and the others left on the meta device or as `OtherStageLayer`s, never touched. checkpoint_every = k > 0
     recomputes each run of k blocks in backward, as a whole GPT does (model.gpt.run_layers).
 
     A stage whose own layers are on the meta device too is a shapes-only stage (parallel.build with
@@ -66,13 +90,16 @@ class PipelineStages(PipelineModule):
         if len(on_meta) > 1:
             raise ValueError("this stage's layers are partly on the meta device: build all of them, or none")
         self.shapes_only = on_meta == {True}  # a plain attribute, so it may be set before Module.__init__
-        with contextlib.redirect_stdout(io.StringIO()):  # rank 0 prints the partition and seeds
+        with contextlib.redirect_stdout(io.StringIO()):  # rank 0 prints the seeds
             super().__init__(layers=layers, topology=topology.grid_topology, partition_method="type:Block")
         self.checkpoint_every = checkpoint_every
-        if [self._local_start, self._local_stop] != expected:
-            placed = [self._local_start, self._local_stop]
-            raise RuntimeError(f"DeepSpeed put layers {placed} on this stage, expected {expected}")
         self.tied_comms = self._tie_embedding(len(layers) - 1)
+
+    def _partition_layers(self, method: str = "type:Block") -> None:
+        """DeepSpeed's partition by type name, as `stage_bounds` computes it (cached: DeepSpeed would search
+        again for every part it builds, a tenth of a second at 175B, 128 times over in the planner's dry run)."""
+        self.parts = list(stage_bounds(self._num_layers - 2, self.num_stages))
+        self._set_bounds(start=self.parts[self.stage_id], stop=self.parts[self.stage_id + 1])
 
     def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]):
         """(token ids (B, T) on stage 0, else hidden states (B, T, d); targets (B, T)) → the same pair
