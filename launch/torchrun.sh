@@ -12,7 +12,8 @@
 # run directory. With parallel.layout=auto each start takes a layout that fits its world size. A node that
 # dies without closing its connections is noticed by the ranks' heartbeat (train.peer_timeout_s, 20 s); the
 # agents left then meet again, and the rendezvous waits its last call (30 s) for more nodes before it goes on
-# with fewer. (Tested across the nodes of a local SLURM cluster: docs/cluster.md.)
+# with fewer; RDZV_CONF passes torchrun's --rdzv-conf (e.g. RDZV_CONF=last_call_timeout=10 on every node).
+# (Tested across the nodes of a local SLURM cluster: docs/cluster.md.)
 #
 #   elastic, one node:  MAX_RESTARTS=3 launch/torchrun.sh model=gpt3-1.3b parallel.layout=auto
 #   elastic, 2-4 nodes: NNODES=2:4 MAX_RESTARTS=3 MASTER_ADDR=10.0.0.1 GPT3D_RUN_STAMP=exp1 launch/torchrun.sh \
@@ -41,6 +42,7 @@ if [ -n "${MAX_RESTARTS:-}" ] || [[ "$NNODES" == *:* ]]; then
   exec torchrun \
     --nnodes "$NNODES" --nproc_per_node "$NPROC_PER_NODE" --max-restarts "${MAX_RESTARTS:-0}" \
     --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "${GPT3D_RUN_STAMP:-gpt3d}" \
+    --rdzv-conf "${RDZV_CONF:-}" \
     -m train "${EXTRA[@]}" "$@"
 fi
 exec torchrun \
