@@ -17,7 +17,7 @@ import time
 
 import pytest
 from cli import assert_same_losses, metrics
-from cluster_runs import job, one_process, rows, submit, tiny, wait_job, wait_rows
+from cluster_runs import DONE_STATES, job, one_process, rows, submit, tiny, wait_job, wait_rows
 
 ACROSS = ("--nodes=2", "--ntasks-per-node=1")
 
@@ -33,8 +33,8 @@ def test_slurm_time_limit_signal_requeues_and_resumes_then_scancel_ends_with_a_c
     out = run_dir.parent / "run.slurm.out"
     deadline = time.monotonic() + 240
     while "resumed from" not in (text := out.read_text() if out.exists() else ""):
-        assert time.monotonic() < deadline, text[-3000:]
-        time.sleep(0.2)
+        assert time.monotonic() < deadline and job(cluster, job_id)["JobState"] not in DONE_STATES, text[-3000:]
+        time.sleep(0.5)
     stop = json.loads(text.split("stopped early (")[1].split(")")[0])
     assert stop["signal"] == "SIGUSR1" and stop["step"] > 0, text[-3000:]
     step = stop["step"]
