@@ -67,6 +67,9 @@ def reference(request, precision: str) -> list[dict]:
          "tp2-sp-dp2-zero2-selective-buckets", "pp2-ckpt-deepspeed"],
 )
 def test_layout_matches_one_process(request, tmp_path, corpus, kind, nproc, layout, precision):
+    """The launcher named starts the fp32 case; the bf16 case of the same layout is forked ranks (a launcher
+    only hands out the environment, the same in both precisions, and a fresh interpreter per rank is seconds)."""
+    kind = kind if precision == "fp32" else "ranks"
     train(tmp_path, corpus, *STEPS, *layout, f"train.precision={precision}", kind=kind, nproc=nproc)
     assert_same_losses(metrics(tmp_path), reference(request, precision), precision)
 
