@@ -34,6 +34,7 @@ from train.config.sections import TrainConfig
 from train.monitor import report
 
 if TYPE_CHECKING:
+    from model import GPTConfig
     from train.checkpoint.resume_point import ResumePoint
 
 
@@ -64,7 +65,7 @@ class Checkpointer:
     """Saves and restores one run: the engine's tensors (fp32 masters, Adam moments) and the registered
     `parts`. Every rank makes one, at the same point (a background writer makes a process group)."""
 
-    def __init__(self, settings: CheckpointSettings, parts: CheckpointParts, engine, topology, model_cfg,
+    def __init__(self, settings: CheckpointSettings, parts: CheckpointParts, engine, topology, model_cfg: GPTConfig,
                  device: torch.device):
         self.settings, self.parts = settings, parts
         self.engine, self.topology, self.model_cfg, self.device = engine, topology, model_cfg, device

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -24,6 +24,9 @@ from train.checkpoint import files, schema
 from train.checkpoint.files import CheckpointError, checkpoint_dir
 from train.checkpoint.optimizer_state import KINDS
 from train.monitor import report
+
+if TYPE_CHECKING:
+    from model import GPTConfig
 
 # Model config keys that do not change what the weights mean: a checkpoint need not match them.
 RUN_ONLY_KEYS = ("name", "attention_impl", "deterministic_attention", "compile", "dropout", "init_std")
@@ -180,7 +183,7 @@ def _content_problems(folder: Path, manifest: dict) -> tuple[list[str], dict | N
     return ([f"tensors: {'; '.join(problems[:3])}"], None) if problems else ([], state)
 
 
-def saved_shapes(model_cfg) -> dict[str, tuple[int, ...]]:
+def saved_shapes(model_cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
     """{saved tensor name: full shape} of a checkpoint of this model."""
     from parallel.naming import full_shapes
 
@@ -200,7 +203,7 @@ def checked_state(folder: Path) -> dict:
     return state
 
 
-def check_model(saved: dict, model_cfg, folder: Path,
+def check_model(saved: dict, model_cfg: GPTConfig, folder: Path,
                 advice: str = "resume with the same model settings, or start a new run") -> None:
     """One error naming every model setting that differs from the checkpoint's, then `advice`."""
     differing = model_differences(saved, model_cfg)
@@ -212,7 +215,7 @@ def check_model(saved: dict, model_cfg, folder: Path,
         )
 
 
-def model_differences(saved: dict, model_cfg) -> list[str]:
+def model_differences(saved: dict, model_cfg: GPTConfig) -> list[str]:
     """Model config keys whose saved value differs from `model_cfg`'s (run-only keys aside)."""
     current = dataclasses.asdict(model_cfg)
     keys = (set(saved) | set(current)) - set(RUN_ONLY_KEYS)

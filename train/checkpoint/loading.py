@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 LOAD_BATCH_BYTES = 1 << 30  # fp32 state read per DCP load call on one rank
 
 
-def load(engine, topology, model_cfg, point: ResumePoint, parts: CheckpointParts) -> tuple[Path, dict]:
+def load(engine, topology, model_cfg: GPTConfig, point: ResumePoint, parts: CheckpointParts) -> tuple[Path, dict]:
     """Resume from `point` (the checkpoint the resume checks chose and verified in every process, but for
     the shards' checksums) at this run's layout, whatever layout saved it (every rank calls it): model,
     fp32 master weights, Adam moments and step count, then every registered part (this rank's per-rank
@@ -72,7 +72,7 @@ def _intact(point: ResumePoint, warn) -> tuple[Path, dict]:
     return folder, state
 
 
-def _restore(part, model_cfg, topology, params: ParameterState, reader: tensors.ShardReader) -> None:
+def _restore(part, model_cfg: GPTConfig, topology, params: ParameterState, reader: tensors.ShardReader) -> None:
     """Every local parameter (each Parameter once) from its region of the saved full tensors, in
     batches; every rank makes the same number of DCP calls (a collective), some with nothing to read."""
     from train.checkpoint import tensors  # deferred: see train/checkpoint/tensors.py

@@ -35,10 +35,11 @@ from train.checkpoint.schema import FORMAT, FORMAT_VERSION
 from train.checkpoint.storage import SaveFailed, first_cause
 
 if TYPE_CHECKING:
+    from model import GPTConfig
     from train.checkpoint import tensors
 
 
-def save(engine, topology, model_cfg, run_dir: Path, parts: CheckpointParts, *, keep: int = 3,
+def save(engine, topology, model_cfg: GPTConfig, run_dir: Path, parts: CheckpointParts, *, keep: int = 3,
          keep_every: int = 0) -> Path:
     """Save the run into <run_dir>/checkpoints/step<step>/ (every rank calls it): the tensors, and the
     registered `parts` (which must save "step" and "tokens"). Then `latest` names it, and step folders
@@ -60,7 +61,7 @@ class Staged:
     per_rank: list | None
 
 
-def stage(engine, topology, model_cfg, run_dir: Path, parts: CheckpointParts, host_copy=None) -> Staged:
+def stage(engine, topology, model_cfg: GPTConfig, run_dir: Path, parts: CheckpointParts, host_copy=None) -> Staged:
     """Everything a checkpoint of the run as it stands holds, gathered on every rank (collectives on
     the default process group), and the empty temporary folder it goes into (older leftovers removed).
     `host_copy(name, tensor) → tensor` makes this rank's tensors copies in host memory that training
@@ -192,7 +193,7 @@ def _write_state(tmp: Path, state: dict, rng: dict, described: dict) -> None:
     files.write_json(tmp / files.MANIFEST, manifest)
 
 
-def _collect(part, model_cfg, topology, params: ParameterState, host_copy=None) -> dict[str, tensors.FullSlice]:
+def _collect(part, model_cfg: GPTConfig, topology, params: ParameterState, host_copy=None) -> dict[str, tensors.FullSlice]:
     """This rank's share of the tensors to save: for every parameter it speaks for (not a tied copy;
     tp rank 0 for replicated ones) whose data-parallel writer it is, the fp32 weights and moments of
     its region of the full tensor (vocabulary padding left out), through `host_copy` when given."""

@@ -31,11 +31,15 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from train.checkpoint import saving
 from train.checkpoint.files import CheckpointError
+
+if TYPE_CHECKING:
+    from model import GPTConfig
 
 
 @dataclass(frozen=True)
@@ -62,7 +66,7 @@ class CheckpointWriter:
         self._pause_s: list[float] = []
         self._write_s: list[float] = []
 
-    def save(self, engine, topology, model_cfg, run_dir: Path, parts, stopped_at: float) -> None:
+    def save(self, engine, topology, model_cfg: GPTConfig, run_dir: Path, parts, stopped_at: float) -> None:
         """Checkpoint the run as it stands (every rank): wait for the write in flight (its failure is
         raised here), stage, then write here or in the background. `stopped_at`: the
         time.perf_counter() at which training stopped for this save, for its pause."""

@@ -395,7 +395,7 @@ class Meter:
         return (self.run_tokens - tokens) / tokens_per_s if tokens_per_s > 0 else math.nan
 
 
-def full_shapes_model(model_cfg) -> GPT:
+def full_shapes_model(model_cfg: GPTConfig) -> GPT:
     with torch.device("meta"):
         return GPT(model_cfg)  # the unsharded model's shapes, for counting
 

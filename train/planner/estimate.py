@@ -458,7 +458,7 @@ def _linear_time(hw: Hardware, impl: Implementation, n: int, k: int, m: int, fp8
     return _fp8_gemm_time(hw, n, k, m) + casts / hw.memory_bandwidth
 
 
-def _blocks_compute(model_cfg, layout: Layout, impl: Implementation, hw: Hardware, blocks: list[int],
+def _blocks_compute(model_cfg: GPTConfig, layout: Layout, impl: Implementation, hw: Hardware, blocks: list[int],
                     recomputed: int) -> tuple[Passes, float, float]:
     """(seconds by pass, hardware FLOPs, host kernels) of `blocks`' forward + backward of one micro batch
     on a rank, `recomputed` of them inside checkpointed segments: GEMMs, attention, memory-bound traffic
@@ -520,7 +520,7 @@ def uses_bf16_optimizer(zero_stage: int, impl: Implementation) -> bool:
     return impl.bf16_weights and zero_stage <= 1
 
 
-def block_seconds(model_cfg, layout: Layout, impl: Implementation, hw: Hardware, block: int = 0) -> float:
+def block_seconds(model_cfg: GPTConfig, layout: Layout, impl: Implementation, hw: Hardware, block: int = 0) -> float:
     """Predicted time of transformer block `block`'s forward + backward for one micro batch on one
     tensor-parallel rank, communication left out: what bench/shard.py measures."""
     passes, _, kernels = _blocks_compute(model_cfg, layout, impl, hw, [block], 0)
@@ -528,7 +528,7 @@ def block_seconds(model_cfg, layout: Layout, impl: Implementation, hw: Hardware,
     return max(time, kernels * impl.host_seconds_per_kernel)
 
 
-def _stage_compute(model_cfg, layout: Layout, impl: Implementation, hw: Hardware, stage: int,
+def _stage_compute(model_cfg: GPTConfig, layout: Layout, impl: Implementation, hw: Hardware, stage: int,
                    shape: StageShape) -> tuple[Passes, float]:
     """(seconds by pass, hardware FLOPs) of one micro batch's forward + backward (+ recompute) on a rank.
     Beyond the blocks (_blocks_compute): the weights' traffic in B; the head's three unembedding products
@@ -659,7 +659,7 @@ def _memory(layout: Layout, impl: Implementation, params, state: StateBytes, act
     return backward if sum(backward.values()) >= sum(step.values()) else step
 
 
-def _stage_ranks(model_cfg, layout: Layout, impl: Implementation, hw: Hardware, stages: list[int],
+def _stage_ranks(model_cfg: GPTConfig, layout: Layout, impl: Implementation, hw: Hardware, stages: list[int],
                  inter_node: dict) -> list[RankPlan]:
     """The RankPlans of `stages`, which hold the same layers: their state, activations, communication and
     time are one stage's, computed once; what each holds at its peak depends on the stage (held_at_peak)."""
@@ -755,8 +755,8 @@ def launch_priced(layout: Layout, impl: Implementation) -> bool:
             and impl.precision == "bf16" and not impl.compiled)
 
 
-def _exposed_behind_weight_gradients(model_cfg, layout: Layout, impl: Implementation, hw: Hardware, transfers,
-                                     inter_node: dict) -> float:
+def _exposed_behind_weight_gradients(model_cfg: GPTConfig, layout: Layout, impl: Implementation, hw: Hardware,
+                                     transfers, inter_node: dict) -> float:
     """Seconds per step of the column layers' input-gradient collectives that their weight-gradient
     GEMMs do not hide: each block's attn.qkv and mlp.fc collective against that layer's GEMM
     (n×d)ᵀ·(n×3d/p), (n×d)ᵀ·(n×f/p)."""
