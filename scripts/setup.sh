@@ -25,11 +25,9 @@ online() {
   "$python" -m venv .venv
   .venv/bin/python -m pip install --quiet --upgrade pip
   # CPU build of torch first (a GPU machine installs its own CUDA build instead); on hosts whose
-  # default index serves CUDA wheels, add: --index-url https://download.pytorch.org/whl/cpu.
-  # --no-compile: Python writes the bytecode of what it imports on first use, instead of pip compiling
-  # every file of every package (two thirds of the install's time: 63 s instead of 128 s on 2 cores).
-  .venv/bin/python -m pip install --quiet --no-compile "torch==2.13.0"
-  .venv/bin/python -m pip install --quiet --no-compile -e ".[test]"
+  # default index serves CUDA wheels, add: --index-url https://download.pytorch.org/whl/cpu
+  .venv/bin/python -m pip install --quiet "torch==2.13.0"
+  .venv/bin/python -m pip install --quiet -e ".[test]"
   echo "gpt3d: environment ready in .venv"
 }
 
@@ -76,7 +74,7 @@ for name in ('torch', 'triton'):
   printf '%s\n' "$node_pins" > "$venv/node-constraints.txt"
 
   echo "gpt3d: installing from $wheels into $venv, keeping the node's $(echo "$node_pins" | paste -sd ' ')"
-  "$venv/bin/python" -m pip install --quiet --no-compile --no-index --find-links "$wheels" \
+  "$venv/bin/python" -m pip install --quiet --no-index --find-links "$wheels" \
     --constraint "$venv/node-constraints.txt" -e ".[gpu-suite]"
 
   # torchrun's own script belongs to the node's Python; this one runs it on the environment's.
