@@ -9,7 +9,7 @@ command until it finishes. Then its final checkpoint (every file: weights, Adam 
 data position, RNG, counters) and every metrics row (step, tokens, losses, lr, gradient norm, skipped
 steps) must equal those of the same run never interrupted, exactly, with no row lost or repeated.
 
-GPT3D_CHAOS_KILLS sets the number of kills (5 by default; the slow mode is 20), GPT3D_CHAOS_SEED the
+GPT3D_CHAOS_KILLS sets the number of kills (4 by default; the slow mode is 20), GPT3D_CHAOS_SEED the
 random moments.
 """
 
@@ -25,7 +25,7 @@ from checkpoint_state import differences, load_folder
 from cli import arguments, launcher, metrics, read_log, start, write_corpus
 from distributed import free_port
 
-KILLS = int(os.environ.get("GPT3D_CHAOS_KILLS", "5"))
+KILLS = int(os.environ.get("GPT3D_CHAOS_KILLS", "4"))
 SEED = int(os.environ.get("GPT3D_CHAOS_SEED", "0"))
 STEPS = 3 * KILLS + 6
 RUN = [f"train.max_steps={STEPS}", "train.checkpoint_interval=1", "train.eval_interval=5",
