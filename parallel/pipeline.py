@@ -38,6 +38,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule
 from deepspeed.runtime.utils import partition_balanced
 from torch import nn
 
+from model import GPTConfig
 from model.gpt import TIED_COPY, TIED_OWNER, layer_type, make_layer, run_layers
 from model.modes import LayerModes
 
@@ -62,7 +63,7 @@ class OtherStageLayer(LayerSpec):
         raise RuntimeError(f"DeepSpeed put layer {self.index} on this stage, against stage_bounds")
 
 
-def stage_layer_list(config, modes: LayerModes, stage: int, pp: int) -> list[nn.Module | LayerSpec]:
+def stage_layer_list(config: GPTConfig, modes: LayerModes, stage: int, pp: int) -> list[nn.Module | LayerSpec]:
     """The flat layer list as stage `stage` of `pp` gives it to DeepSpeed: its own layers built (on the
     current device, in `modes`), every other one an `OtherStageLayer`. (All L + 2 built, even on the
     meta device, would cost every rank of a 175B run about a second.)"""
