@@ -3,8 +3,9 @@
     model.gpt.layer_list(config)   [Embedding, Block_0 … Block_{L-1}, Head], on the meta device, built
                                    in their modes (the Head's loss, the blocks' recomputation and
                                    which of their linears compute in float8); at pp > 1 only this
-                                   stage's are built (parallel/pipeline.py: stage_layer_list)
-      → this stage's layers        all of them when pp = 1 (parallel/pipeline.py: stage_bounds)
+                                   rank's are built (parallel/pipeline.py: stage_layer_list)
+      → this rank's layers         all of them when pp = 1; else those of its chunks (parallel/pipeline.py:
+                                   StageSplit, one chunk a rank unless the schedule interleaves)
       → tensor-parallel plan       parallel/tensor.py: shard_layer, the same for every layer, each
                                    replacement built in its modes (sequence parallelism, overlap)
       → allocate, initialise       by index in the full list (model.gpt.init_layers_), so the full
@@ -34,7 +35,8 @@ from model.gpt import init_layers_, layer_list, make_layer
 from model.init import materialize_
 from model.modes import BLOCK_LINEARS, Float8, LayerModes
 from model.weight_grads import WeightGradStore
-from parallel.pipeline import PipelineStages, stage_bounds, stage_layer_list
+from parallel.pipeline import PipelineStages, StageSplit, stage_layer_list
+from parallel.schedules.placement import Placement
 from parallel.tensor import TP_PLAN, SequenceParallelLayerNorm, check_plan, full_plan, shard_layer
 from parallel.topology import check_layout
 
@@ -54,6 +56,9 @@ class BuildOptions:
     # the blocks' linears defer their weight gradients to this store (parallel.pipeline_schedule=zb-h1;
     # model/weight_grads.py), drained by the pipeline engine (parallel/zero_bubble_engine.py)
     weight_grads: WeightGradStore | None = None
+    # with pp > 1: the layers of each virtual stage and where it runs (parallel.pipeline_schedule, virtual_stages,
+    # stage_layers); None: one chunk a rank, blocks balanced by count
+    stages: StageSplit | None = None
 
     @property
     def layer_modes(self) -> LayerModes:
@@ -74,15 +79,17 @@ def build_model(
     """
     check_layout(config.n_head, config.d_ff, topology.tp_size, topology.pp_size, config.n_layer, topology.world_size)
     modes = options.layer_modes
+    split = options.stages or StageSplit(Placement(topology.pp_size))
+    if split.placement.stages > config.n_layer:
+        raise ValueError(f"{split.placement.stages} virtual pipeline stages for {config.n_layer} blocks: each needs one")
     with torch.device("meta"):
         if topology.pp_size == 1:
             layers = layer_list(config, modes)
         else:
-            layers = stage_layer_list(config, modes, topology.pp_rank, topology.pp_size)
+            layers = stage_layer_list(config, modes, topology.pp_rank, split)
         kinds = [make_layer(config, i, modes) for i in (0, 1, config.n_layer + 1)]  # one layer of each class
     check_plan(full_plan(TP_PLAN, options.sequence_parallel), _module_names(kinds))
-    bounds = stage_bounds(config.n_layer, topology.pp_size)
-    local = {i: layers[i] for i in range(bounds[topology.pp_rank], bounds[topology.pp_rank + 1])}
+    local = {i: layers[i] for i in split.layers_of(config.n_layer, topology.pp_rank)}
     for index, layer in local.items():
         shard_layer(layer, topology, TP_PLAN, options.sequence_parallel, index, options.overlap_communication)
     shapes_only = torch.device(device).type == "meta"
@@ -96,7 +103,7 @@ def build_model(
             for layer in local.values():
                 materialize_(layer, device)
             init_layers_(local, config, seed)
-        model = PipelineStages(layers, topology, modes.checkpoint_every)
+        model = PipelineStages(layers, topology, modes.checkpoint_every, split)
     if config.compile and not shapes_only:
         compile_blocks(local.values(), device)
     return model

@@ -9,6 +9,9 @@ ends each step knowing the next token:
                       vocabulary shards of those logits (tp > 1), picks the token
   all stages          the last stage's token is broadcast over the pipeline group
 
+The stages are virtual stages (parallel/schedules/placement.py): a rank holding several chunks runs each
+in turn, passing the activations on in memory where the next stage is its own (the turn of zb-v's V).
+
 Each rank's KVCache holds only its own blocks' keys and values (of its own heads under tensor
 parallelism). A part built with sequence parallelism decodes through twins of its layers built
 without it that share its parameters (a step of one token cannot be split over ranks): the same
@@ -24,9 +27,10 @@ from torch import nn
 
 from model import GPTConfig
 from model.decoding import Decoder
-from model.gpt import run_layers
 from model.kv_cache import KVCache
 from parallel.build import decoding_layers
+from parallel.pipeline import PipelineStages, StageSplit
+from parallel.schedules.placement import Placement
 from parallel.tensor import VocabParallelUnembedding, gather_logits
 
 
@@ -36,15 +40,17 @@ class LayoutDecoder(Decoder):
 
     def __init__(self, part: nn.Module, config: GPTConfig, topology):
         self.part, self.config, self.topology = part, config, topology
-        self.layers = list(decoding_layers(part, config, topology).values())
+        layers = decoding_layers(part, config, topology)
+        self.layers = list(layers.values())
         parameter = next(part.parameters())
         self.dtype, self.device = parameter.dtype, parameter.device
-        self.first, self.last = topology.pp_rank == 0, topology.pp_rank == topology.pp_size - 1
-        if topology.pp_size > 1:
-            stages = dist.get_process_group_ranks(topology.pp_group)  # global ranks, by stage
-            self.previous = stages[topology.pp_rank - 1] if not self.first else None
-            self.next = stages[topology.pp_rank + 1] if not self.last else None
-            self.last_rank = stages[-1]
+        split = part.split if isinstance(part, PipelineStages) else StageSplit(Placement(1))
+        self.placement, me = split.placement, topology.pp_rank
+        # [(virtual stage, its layers)] of this rank, in order
+        self.chunks = [(v, [layers[i] for i in chunk])
+                       for v, chunk in zip(self.placement.stages_of(me), split.chunks(config.n_layer, me), strict=True)]
+        self.last = self.placement.rank_of(self.placement.stages - 1) == me
+        self.ranks = dist.get_process_group_ranks(topology.pp_group) if topology.pp_size > 1 else [0]  # by pp rank
 
     def next_token(self, tokens: torch.Tensor, cache: KVCache | None, pick) -> torch.Tensor:
         hidden = self.hidden_states(tokens, cache)  # (B, t, d) on the last stage, None elsewhere
@@ -58,17 +64,18 @@ class LayoutDecoder(Decoder):
         """The unseen tokens (B, t) through every block of the layout, stage by stage: on the last
         stage the final hidden states (B, t, d), before the head; None on the other stages."""
         b, t = tokens.shape
-        if self.first:
-            x = tokens  # (B, t)
-        else:
-            x = torch.empty(b, t, self.config.d_model, dtype=self.dtype, device=self.device)
-            dist.recv(x, src=self.previous)  # (B, t, d)
-        body = self.layers[:-1] if self.last else self.layers
-        x = run_layers(body, x, cache=cache)  # (B, t, d)
-        if self.last:
-            return x
-        dist.send(x.to(self.dtype).contiguous(), dst=self.next)
-        return None
+        stages, rank_of, x = self.placement.stages, self.placement.rank_of, tokens  # (B, t) on stage 0
+        for v, layers in self.chunks:
+            if v > 0 and rank_of(v - 1) != rank_of(v):
+                x = torch.empty(b, t, self.config.d_model, dtype=self.dtype, device=self.device)
+                dist.recv(x, src=self.ranks[rank_of(v - 1)])  # (B, t, d)
+            for layer in layers[:-1] if v == stages - 1 else layers:  # the head runs apart (full_logits)
+                x = layer(x, cache=cache)  # (B, t, d)
+            if v < stages - 1 and rank_of(v + 1) != rank_of(v):
+                dist.send(x.to(self.dtype).contiguous(), dst=self.ranks[rank_of(v + 1)])
+        if cache is not None:
+            cache.advance(t)
+        return x if self.last else None
 
     def full_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the whole vocabulary (B, t, V) of the last stage's hidden states (B, t, d):
@@ -83,5 +90,6 @@ class LayoutDecoder(Decoder):
         """`value` as the last stage holds it, on every stage (broadcast over the pipeline group);
         the other stages pass a tensor of its shape and dtype to receive it in."""
         if self.topology.pp_size > 1:
-            dist.broadcast(value, src=self.last_rank, group=self.topology.pp_group)
+            last_rank = self.ranks[self.placement.rank_of(self.placement.stages - 1)]
+            dist.broadcast(value, src=last_rank, group=self.topology.pp_group)
         return value

@@ -30,7 +30,7 @@ from train.checkpoint import (
     read_init_weights,
 )
 from train.config.sections import Sections
-from train.config.sections.parallel import ZB_H1
+from train.config.sections.parallel import INTERLEAVED, ONE_F_ONE_B
 from train.guard.peers import PeerWatch
 from train.monitor import metrics, report
 from train.monitor.metrics import full_shapes_model
@@ -113,7 +113,9 @@ def build(spec: RunSpec) -> Trainer:
     from model.weight_grads import WeightGradStore
     from parallel.build import BuildOptions, build_model
     from parallel.topology import Topology
-    from parallel.zero_bubble_engine import ZeroBubbleEngine
+    from parallel.pipeline import StageSplit
+    from parallel.schedules.engine import ScheduleEngine
+    from parallel.schedules.orders import placement_of
 
     settings, model_cfg, ramp, runtime = spec.sections, spec.model, spec.ramp, spec.runtime
     device = runtime.device
@@ -123,8 +125,11 @@ def build(spec: RunSpec) -> Trainer:
 
     torch.manual_seed(settings.train.seed)
     pipelined = topology.pp_size > 1
-    zero_bubble = pipelined and settings.parallel.pipeline_schedule == ZB_H1
-    weight_grads = WeightGradStore() if zero_bubble else None  # filled by the linears, drained by the engine
+    par = settings.parallel
+    schedule_name = par.pipeline_schedule if pipelined else ONE_F_ONE_B
+    weight_grads = WeightGradStore() if par.defers_weight_grads else None  # filled by the linears, drained by the engine
+    split = StageSplit(placement_of(schedule_name, topology.pp_size, par.virtual_stages),
+                       tuple(par.stage_layers) if par.stage_layers is not None else None)
     options = BuildOptions(
         sequence_parallel=settings.parallel.sequence_parallel,
         activation_checkpointing=settings.parallel.activation_checkpointing,
@@ -133,6 +138,7 @@ def build(spec: RunSpec) -> Trainer:
         fp8=runtime.fp8,
         fp8_linears=frozenset(spec.fp8.linears) if spec.fp8 is not None else frozenset(),  # resolved once: spec.py
         weight_grads=weight_grads,
+        stages=split,
     )
     model = build_model(model_cfg, topology, settings.train.seed, device, options)
     if settings.train.init_from is not None:  # a Hugging Face GPT-2 folder (train/checkpoint/hugging_face.py), sliced
@@ -153,8 +159,8 @@ def build(spec: RunSpec) -> Trainer:
                                  runtime, spec.plan),
         mpu=None if pipelined else mpu,
     )
-    if zero_bubble:
-        engine = ZeroBubbleEngine.adopt(engine, weight_grads)
+    if schedule_name != ONE_F_ONE_B:  # gpt3d's own schedules (parallel/schedules/); 1f1b is DeepSpeed's
+        engine = ScheduleEngine.adopt(engine, schedule_name, par.virtual_stages, weight_grads)
     on_device = clip == OWN_NORM  # the step's skip decided on the device, and reported so (train/run/step.py)
     if clip == GIVEN_NORM:  # the optimizer DeepSpeed wraps ours in computes the norm
         holder = engine.optimizer
@@ -184,11 +190,18 @@ def header(spec: RunSpec) -> str:
     """The run's first line, from its specification alone (printed before anything is built): the model and its
     size, the processes and layout, the data, the tokens per step and the run folder."""
     par = spec.sections.parallel
-    zero_bubble = par.pp > 1 and par.pipeline_schedule == ZB_H1
     return (f"model {spec.model.name}: {count_parameters(full_shapes_model(spec.model)) / 1e6:.2f}M parameters | "
             f"{par.tp * par.pp * spec.dp} process(es) on {spec.runtime.device} (tp={par.tp} pp={par.pp} dp={spec.dp} "
-            f"zero={par.zero_stage}{' zb-h1' if zero_bubble else ''}) | data {spec.data.summary()} | "
+            f"zero={par.zero_stage}{_schedule_words(par)}) | data {spec.data.summary()} | "
             f"{_batch_line(spec.ramp)} | run dir {spec.run_dir}")
+
+
+def _schedule_words(par) -> str:
+    """The pipeline schedule as the header names it: nothing for DeepSpeed's 1f1b (or no pipeline)."""
+    if par.pp == 1 or par.pipeline_schedule == ONE_F_ONE_B:
+        return ""
+    chunks = f" V={par.virtual_stages}" if par.pipeline_schedule == INTERLEAVED else ""
+    return f" {par.pipeline_schedule}{chunks}"
 
 
 def checkpoint_parts(progress: Progress, batches: data.TrainBatches, lr: TokenLR, engine, schedule: dict

@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 
 from model import GPTConfig
 from train.config.sections import DataConfig, GenerateConfig, ParallelConfig, TrainConfig
-from train.config.sections.parallel import AUTO, AUTO_KEYS, ZB_H1
+from train.config.sections.parallel import AUTO, AUTO_KEYS
 from train.config.sections.train import OVERWRITE
 from train.config.settings import ConfigError
 from train.runtime.resolve import Runtime, resolve_runtime
@@ -79,11 +79,26 @@ def check_parallel(parallel: ParallelConfig, model_cfg: GPTConfig, extras: dict)
         raise ConfigError(
             f"parallel.sequence_parallel=true needs model.seq_len={model_cfg.seq_len} divisible by parallel.tp={parallel.tp}"
         )
-    if parallel.pipeline_schedule == ZB_H1 and parallel.pp > 1 and model_cfg.compile:
-        raise ConfigError("parallel.pipeline_schedule=zb-h1 with model.compile=true: the compiled blocks would trace the "
-                          "linears' deferred weight gradients; set model.compile=false, or use pipeline_schedule=1f1b")
+    if parallel.defers_weight_grads and model_cfg.compile:
+        raise ConfigError(f"parallel.pipeline_schedule={parallel.pipeline_schedule} with model.compile=true: the compiled "
+                          "blocks would trace the linears' deferred weight gradients; set model.compile=false, or use "
+                          "pipeline_schedule=1f1b or interleaved")
+    if parallel.pp > 1:
+        check_stages(parallel, model_cfg.n_layer)
     check_deepspeed_extras(extras)
     return dp
+
+
+def check_stages(parallel: ParallelConfig, n_layer: int) -> None:
+    """The virtual pipeline stages fit the model: each holds at least one block, and parallel.stage_layers, when
+    given, counts model.n_layer blocks."""
+    stages = parallel.virtual_stage_count
+    if stages > n_layer:
+        raise ConfigError(f"parallel.pipeline_schedule={parallel.pipeline_schedule} with pp={parallel.pp} runs {stages} "
+                          f"virtual stages: model.n_layer={n_layer} gives fewer than one block each")
+    if parallel.stage_layers is not None and sum(parallel.stage_layers) != n_layer:
+        raise ConfigError(f"parallel.stage_layers={list(parallel.stage_layers)} holds {sum(parallel.stage_layers)} blocks: "
+                          f"model.n_layer={n_layer}")
 
 
 def check_layout_mode(parallel: ParallelConfig, set_keys: list[str]) -> str:
