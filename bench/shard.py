@@ -187,7 +187,7 @@ def run(argv: list[str], out=sys.stdout, err=sys.stderr) -> int:
         # fp8: bf16 and each recipe beside it, compiled alike as a run under fp8 would be
         rows = [("bf16", None), *(("fp8", recipe) for recipe in FP8_RECIPES)] if precision == "fp8" else [(precision, None)]
         given = any(o.lstrip("+").split("=", 1)[0] == "model.compile" for o in overrides)
-        compiled, blocks_words = fp8_compile(precision, model_cfg.compile, given, False, device)
+        compiled, blocks_words = fp8_compile(precision, model_cfg.compile, given, device)
         hardware = for_cuda_device() if device.type == "cuda" else hardware_from_config(OmegaConf.to_object(cfg.plan))
         from parallel.topology import check_layout
 

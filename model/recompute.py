@@ -107,19 +107,22 @@ class _Linear(torch.autograd.Function):
         products = ctx.matmuls.backward(g, tuple(kept_by_matmuls))
         grad_x = products.input_grad(w).view(ctx.x_shape)  # (…, k)
 
-        def parameter_grads():
-            return products.weight_grad(x), (g.sum(0) if ctx.has_bias else None)  # (n, k), (n,)
-
         if ctx.weight_grads is not None:  # W later (model/weight_grads.py); the reduction of ∂L/∂x stays here
             if ctx.reduce_input_grad is not None:
                 grad_x, _ = ctx.reduce_input_grad(grad_x, lambda: None)
-            ctx.weight_grads.defer(*ctx.parameters, parameter_grads)
+            ctx.weight_grads.defer(*ctx.parameters, parameter_grads, products, x, g, ctx.has_bias)
             return grad_x, None, None, None, None, None, None, None
         if ctx.reduce_input_grad is None:
-            grad_w, grad_b = parameter_grads()
+            grad_w, grad_b = parameter_grads(products, x, g, ctx.has_bias)
         else:
-            grad_x, (grad_w, grad_b) = ctx.reduce_input_grad(grad_x, parameter_grads)
+            grad_x, (grad_w, grad_b) = ctx.reduce_input_grad(grad_x, lambda: parameter_grads(products, x, g, ctx.has_bias))
         return grad_x, grad_w, grad_b, None, None, None, None, None
+
+
+def parameter_grads(products, x: torch.Tensor, g: torch.Tensor, has_bias: bool) -> tuple:
+    """The weight and bias gradients of a linear from its backward's products: gᵀ x (n, k) and Σ_rows g (n,)
+    or None; x (N, k), g (N, n)."""
+    return products.weight_grad(x), (g.sum(0) if has_bias else None)  # (n, k), (n,)
 
 
 def linear(
@@ -141,7 +144,18 @@ def linear(
         return F.linear(x, weight, bias)
     if recompute is not None and gather_input is not None:
         raise ValueError("a gathered input is kept, not recomputed: recomputing it would repeat the all-gather")
+    if weight_grads is not None:
+        return _deferring_linear(x, weight, bias, recompute, reduce_input_grad, gather_input, matmuls, weight_grads)
     return _Linear.apply(x, weight, bias, recompute, reduce_input_grad, gather_input, matmuls, weight_grads)
+
+
+@torch.compiler.disable
+def _deferring_linear(*args) -> torch.Tensor:
+    """_Linear with its weight gradients deferred, always eager: in a compiled block (model.compile) the graph
+    breaks here, the compiled pieces before and after it keep their own backward, and this layer's backward
+    hands its store the products to run later, which no compiled graph may trace (model/weight_grads.py
+    compiles that later pass on its own)."""
+    return _Linear.apply(*args)
 
 
 def _autocast_dtype(x: torch.Tensor) -> torch.dtype:

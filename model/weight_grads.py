@@ -27,8 +27,8 @@ from collections.abc import Callable
 
 import torch
 
-# one deferred layer: its parameters (weight, bias or None) and the closure giving their gradients
-Deferred = tuple[tuple[torch.Tensor, torch.Tensor | None], Callable[[], tuple[torch.Tensor, torch.Tensor | None]]]
+# one deferred layer: its parameters (weight, bias or None), the function giving their gradients and its arguments
+Deferred = tuple[tuple[torch.Tensor, torch.Tensor | None], Callable[..., tuple[torch.Tensor, torch.Tensor | None]], tuple]
 
 
 class WeightGradStore:
@@ -37,10 +37,18 @@ class WeightGradStore:
     def __init__(self):
         self._open: list[Deferred] = []  # the backward pass under way
         self._sealed: deque[list[Deferred]] = deque()
+        self._compiling = False  # `compile` called: each function runs compiled
+        self._compiled: dict[Callable, Callable] = {}  # function → its compiled form
 
-    def defer(self, weight: torch.Tensor, bias: torch.Tensor | None, grads: Callable) -> None:
-        """Called by a layer's backward: grads() → (∂L/∂W, ∂L/∂b or None), to be run by `run_oldest`."""
-        self._open.append(((weight, bias), grads))
+    def defer(self, weight: torch.Tensor, bias: torch.Tensor | None, grads: Callable, *args) -> None:
+        """Called by a layer's backward: grads(*args) → (∂L/∂W, ∂L/∂b or None), to be run by `run_oldest`."""
+        self._open.append(((weight, bias), grads, args))
+
+    def compile(self) -> None:
+        """Run the deferred products compiled from now on (model.compile): each function handed to `defer`
+        through torch.compile, once per function, so a W pass is a compiled piece of its own, apart from
+        the compiled blocks whose backward deferred it."""
+        self._compiling = True
 
     def seal(self) -> None:
         """Close the backward pass that just ran: its deferred work becomes one W pass."""
@@ -56,7 +64,7 @@ class WeightGradStore:
         """The parameters the oldest sealed W pass will accumulate into."""
         if not self._sealed:
             raise RuntimeError("no deferred weight gradients to run: every W pass needs its B pass first")
-        return [p for (weight, bias), _ in self._sealed[0] for p in (weight, bias) if p is not None]
+        return [p for (weight, bias), _, _ in self._sealed[0] for p in (weight, bias) if p is not None]
 
     def run_oldest(self, after_each: Callable[[list[torch.Tensor]], None] | None = None) -> None:
         """Run the oldest sealed W pass: every deferred product of that backward, each once, layer by layer,
@@ -65,8 +73,8 @@ class WeightGradStore:
         more than one layer's fresh gradients are alive at once."""
         if not self._sealed:
             raise RuntimeError("no deferred weight gradients to run: every W pass needs its B pass first")
-        for (weight, bias), compute in self._sealed.popleft():
-            grad_w, grad_b = compute()  # (n, k), (n,) or None
+        for (weight, bias), grads, args in self._sealed.popleft():
+            grad_w, grad_b = self._runner(grads)(*args)  # (n, k), (n,) or None
             params, grads = [weight], [grad_w.to(weight.dtype)]
             if bias is not None:
                 params.append(bias)
@@ -75,6 +83,14 @@ class WeightGradStore:
             del grads, grad_w, grad_b
             if after_each is not None:
                 after_each(params)
+
+    def _runner(self, grads: Callable) -> Callable:
+        """`grads` itself, or once `compile` was called its compiled form (made on first use)."""
+        if not self._compiling:
+            return grads
+        if grads not in self._compiled:
+            self._compiled[grads] = torch.compile(grads)
+        return self._compiled[grads]
 
     def check_drained(self) -> None:
         """Raise unless every deferred product has run (before an optimizer step reads the gradients)."""

@@ -104,8 +104,8 @@ def build_model(
                 materialize_(layer, device)
             init_layers_(local, config, seed)
         model = PipelineStages(layers, topology, modes.checkpoint_every, split)
-    if config.compile and not shapes_only:
-        compile_blocks(local.values(), device)
+    if config.compile and not shapes_only and compile_blocks(local.values(), device) and options.weight_grads is not None:
+        options.weight_grads.compile()  # the deferred weight-gradient pass as a compiled piece of its own
     return model
 
 

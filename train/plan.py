@@ -78,16 +78,13 @@ def load(overrides: list[str]):
 
 def _compiled_as_run(model_cfg: GPTConfig, sections: Sections, overrides: list[str]) -> GPTConfig:
     """model.compile as a run on a GPU takes it: under fp8 the blocks compile unless model.compile=false is given
-    or ZB-H1 runs the pipeline (train.runtime.precision.fp8_compile)."""
+    (train.runtime.precision.fp8_compile)."""
     import dataclasses
 
-    from train.config.sections.parallel import ZB_H1
     from train.runtime.precision import fp8_compile
 
-    par = sections.parallel
     given = any(o.lstrip("+").split("=", 1)[0] == "model.compile" for o in overrides)
-    compiled, _ = fp8_compile(sections.train.precision, model_cfg.compile, given,
-                              par.pp > 1 and par.pipeline_schedule == ZB_H1)
+    compiled, _ = fp8_compile(sections.train.precision, model_cfg.compile, given)
     return dataclasses.replace(model_cfg, compile=compiled)
 
 

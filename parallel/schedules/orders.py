@@ -16,8 +16,12 @@ micro batch: V·(t_F + t_B + t_W)):
                  forwards on rank s, then 1F1B over chunks; bubble (p − 1)/(V·m + p − 1), m a multiple of p
     zb-v         2 chunks in a V (Qi et al., 2024): rank s holds virtual stages s and 2p − 1 − s, so the
                  first rank also holds the loss; a list schedule of F, B and W (`list_orders`) that runs
-                 a ready B first, then a forward while the rank holds fewer than 2p chunks' activations
-                 in flight (1F1B's peak, p whole-stage micro batches), and W in the time it would wait
+                 a ready B first, then a forward (a new micro batch only while the rank holds fewer than
+                 2p chunks' activations, 1F1B's peak of p whole stages), and W in the time it would wait;
+                 with equal passes it reaches the bound below
+
+Whatever the schedule, the last rank's first input arrives after p − 1 chunk forwards, so the step is at
+least (p − 1)·t_F + V·m·(t_F + t_B + t_W).
 
 `timeline` plays any orders under given costs (messages take no time): the step it predicts and each
 pass's start and end, from which parallel/schedules/program.py derives the order of messages and the
@@ -34,7 +38,8 @@ from parallel.schedules.placement import LOOP, V_SHAPE, Placement
 FORWARD, INPUT_GRAD, WEIGHT_GRAD = "F", "B", "W"
 ONE_F_ONE_B, ZB_H1, INTERLEAVED, ZB_V = "1f1b", "zb-h1", "interleaved", "zb-v"
 SCHEDULES = (ONE_F_ONE_B, ZB_H1, INTERLEAVED, ZB_V)
-SPLIT_BACKWARD = (ZB_H1, ZB_V)  # the schedules that run W apart from B (the blocks defer it)
+SPLIT_BACKWARD = (ZB_H1, ZB_V)
+W_CAP = 1
 
 Pass = tuple[str, int, int]  # (kind, virtual stage, micro batch)
 
@@ -158,7 +163,8 @@ def list_orders(placement: Placement, micro_batches: int, costs: Costs, split: b
     """Each rank's order from a list schedule of the whole pipeline (zb-v; `split`=False: forward only, as
     evaluation runs). Time advances pass by pass; each step runs, of the passes some rank could start
     earliest, by priority: a B whose input is there (the latest virtual stage first), then a forward (the
-    latest stage first; a rank holds at most 2·pp chunks' activations in flight), and a W (the oldest B's)
+    latest stage first; a forward of a rank's first chunk only while it holds fewer than 2·pp chunks'
+    activations in flight), and a W (the oldest B's)
     when nothing else could start on the rank before the W would end. W passes run in their B's order."""
     stages, m, pp = placement.stages, micro_batches, placement.pp
     ranks = range(pp)
@@ -175,13 +181,13 @@ def list_orders(placement: Placement, micro_batches: int, costs: Costs, split: b
     def candidates(r: int) -> list[tuple[float, int, Pass]]:
         """(start, priority, pass) of each pass `r` could run next whose input's end is known."""
         found = []
-        for v in placement.stages_of(r):
+        for chunk, v in enumerate(placement.stages_of(r)):
             if split and next_b[v] < next_f[v]:
                 j = next_b[v]
                 needs = dependency(INPUT_GRAD, v, j, stages)
                 if needs in ends:
                     found.append((max(clock[r], ends[needs]), -v, (INPUT_GRAD, v, j)))
-            if next_f[v] < m and (in_flight[r] < limit or not split):
+            if next_f[v] < m and (chunk > 0 or in_flight[r] < limit or not split):  # a later chunk: always
                 j = next_f[v]
                 needs = dependency(FORWARD, v, j, stages)
                 if needs is None or needs in ends:
@@ -189,27 +195,25 @@ def list_orders(placement: Placement, micro_batches: int, costs: Costs, split: b
                     found.append((start, stages - v, (FORWARD, v, j)))
         return found
 
-    done = 0
-    while done < total:
-        best = None  # (start, rank, priority, pass)
-        for r in ranks:
-            found = candidates(r)
-            first = min((start for start, _, _ in found), default=math.inf)
-            if deferred[r] and (first - clock[r] >= costs.weight_grad or first == math.inf):
-                option = (clock[r], r, 2 * stages + 1, (WEIGHT_GRAD, *deferred[r][0][1:]))
-            elif found:
-                start, priority, chosen = min(x for x in found if x[0] == first)
-                option = (start, r, priority, chosen)
-            else:
-                continue
-            if best is None or option[:3] < best[:3]:
-                best = option
+    def option(r: int) -> tuple | None:
+        """(start, rank, priority, pass) of what `r` would run next, or None while it waits on an unknown end."""
+        found = candidates(r)
+        first = min((start for start, _, _ in found), default=math.inf)
+        if deferred[r] and (first - clock[r] >= costs.weight_grad or first == math.inf or len(deferred[r]) >= W_CAP * pp):
+            return clock[r], r, 2 * stages + 1, (WEIGHT_GRAD, *deferred[r][0][1:])
+        if found:
+            start, priority, chosen = min(x for x in found if x[0] == first)
+            return start, r, priority, chosen
+        return None
+
+    options = [option(r) for r in ranks]  # each rank's next pass, recomputed when it or a neighbour ran one
+    for _ in range(total):
+        best = min((o for o in options if o is not None), key=lambda o: o[:3], default=None)
         if best is None:
             raise RuntimeError("the list schedule made no progress")  # cannot happen: some pass is always ready
         start, r, _, (kind, v, j) = best
         clock[r] = ends[(kind, v, j)] = start + costs.of(kind)
         orders[r].append((kind, v, j))
-        done += 1
         if kind == FORWARD:
             next_f[v] += 1
             in_flight[r] += split
@@ -219,6 +223,13 @@ def list_orders(placement: Placement, micro_batches: int, costs: Costs, split: b
             deferred[r].append((kind, v, j))
         else:
             deferred[r].pop(0)
+        waiting = {r}  # the ranks whose next pass this one's end may start
+        if kind == FORWARD and v + 1 < stages:
+            waiting.add(placement.rank_of(v + 1))
+        if kind == INPUT_GRAD and v > 0:
+            waiting.add(placement.rank_of(v - 1))
+        for w in waiting:
+            options[w] = option(w)
     return orders
 
 

@@ -16,6 +16,7 @@ consecutive virtual stages on one rank (the turn of the V) is a hand-off in memo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 LOOP, V_SHAPE = "loop", "v"
 
@@ -51,8 +52,13 @@ class Placement:
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
         """The virtual stages `rank` holds, in increasing order (its chunks 0, 1, …)."""
-        return tuple(v for v in range(self.stages) if self.rank_of(v) == rank)
+        return _stages_of(self, rank)
 
     def chunk_of(self, stage: int) -> int:
         """The index of virtual stage `stage` among its rank's chunks."""
         return self.stages_of(self.rank_of(stage)).index(stage)
+
+
+@lru_cache(maxsize=4096)
+def _stages_of(placement: Placement, rank: int) -> tuple[int, ...]:
+    return tuple(v for v in range(placement.stages) if placement.rank_of(v) == rank)

@@ -100,3 +100,34 @@ def test_compiled_float8_blocks_equal_eager():
     loss_error, errors = compiled_against_eager(BuildOptions(fused_loss=True, fp8=Float8("tensorwise")))
     assert loss_error <= 1e-5
     assert max(errors.values()) <= 1e-4, errors
+
+
+@pytest.mark.slow  # CPU inductor: C++ compiles of the pieces between the deferring linears and of the W products
+def test_compiled_blocks_that_defer_their_weight_gradients_equal_eager():
+    """Under a zero-bubble schedule (zb-h1, zb-v) the block linears defer W to a store: compiled, the graph
+    breaks at each such linear (its backward must hand the store the products, which no graph can trace),
+    the pieces between compile, and the store runs W compiled on its own (WeightGradStore.compile). The loss,
+    the input-side gradients after B and every gradient after W equal eager's, in fp32; nothing is left in
+    the store, and its W ran through torch.compile."""
+    from model.weight_grads import WeightGradStore
+
+    gen = torch.Generator().manual_seed(1)
+    idx, targets = torch.randint(0, 64, (2, 8), generator=gen), torch.randint(0, 64, (2, 8), generator=gen)
+    runs = {}
+    for compiled in (False, True):
+        store = WeightGradStore()
+        model = build_model(dataclasses.replace(CONFIG, n_layer=2, compile=compiled), Topology.create(tp=1), 7, "cpu",
+                            BuildOptions(fused_loss=True, weight_grads=store))
+        loss = model(idx, targets)
+        loss.backward()  # B: the deferring linears leave their weights' gradients to W
+        after_b = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        store.seal()
+        store.run_oldest()
+        store.check_drained()
+        runs[compiled] = loss.item(), after_b, {n: p.grad.clone() for n, p in model.named_parameters()}
+        assert bool(store._compiled) == compiled  # W's products went through torch.compile
+    (want_loss, want_b, want), (got_loss, got_b, got) = runs[False], runs[True]
+    assert abs(got_loss - want_loss) <= 1e-5 * want_loss
+    assert sorted(got_b) == sorted(want_b) and len(want_b) < len(want)  # the same parameters wait for W
+    assert max(rel_err(got[n], want[n]) for n in want) <= 1e-5
+    assert max(rel_err(got_b[n], want_b[n]) for n in want_b) <= 1e-5

@@ -71,9 +71,11 @@ class StageShape:
     pipelined: bool
 
     @classmethod
-    def of(cls, config: GPTConfig, pp: int, stage: int) -> "StageShape":
-        layers = stage_layers(config.n_layer, pp, stage)
-        return cls(0 in layers, len(stage_blocks(config.n_layer, pp, stage)), config.n_layer + 1 in layers, pp > 1)
+    def of(cls, config: GPTConfig, pp: int, stage: int, blocks: tuple[int, ...] | None = None) -> "StageShape":
+        """(virtual) `stage` of `pp`, `blocks` as counts.stage_layers takes them."""
+        layers = stage_layers(config.n_layer, pp, stage, blocks)
+        return cls(0 in layers, len(stage_blocks(config.n_layer, pp, stage, blocks)), config.n_layer + 1 in layers,
+                   pp > 1)
 
 
 @dataclass(frozen=True)
@@ -178,13 +180,14 @@ def loss_transient(config: GPTConfig, tp: int, n: int, a: int, r: int, fused_los
     return max(forward, backward)
 
 
-def deferred_weight_grad_bytes(config: GPTConfig, tp: int, pp: int, stage: int, micro_batch: int, a: int) -> int:
+def deferred_weight_grad_bytes(config: GPTConfig, tp: int, pp: int, stage: int, micro_batch: int, a: int,
+                               blocks: tuple[int, ...] | None = None) -> int:
     """Bytes one micro batch's deferred W pass holds on `stage` under ZB-H1: every block linear's input and
     output gradient, a·(4d + (4d + 2f)/p) a token of each block (module docstring); a: the matmul dtype's
     bytes. Whatever fp8's products keep of their own is not counted."""
     d, f, n = config.d_model, config.d_ff, micro_batch * config.seq_len
     per_token = a * (4 * d + (4 * d + 2 * f) // tp)
-    return StageShape.of(config, pp, stage).blocks * n * per_token
+    return StageShape.of(config, pp, stage, blocks).blocks * n * per_token
 
 
 def checkpointed_blocks(shape: StageShape, k: int) -> int:
@@ -200,17 +203,18 @@ def checkpointed_segments(shape: StageShape, k: int) -> int:
 def micro_batch_activations(
     config: GPTConfig, tp: int, pp: int, stage: int, micro_batch: int, *, sequence_parallel: bool = False,
     checkpoint_every: int = 0, autocast: bool = True, bf16_weights: bool = False, selective: bool = False,
-    fused_loss: bool = True,
+    fused_loss: bool = True, blocks: tuple[int, ...] | None = None,
 ) -> ActivationBytes:
     """Activation bytes of one micro batch of `micro_batch` sequences on `stage` (module docstring).
 
     autocast: matmuls in bf16 (a = 2); bf16_weights: the parameters themselves are bf16 (r = 2, no
     weight casts; implies bf16 matmuls); selective: selective recomputation in every block;
-    fused_loss: train.fused_loss (the loss unembeds chunk by chunk) or the plain loss."""
+    fused_loss: train.fused_loss (the loss unembeds chunk by chunk) or the plain loss. (pp, stage, blocks):
+    a virtual stage as counts.stage_layers takes it."""
     a = 2 if autocast or bf16_weights else FP32
     r = 2 if bf16_weights else FP32
     n = micro_batch * config.seq_len
-    shape = StageShape.of(config, pp, stage)
+    shape = StageShape.of(config, pp, stage, blocks)
     per_block = block_bytes_per_token(config, tp, sequence_parallel, a, r, selective) * n
     ckpt_blocks = checkpointed_blocks(shape, checkpoint_every)
     segments = checkpointed_segments(shape, checkpoint_every)
@@ -227,16 +231,17 @@ def micro_batch_activations(
         saved += INT64 * n
     copies = transient = block_casts = 0
     if autocast and not bf16_weights:
-        copies, transient, block_casts = _weight_casts(config, tp, pp, stage, shape, ckpt_blocks, fused_loss)
+        copies, transient, block_casts = _weight_casts(config, tp, pp, stage, shape, ckpt_blocks, fused_loss, blocks)
     recompute = (per_block + block_casts) * min(checkpoint_every, ckpt_blocks)
     loss = loss_transient(config, tp, n, a, r, fused_loss) if shape.head else 0
     return ActivationBytes(round(saved) + copies, copies, round(recompute), round(per_block), transient, loss)
 
 
-def _weight_casts(config: GPTConfig, tp: int, pp: int, stage, shape: StageShape, ckpt_blocks: int, fused_loss: bool) -> tuple[int, int, int]:
+def _weight_casts(config: GPTConfig, tp: int, pp: int, stage, shape: StageShape, ckpt_blocks: int, fused_loss: bool,
+                  blocks: tuple[int, ...] | None = None) -> tuple[int, int, int]:
     """Bytes of bf16 weight casts: (saved for backward, all made during one forward, one block's).
     The fused loss casts the unembedding itself, outside autocast's cache (in its loss_transient)."""
-    params = rank_parameters(config, tp, pp, stage)
+    params = rank_parameters(config, tp, pp, stage, blocks)
     in_blocks = [p for p in params if ".attn." in p.name or ".mlp." in p.name]
     block_matrices = sum(p.numel for p in in_blocks if p.decay) // max(shape.blocks, 1)
     block_vectors = sum(p.numel for p in in_blocks if not p.decay)

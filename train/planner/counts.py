@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import torch
 from torch import nn
@@ -76,33 +76,34 @@ class ParamShape:
     full_numel: int
     linear: bool = False
 
-    @property
+    @cached_property
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    @property
+    @cached_property
     def decay(self) -> bool:
         """In the weight-decay group: matrices (train/optimizer.param_groups)."""
         return len(self.shape) >= 2
 
 
 @lru_cache(maxsize=None)
-def stage_layers(n_layer: int, pp: int, stage: int) -> range:
-    """Indices in the full layer list [Embedding, Block × n_layer, Head] of the layers on `stage`,
-    where parallel/build.py puts them (all of them when pp = 1)."""
+def stage_layers(n_layer: int, pp: int, stage: int, blocks: tuple[int, ...] | None = None) -> range:
+    """Indices in the full layer list [Embedding, Block × n_layer, Head] of the layers on (virtual) `stage` of
+    `pp`, where parallel/build.py puts them (all of them when pp = 1); `blocks`: the blocks of each stage
+    (parallel.stage_layers), None for balanced by count."""
     if not 0 <= stage < pp:
         raise ValueError(f"stage {stage} does not exist with pp={pp}")
     if pp == 1:
         return range(n_layer + 2)
     from parallel.pipeline import stage_bounds  # imports DeepSpeed's pipeline module
 
-    bounds = stage_bounds(n_layer, pp)
+    bounds = stage_bounds(n_layer, pp, blocks)
     return range(bounds[stage], bounds[stage + 1])
 
 
-def stage_blocks(n_layer: int, pp: int, stage: int) -> range:
+def stage_blocks(n_layer: int, pp: int, stage: int, blocks: tuple[int, ...] | None = None) -> range:
     """Indices (0-based) of the transformer blocks on `stage`."""
-    layers = stage_layers(n_layer, pp, stage)
+    layers = stage_layers(n_layer, pp, stage, blocks)
     return range(max(layers.start, 1) - 1, min(layers.stop, n_layer + 1) - 1)
 
 
@@ -121,12 +122,13 @@ def _plain_linear(config: GPTConfig, kind: int, tp: int) -> frozenset[str]:
 
 
 @lru_cache(maxsize=4096)
-def rank_parameters(config: GPTConfig, tp: int, pp: int, stage: int) -> tuple[ParamShape, ...]:
+def rank_parameters(config: GPTConfig, tp: int, pp: int, stage: int, blocks: tuple[int, ...] | None = None
+                    ) -> tuple[ParamShape, ...]:
     """The parameters of a rank on pipeline stage `stage`, in the order its optimizer sees them, as
     parallel/build.py builds them (every tp rank of a stage holds the same shapes): the stage's layers
     in order, each layer's parameters in its own order; the tied copy dropped where its owner, the
-    token embedding, is on the same rank (pp = 1: one Parameter)."""
-    layers = stage_layers(config.n_layer, pp, stage)
+    token embedding, is on the same rank (pp = 1: one Parameter). (pp, stage, blocks): as `stage_layers`."""
+    layers = stage_layers(config.n_layer, pp, stage, blocks)
     params: list[ParamShape] = []
     for index in layers:
         linear = _plain_linear(config, index if index in (0, config.n_layer + 1) else 1, tp)

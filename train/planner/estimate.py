@@ -15,7 +15,7 @@ the step time is modelled"):
            traffic (fp8_cast_bytes) and the amax all-reduces' latency under tp
   attention the fused kernel's FLOPs (visible keys only) at peak·attention_efficiency
   traffic  LayerNorm, residual adds, GELU, casts, the loss, gradient accumulation, at HBM bandwidth
-  passes   t_mb = t_F + t_B + t_W (`Passes`, parallel/zero_bubble.py): W is the blocks' deferrable
+  passes   t_mb = t_F + t_B + t_W (`Passes`, train/planner/pipeline_time.py): W is the blocks' deferrable
            work, one weight-gradient product gᵀ·x per block linear (the model times a linear's three
            products alike: the same FLOPs, matrices of the same three sizes) and the column layers'
            bias sums (read g); under DeepSpeed's BF16_Optimizer the addition of those parameters' bf16
@@ -73,13 +73,11 @@ issues; F, B and W keep their shares of the FLOP-and-bytes model.
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
+from functools import lru_cache
 
 from model import GPTConfig, flops_per_token
 from model.modes import BLOCK_LINEARS
-from train.config.sections.parallel import ONE_F_ONE_B, ZB_H1
-from train.config.sections.train import FP8_ALL
+from parallel.schedules.orders import Costs
 from train.planner import comm as plan_comm
 from train.planner.activations import (
     ActivationBytes,
@@ -95,16 +93,19 @@ from train.planner.counts import (
     StateBytes,
     block_elements,
     bucket_elements,
-    count_full_parameters,
     rank_parameters,
     stage_blocks,
     state_bytes,
 )
 from train.planner.fp8_rule import COLUMN_PARALLEL, linears_at
 from train.planner.hardware import Hardware
+from train.planner.layout import PRECISIONS, Implementation, Layout, for_precision
 from train.planner.one_gpu import one_gpu_step
+from train.planner.pipeline_time import Passes, PipelineTime, chunks_held_at_peak, held_at_peak, pipeline_seconds
+from train.planner.results import GIB, Plan, RankPlan
 
-GIB = 2**30
+# what the planner's users import from here: the layout, the implementation, the results
+__all__ = ["GIB", "PRECISIONS", "Implementation", "Layout", "Passes", "Plan", "RankPlan", "build_plan", "for_precision"]
 COLLECTIVE_LATENCY_S = 15e-6  # per collective call (NCCL launch and ring start-up)
 OPTIMIZER_BYTES = 64  # memory traffic per updated element: AdamW (p, g, m, v read, p, m, v written,
 #                       foreach temporaries) plus the gradient-norm and clipping passes
@@ -117,92 +118,6 @@ LOSS_BYTES = 32  # memory traffic per logit: float copy, log-softmax, its backwa
 BF16_OPTIMIZER_UPDATE_BYTES = 18
 
 
-@dataclass(frozen=True)
-class Layout:
-    """A parallel layout and batch geometry (sequences)."""
-
-    tp: int
-    pp: int
-    dp: int
-    global_batch: int
-    micro_batch: int = 1
-    zero_stage: int = 0
-    offload_optimizer: bool = False
-    sequence_parallel: bool = False
-    checkpoint_every: int = 0
-    selective_recompute: bool = False  # parallel.activation_checkpointing=selective
-    schedule: str = ONE_F_ONE_B  # parallel.pipeline_schedule: 1f1b or zb-h1 (only with pp > 1)
-
-    @property
-    def gpus(self) -> int:
-        return self.tp * self.pp * self.dp
-
-    @property
-    def zero_bubble(self) -> bool:
-        """The pipeline runs ZB-H1: pp > 1 and parallel.pipeline_schedule=zb-h1."""
-        return self.pp > 1 and self.schedule == ZB_H1
-
-    @property
-    def micro_batches(self) -> int:
-        """Micro batches per step on each data-parallel replica."""
-        return self.global_batch // (self.micro_batch * self.dp)
-
-    def describe(self) -> str:
-        parts = [f"tp={self.tp}", f"pp={self.pp}", f"dp={self.dp}", f"zero={self.zero_stage}", f"micro={self.micro_batch}"]
-        if self.selective_recompute:
-            parts.append("ckpt=selective")
-        else:
-            parts.append(f"ckpt={self.checkpoint_every}" if self.checkpoint_every else "ckpt=off")
-        if self.sequence_parallel:
-            parts.append("sp")
-        if self.offload_optimizer:
-            parts.append("offload")
-        if self.schedule != ONE_F_ONE_B:
-            parts.append(self.schedule)
-        return " ".join(parts)
-
-
-@dataclass(frozen=True)
-class Implementation:
-    """How the trainer runs the math. The default: gpt3d with train.precision=autocast, fp32
-    parameters with bf16 autocast (each micro batch casts the weights), its fused attention, nothing
-    overlapped, the fused loss (`for_precision` gives the other precisions). Published
-    Megatron-style runs: bf16 parameters (fp32_weights=False, autocast=True: bf16 matmuls, no
-    casts) and the plain vocab-parallel loss (fused_loss=False)."""
-
-    fp32_weights: bool = True
-    autocast: bool = True  # bf16 matmuls (with fp32_weights=False: the weights themselves are bf16)
-    overlap_tp: bool = False  # the column layers' input-gradient collective runs during their weight-gradient GEMM
-    overlap_dp: bool = False  # ZeRO 1/2 reduce gradients in buckets during the backward (overlap_comm)
-    fused_loss: bool = True  # train.fused_loss: the loss unembeds chunk by chunk, no (n, Vp/p) logits kept
-    # measured on this project's H100 (README, "How the step time is modelled"):
-    attention_efficiency: float = 0.21  # the fused attention's forward+backward, 212 of 989 TFLOP/s
-    unaligned_gemm_efficiency: float = 0.1  # a GEMM with a dimension not a multiple of 8 (vocab 50257)
-    kernels_per_block: int = 100  # kernels one block launches per micro batch, forward and backward
-    host_seconds_per_kernel: float = 30e-6  # Python and launch time per kernel: the GPU cannot run ahead
-    grad_reduce_bytes: int | None = None  # None: gpt3d's (bf16 weights: bf16; fp32 weights: fp32, but
-    #                                       DeepSpeed reduces nn.Linear gradients in bf16 under autocast
-    #                                       at ZeRO ≥ 1); else this size for all
-    fp8: str | None = None  # the float8 recipe of the blocks' linears (train.precision=fp8), with bf16 weights
-    # which block linears compute in float8: train.fp8_linears (auto: by the fp8 rule at each layout, fp8_rule.py;
-    # all), or the names a run resolved
-    fp8_linears: object = FP8_ALL
-    compiled: bool = False  # model.compile: the float8 casts fuse into the compiled blocks' kernels
-
-    @property
-    def bf16_weights(self) -> bool:
-        """bf16 parameters and gradients (fp32 master weights in the optimizer)."""
-        return not self.fp32_weights and self.autocast
-
-    @property
-    def precision(self) -> str:
-        """The train.precision this is: fp32, autocast, bf16 or fp8."""
-        if self.fp8 is not None:
-            return "fp8"
-        return "bf16" if self.bf16_weights else "autocast" if self.autocast else "fp32"
-
-
-PRECISIONS = ("fp32", "autocast", "bf16", "fp8")
 # Bytes of memory traffic per element of x, W and g of a linear layer, per micro batch, for its float8 casts
 # (model/float8.py, eager): each cast reads its bf16 operand for the amax (2) unless the amax is known,
 # then again to scale it and writes float8 (3); the input grad's W and the weight grad's gᵀ and x are copied
@@ -218,209 +133,6 @@ FP8_AMAX_REDUCTIONS = {"tensorwise": (2, 1), "rowwise": (1, 1)}
 # against the plain linear's 6). At 30 µs of host time each they bound a large model's micro batch unless
 # model.compile fuses them (Implementation.compiled: none added; their memory traffic is still counted).
 FP8_KERNELS_PER_LINEAR = {"tensorwise": 72, "rowwise": 107}
-
-
-def for_precision(precision: str, overlap_communication: bool = True, fused_loss: bool = True,
-                  fp8_recipe: str = "tensorwise", compiled: bool = False, fp8_linears=FP8_ALL) -> Implementation:
-    """gpt3d under train.precision (auto resolved by the caller): fp32 everything; autocast (fp32
-    weights, bf16 matmuls with per-micro-batch casts); bf16 (bf16 weights and gradients, fp32 master
-    weights and moments in the optimizer); fp8 (bf16, and the blocks' linears in float8 by
-    `fp8_recipe`, on the linears `fp8_linears` says: train.fp8_linears, or a run's resolved names).
-    overlap_communication: parallel.overlap_communication, and DeepSpeed's overlap_comm set from the plan
-    (train/planner/zero_buckets.py); fused_loss: train.fused_loss; compiled: model.compile."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"train.precision={precision!r}: must be one of {['auto', *PRECISIONS]}")
-    return Implementation(
-        fp32_weights=precision in ("fp32", "autocast"), autocast=precision != "fp32",
-        overlap_tp=overlap_communication, overlap_dp=overlap_communication, fused_loss=fused_loss,
-        fp8=fp8_recipe if precision == "fp8" else None, compiled=compiled,
-        fp8_linears=tuple(fp8_linears) if isinstance(fp8_linears, (list, tuple)) else fp8_linears,
-    )
-
-
-@dataclass(frozen=True)
-class Passes:
-    """Seconds of one micro batch on a stage in the passes ZB-H1 schedules apart (parallel/zero_bubble.py):
-    the forward F, the input gradient B (the whole backward but W) and the weight gradients W."""
-
-    forward: float
-    input_grad: float
-    weight_grad: float
-
-    @property
-    def total(self) -> float:
-        return self.forward + self.input_grad + self.weight_grad
-
-    def scaled_to(self, seconds: float) -> "Passes":
-        """The same shares of `seconds` (a micro batch bound by its host time)."""
-        ratio = seconds / self.total
-        return Passes(self.forward * ratio, self.input_grad * ratio, self.weight_grad * ratio)
-
-
-def pipeline_seconds(schedule: str, stages: int, micro_batches: int, passes: Passes) -> float:
-    """Seconds from the first forward to the last pass of m micro batches through p stages that each take
-    `passes` (F, B, W) per micro batch, T = F + B + W:
-
-      1f1b          (m + p − 1)·T
-      zb-h1, m ≥ p  m·T + (p − 1)·(F + B − min(W, F, B))      (W ≤ min(F, B): Qi et al.'s (p − 1)(F + B − W))
-      zb-h1, m < p  max(p·(F + B) + (m − 1)·(max(F, W) + B) + W,  (p − 1)·F + m·T)
-
-    For m < p the first stage waits p·(F + B) for its first B, then each later one F + B after the one before,
-    or max(F, W) + B when its W (which stage 0 runs right after each B) is longer than F; the last stage starts
-    after (p − 1)·F and then runs all its work, its W passes last. Each form is the step of the order
-    ZeroBubbleEngine runs (parallel.zero_bubble.stage_orders with equal costs) as parallel.zero_bubble.timeline
-    times it under these costs, exactly (tests/train/planner/test_plan_schedules.py); with p = 1 both schedules
-    take m·T."""
-    p, m, whole = stages, micro_batches, passes.total
-    f, b, w = passes.forward, passes.input_grad, passes.weight_grad
-    if schedule == ONE_F_ONE_B or p == 1:
-        return (m + p - 1) * whole
-    if m >= p:
-        return m * whole + (p - 1) * (f + b - min(w, f, b))
-    return max(p * (f + b) + (m - 1) * (max(f, w) + b) + w, (p - 1) * f + m * whole)
-
-
-@dataclass(frozen=True)
-class PipelineTime:
-    """The pipeline part of a step: m micro batches through the layout's stages under its schedule, every
-    stage timed as `slowest`, the stage with the largest F + B + W."""
-
-    micro_batches: int
-    slowest: "RankPlan"
-    seconds: float  # pipeline_seconds
-
-    @property
-    def passes(self) -> Passes:
-        return self.slowest.passes
-
-    @property
-    def bubble_s(self) -> float:
-        """The slowest stage's idle time: the pipeline's seconds less its m micro batches."""
-        return self.seconds - self.micro_batches * self.passes.total
-
-    @property
-    def bubble(self) -> float:
-        """The bubble's share of the pipeline's seconds: 1F1B (pp − 1)/(m + pp − 1), ZB-H1
-        (pp − 1)(F + B − W) / [m(F + B + W) + (pp − 1)(F + B − W)] (pipeline_seconds)."""
-        return self.bubble_s / self.seconds
-
-
-@dataclass
-class RankPlan:
-    """One rank of a pipeline stage (every tp and dp rank of a stage predicts the same)."""
-
-    stage: int
-    parameters: int
-    state: StateBytes
-    activations: ActivationBytes
-    in_flight: int  # micro batches whose activations the rank holds at its peak
-    deferred: int  # ZB-H1's W passes whose inputs and output gradients it holds then (held_at_peak)
-    deferred_bytes: int  # what one such W pass holds (activations.deferred_weight_grad_bytes; 0 under 1F1B)
-    memory: dict  # kind → bytes at this rank's peak
-    peak_bytes: int
-    hardware_flops: float  # per step, this rank
-    transfers: list
-    time: dict  # per micro batch: compute_s, tp_s, pp_s and its passes forward_s, input_grad_s,
-    #             weight_grad_s; per step: dp_s, optimizer_s
-
-    @property
-    def passes(self) -> Passes:
-        """One micro batch on this rank by pass, its communication included."""
-        return Passes(*(self.time[k] for k in ("forward_s", "input_grad_s", "weight_grad_s")))
-
-    def to_json(self) -> dict:
-        comm = {}
-        for t in self.transfers:
-            comm.setdefault(t.group, {}).setdefault(t.op, 0)
-            comm[t.group][t.op] += t.total
-        return {
-            "stage": self.stage,
-            "parameters": self.parameters,
-            "bytes": {k: int(v) for k, v in self.memory.items()},
-            "peak_memory_gib": self.peak_bytes / GIB,
-            "activations_per_micro_batch": self.activations.saved,
-            "micro_batches_in_flight": self.in_flight,
-            "deferred_weight_grad_passes_held": self.deferred,
-            "deferred_weight_grad_bytes_per_micro_batch": self.deferred_bytes,
-            "hardware_flops_per_step": self.hardware_flops,
-            "communication_bytes_per_step": comm,
-            "time_s": self.time,
-        }
-
-
-@dataclass
-class Plan:
-    """The prediction for one layout (Plan.to_json() is what `plan.format=json` prints)."""
-
-    model: GPTConfig
-    layout: Layout
-    hardware: Hardware
-    implementation: Implementation
-    ranks: list[RankPlan]
-    pipeline: PipelineTime
-    step_time_s: float
-    model_flops_per_step: float
-    hardware_flops_per_step: float
-    reserved_gib: float = 0.0
-    tokens: float = 300e9
-    gpus_per_node: int = 8
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def parameters(self) -> int:
-        """The full model's parameters."""
-        return count_full_parameters(self.model)
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.layout.global_batch * self.model.seq_len
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens_per_step / self.step_time_s
-
-    @property
-    def peak_memory_gib(self) -> float:
-        return max(r.peak_bytes for r in self.ranks) / GIB
-
-    @property
-    def fits(self) -> bool:
-        return self.peak_memory_gib + self.reserved_gib <= self.hardware.memory_gib
-
-    @property
-    def model_tflops_per_gpu(self) -> float:
-        return self.model_flops_per_step / self.step_time_s / self.layout.gpus / 1e12
-
-    @property
-    def hardware_tflops_per_gpu(self) -> float:
-        return self.hardware_flops_per_step / self.step_time_s / self.layout.gpus / 1e12
-
-    @property
-    def predicted_mfu(self) -> float:
-        return self.model_tflops_per_gpu / self.hardware.peak_tflops
-
-    @property
-    def days(self) -> float:
-        return self.tokens / self.tokens_per_s / 86400
-
-    @property
-    def bubble(self) -> float:
-        """The pipeline bubble's share of the pipeline's time (PipelineTime.bubble)."""
-        return self.pipeline.bubble
-
-    def to_json(self) -> dict:
-        return {
-            "model": self.model.name, "parameters": self.parameters, "layout": dataclasses.asdict(self.layout),
-            "gpus": self.layout.gpus,
-            "hardware": self.hardware.as_dict(), "fits": self.fits, "peak_memory_gib": self.peak_memory_gib,
-            "reserved_gib": self.reserved_gib, "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
-            "model_flops_per_step": self.model_flops_per_step, "hardware_flops_per_step": self.hardware_flops_per_step,
-            "model_tflops_per_gpu": self.model_tflops_per_gpu, "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu,
-            "mfu": self.predicted_mfu, "bubble": self.bubble, "pipeline_s": self.pipeline.seconds,
-            "pipeline_stage": self.pipeline.slowest.stage, "pipeline_passes_s": dataclasses.asdict(self.pipeline.passes),
-            "tokens": self.tokens, "days": self.days,
-            "ranks": [r.to_json() for r in self.ranks], "notes": self.notes,
-        }
 
 
 def model_flops_per_token(model_cfg: GPTConfig) -> float:
@@ -528,32 +240,38 @@ def block_seconds(model_cfg: GPTConfig, layout: Layout, impl: Implementation, hw
     return max(time, kernels * impl.host_seconds_per_kernel)
 
 
+@lru_cache(maxsize=4096)
 def _stage_compute(model_cfg: GPTConfig, layout: Layout, impl: Implementation, hw: Hardware, stage: int,
-                   shape: StageShape) -> tuple[Passes, float]:
-    """(seconds by pass, hardware FLOPs) of one micro batch's forward + backward (+ recompute) on a rank.
+                   shape: StageShape, drop_tied: bool = False) -> tuple[Passes, float]:
+    """(seconds by pass, hardware FLOPs) of one micro batch's forward + backward (+ recompute) on virtual stage
+    `stage` of the layout (a rank's whole stage, or one of its chunks; drop_tied: the rank also holds the
+    embedding, so the head's tied matrix is that one, counted there).
     Beyond the blocks (_blocks_compute): the weights' traffic in B; the head's three unembedding products
     and its loss traffic, all in F with the fused loss (it makes both gradients in its forward), else one
     product and half the traffic in F; the embedding's traffic, half in F; under ZB-H1 with BF16_Optimizer
     under DeepSpeed's BF16_Optimizer each gradient's addition to its fp32 copy (BF16_OPTIMIZER_UPDATE_BYTES, two
-    kernels a parameter), under ZB-H1 in W for the parameters W computes (the block linears' weights and the
-    column layers' biases, whose bf16 gradients W makes fresh: nothing to clear or accumulate,
-    parallel/zero_bubble_engine.py) and in B for the rest."""
+    kernels a parameter); under gpt3d's own pipeline schedules (zb-h1, interleaved, zb-v: ScheduleEngine) every
+    bf16 gradient is written fresh, nothing cleared or accumulated (parallel/schedules/engine.py drops them
+    once added), the addition in W for the parameters W computes (the block linears' weights and the column
+    layers' biases) and in B for the rest."""
     tp, d, n = layout.tp, model_cfg.d_model, layout.micro_batch * model_cfg.seq_len
     a, bandwidth = _matmul_bytes(impl), hw.memory_bandwidth
-    blocks = list(stage_blocks(model_cfg.n_layer, layout.pp, stage))
+    split = layout.placement.stages, layout.stage_layers
+    blocks = list(stage_blocks(model_cfg.n_layer, split[0], stage, split[1]))
     recomputed = checkpointed_blocks(shape, layout.checkpoint_every)
     passes, flops, host_kernels = _blocks_compute(model_cfg, layout, impl, hw, blocks, recomputed)
     forward, input_grad, weight_grad = passes.forward, passes.input_grad, passes.weight_grad
-    params = rank_parameters(model_cfg, tp, layout.pp, stage)
+    params = [p for p in rank_parameters(model_cfg, tp, split[0], stage, split[1])
+              if not (drop_tied and shape.head and p.name.endswith("wte.weight"))]
     weights = sum(p.numel for p in params)
     bf16_optimizer = uses_bf16_optimizer(layout.zero_stage, impl)
     per_weight = _per_weight_bytes(impl) + (BF16_OPTIMIZER_UPDATE_BYTES if bf16_optimizer else 0)
     if bf16_optimizer:
         host_kernels += 2 * len(params)  # the update's cast and add, a parameter at a time
-    if layout.zero_bubble and bf16_optimizer:  # W's parameters get fresh bf16 gradients, added to the fp32 ones
-        deferred = len(blocks) * deferred_parameters_per_block(model_cfg, tp)  # in W (nothing cleared or +=)
-        input_grad += (weights - deferred) * per_weight / bandwidth
-        weight_grad += deferred * BF16_OPTIMIZER_UPDATE_BYTES / bandwidth
+    if layout.own_engine and bf16_optimizer:  # fresh bf16 gradients every pass, each added to its fp32 one
+        deferred = len(blocks) * deferred_parameters_per_block(model_cfg, tp) if layout.defers_weight_grads else 0
+        input_grad += (weights - deferred) * BF16_OPTIMIZER_UPDATE_BYTES / bandwidth  # in B (nothing cleared or +=)
+        weight_grad += deferred * BF16_OPTIMIZER_UPDATE_BYTES / bandwidth  # W's parameters, in W
     else:
         input_grad += weights * per_weight / bandwidth
     if shape.head:  # the unembedding's GEMMs run over the padded vocabulary, Vp/p rows a rank
@@ -614,29 +332,12 @@ def _comm_time(transfers, hw: Hardware, inter_node: dict) -> float:
     return sum(t.sent / hw.link_bandwidth(inter_node[t.group]) + t.count * COLLECTIVE_LATENCY_S for t in transfers)
 
 
-def held_at_peak(layout: Layout, stage: int, saved: int, deferred: int) -> tuple[int, int]:
-    """(micro batches whose activations, W passes whose inputs and output gradients) `stage` holds at its
-    activation peak, each micro batch `saved` bytes and each W pass `deferred`. 1F1B and DeepSpeed's
-    engine keep i = min(pp − s, m) micro batches in flight (1 without a pipeline) and defer nothing. ZB-H1
-    keeps the same i, and its stage s runs a W once it holds more than s (parallel/zero_bubble.py), so the
-    peak is the larger of just after a forward, (i, min(s, m − i)), and just after a B, (i − 1,
-    min(s + 1, m − i + 1)): exact for the order the engine runs, at every pp and m."""
-    pp, m = layout.pp, layout.micro_batches
-    if pp == 1:
-        return 1, 0
-    in_flight = min(pp - stage, m)
-    if not layout.zero_bubble:
-        return in_flight, 0
-    after_forward = (in_flight, min(stage, m - in_flight))
-    after_input_grad = (in_flight - 1, min(stage + 1, m - in_flight + 1))
-    return max(after_forward, after_input_grad, key=lambda held: held[0] * saved + held[1] * deferred)
-
-
 def _memory(layout: Layout, impl: Implementation, params, state: StateBytes, acts: ActivationBytes,
-            in_flight: int, deferred: int, deferred_bytes: int, reduce_bucket: int) -> dict:
-    """Bytes by kind at the rank's peak: the larger of the backward phase (activations of the micro
-    batches in flight, ZB-H1's deferred W passes, gradients as they accumulate) and the optimizer step
-    (gradients as ZeRO hands them over, AdamW's foreach temporaries, DeepSpeed's flattened buffers)."""
+            held: tuple[int, int, int], reduce_bucket: int) -> dict:
+    """Bytes by kind at the rank's peak: the larger of the backward phase (`held`: the activations and weight
+    copies of the micro batches in flight and the deferred W passes' inputs, at their peak; gradients as they
+    accumulate) and the optimizer step (gradients as ZeRO hands them over, AdamW's foreach temporaries,
+    DeepSpeed's flattened buffers)."""
     dp, zero = layout.dp, layout.zero_stage
     n_local = sum(p.numel for p in params)
     common = {"weights": state.weights, "master": state.master, "moments": state.moments, "buffers": state.buffers}
@@ -645,8 +346,9 @@ def _memory(layout: Layout, impl: Implementation, params, state: StateBytes, act
     grads_backward = {0: state.gradients, 1: state.gradients if bf16_optimizer else g * n_local,
                       2: state.gradients + g * min(reduce_bucket, n_local),
                       3: state.gradients}[zero]
-    backward = {**common, "gradients": grads_backward, "activations": in_flight * acts.activations,
-                "weight_copies": in_flight * acts.weight_copies, "deferred_weight_grads": deferred * deferred_bytes,
+    activations, copies, deferred = held
+    backward = {**common, "gradients": grads_backward, "activations": activations,
+                "weight_copies": copies, "deferred_weight_grads": deferred,
                 "transient": max(acts.recompute, acts.cast_transient - acts.weight_copies, acts.loss_transient)}
     largest_group = max(sum(p.numel for p in params if p.decay), sum(p.numel for p in params if not p.decay))
     partitioned = zero > 0 or bf16_optimizer
@@ -661,24 +363,32 @@ def _memory(layout: Layout, impl: Implementation, params, state: StateBytes, act
 
 def _stage_ranks(model_cfg: GPTConfig, layout: Layout, impl: Implementation, hw: Hardware, stages: list[int],
                  inter_node: dict) -> list[RankPlan]:
-    """The RankPlans of `stages`, which hold the same layers: their state, activations, communication and
-    time are one stage's, computed once; what each holds at its peak depends on the stage (held_at_peak)."""
+    """The RankPlans of pipeline ranks `stages`, which hold alike chunks (`_rank_key`): their state, activations,
+    communication and time are one rank's, computed once from its chunks (its virtual stages, one under 1f1b
+    and zb-h1); what each holds at its peak depends on the rank (held_at_peak, chunks_held_at_peak)."""
     tp, pp, dp, m = layout.tp, layout.pp, layout.dp, layout.micro_batches
-    stage = stages[0]
-    params = rank_parameters(model_cfg, tp, pp, stage)
-    shape = StageShape.of(model_cfg, pp, stage)
+    placement, spec = layout.placement, layout.stage_layers
+    stage, virtual = stages[0], placement.stages
+    chunks = placement.stages_of(stage)
+    holds_both = virtual > 1 and 0 in chunks and virtual - 1 in chunks  # zb-v's first rank: one tied matrix
+    chunk_params = [rank_parameters(model_cfg, tp, virtual, v, spec) for v in chunks]
+    params = [p for ps in chunk_params for p in ps]
+    if holds_both:  # the head's copy of the tied matrix is the embedding's Parameter (parallel/pipeline.py)
+        params = [p for i, p in enumerate(params) if not (p.name.endswith("wte.weight") and i >= len(chunk_params[0]))]
+    chunk_shapes = [StageShape.of(model_cfg, virtual, v, spec) for v in chunks]
+    shape = StageShape(any(c.embedding for c in chunk_shapes), sum(c.blocks for c in chunk_shapes),
+                       any(c.head for c in chunk_shapes), pp > 1)  # the rank's layers together
     bf16_weights, r = impl.bf16_weights, _residual_bytes(impl)
     comm_dtypes = (FP32, 2) if impl.autocast and tp == 1 else (FP32,)
     bucket = bucket_elements(model_cfg, tp)  # what train/planner/zero_buckets.py sets
     state = state_bytes(params, layout.zero_stage, dp, 0, layout.offload_optimizer, comm_dtypes,
                         bf16_weights=bf16_weights, reduce_bucket_size=bucket)
-    acts = micro_batch_activations(
-        model_cfg, tp, pp, stage, layout.micro_batch, sequence_parallel=layout.sequence_parallel,
-        checkpoint_every=layout.checkpoint_every, autocast=impl.autocast, bf16_weights=bf16_weights,
-        selective=layout.selective_recompute, fused_loss=impl.fused_loss,
-    )
+    chunk_acts = [_chunk_activations(model_cfg, layout, impl, _alike_stage(model_cfg, layout, v)) for v in chunks]
+    acts = _through_all(chunk_acts)
     a = _matmul_bytes(impl)
-    deferred_bytes = deferred_weight_grad_bytes(model_cfg, tp, pp, stage, layout.micro_batch, a) if layout.zero_bubble else 0
+    chunk_deferred = [deferred_weight_grad_bytes(model_cfg, tp, virtual, v, layout.micro_batch, a, spec)
+                      if layout.defers_weight_grads else 0 for v in chunks]
+    deferred_bytes = sum(chunk_deferred)
 
     if impl.grad_reduce_bytes is not None:
         grad_bytes = lambda p: impl.grad_reduce_bytes  # noqa: E731
@@ -686,19 +396,19 @@ def _stage_ranks(model_cfg: GPTConfig, layout: Layout, impl: Implementation, hw:
         grad_bytes = lambda p: FP32 if layout.zero_stage <= 1 else 2  # noqa: E731
     else:  # fp32 gradients; under autocast ZeRO ≥ 1 reduces plain nn.Linear ones in bf16
         grad_bytes = lambda p: 2 if impl.autocast and p.linear and layout.zero_stage > 0 else FP32  # noqa: E731
-    tied = sum(p.numel for p in params if p.name.endswith("wte.weight"))
     transfers = (
         plan_comm.tensor_parallel(model_cfg, shape, tp, layout.micro_batch, m, sequence_parallel=layout.sequence_parallel,
                                   autocast=impl.autocast, residual_bytes=r, fused_loss=impl.fused_loss)
-        + plan_comm.pipeline(model_cfg, shape, tp, pp, layout.micro_batch, m, tied,
-                             sequence_parallel=layout.sequence_parallel, residual_bytes=r)
+        + _pipeline_transfers(model_cfg, layout, stage, chunk_params, chunk_shapes, r)
         # bf16 at ZeRO 0: BF16_Optimizer partitions the optimizer and so, like ZeRO 1, all-gathers the
         # updated weights after its step
         + plan_comm.data_parallel(params, dp, 1 if bf16_weights and layout.zero_stage == 0 else layout.zero_stage,
                                   m, flat_elements=state.details.get("flat", 0),
                                   grad_bytes=grad_bytes, weight_bytes=FP32 if impl.fp32_weights else 2)
     )
-    passes, flops = _stage_compute(model_cfg, layout, impl, hw, stage, shape)
+    computed = [_stage_compute(model_cfg, layout, impl, hw, _alike_stage(model_cfg, layout, v), c, holds_both)
+                for v, c in zip(chunks, chunk_shapes)]
+    passes, flops = sum((p for p, _ in computed), Passes(0.0, 0.0, 0.0)), sum(f for _, f in computed)
     optimizer_s = 0.0 if layout.offload_optimizer else OPTIMIZER_BYTES * (
         sum(p.numel for p in params) if layout.zero_stage == 0 else state.partition) / hw.memory_bandwidth
     if launch_priced(layout, impl):  # one GPU: the step launch by launch, as the step bill prices it
@@ -707,8 +417,8 @@ def _stage_ranks(model_cfg: GPTConfig, layout: Layout, impl: Implementation, hw:
         passes, optimizer_s = passes.scaled_to((step.seconds - update.device_busy) / m), update.device_busy
     compute_s = passes.total
     tp_transfers = [t for t in transfers if t.group == "tp"]
-    # under ZB-H1 the weight-gradient GEMM is deferred to W: nothing runs beside the input-gradient all-reduce
-    overlap_tp = impl.overlap_tp and not layout.zero_bubble
+    # under zb-h1 and zb-v the weight-gradient GEMM is deferred to W: nothing runs beside the input-gradient all-reduce
+    overlap_tp = impl.overlap_tp and not layout.defers_weight_grads
     overlapped = [t for t in tp_transfers if overlap_tp and t.overlaps == plan_comm.WEIGHT_GRADIENT]
     tp_s = _comm_time([t for t in tp_transfers if t not in overlapped], hw, inter_node) / m
     tp_s += _exposed_behind_weight_gradients(model_cfg, layout, impl, hw, overlapped, inter_node) / m
@@ -738,11 +448,77 @@ def _stage_ranks(model_cfg: GPTConfig, layout: Layout, impl: Implementation, hw:
     parameters = sum(p.numel for p in params)
     ranks = []
     for s in stages:
-        in_flight, deferred = held_at_peak(layout, s, acts.saved, deferred_bytes)
-        memory = _memory(layout, impl, params, state, acts, in_flight, deferred, deferred_bytes, bucket)
+        if placement.virtual == 1:
+            in_flight, deferred = held_at_peak(layout.schedule, pp, m, s, acts.saved, deferred_bytes)
+            held = (in_flight * acts.activations, in_flight * acts.weight_copies, deferred * deferred_bytes)
+        else:  # this rank's own virtual stages, alike to the first rank's chunk by chunk
+            own = placement.stages_of(s)
+            saved = {v: (x.activations, x.weight_copies) for v, x in zip(own, chunk_acts)}
+            (activations, copies), w_bytes, in_flight, deferred = chunks_held_at_peak(
+                layout.schedule, placement, m, s, saved, dict(zip(own, chunk_deferred)) if deferred_bytes else {},
+                Costs(*passes.shares()))  # zb-v's order for this rank's passes (the plan's slowest rank's, to 2 digits)
+            held = (activations, copies, w_bytes)
+        memory = _memory(layout, impl, params, state, acts, held, bucket)
         ranks.append(RankPlan(s, parameters, state, acts, in_flight, deferred, deferred_bytes, memory,
-                              sum(memory.values()), flops * m, transfers, time))
+                              sum(memory.values()), flops * m, transfers, time, placement.stages_of(s),
+                              tuple(p.total for p, _ in computed)))
     return ranks
+
+
+@lru_cache(maxsize=4096)
+def _alike_stage(model_cfg: GPTConfig, layout: Layout, stage: int) -> int:
+    """The first virtual stage whose chunk computes and saves what `stage`'s does (the same layers' kinds and
+    count, its first block of the same attention parity), for the caches of `_stage_compute` and
+    `_chunk_activations`: a rank of 6 chunks, or 16 ranks alike, cost one computation."""
+    placement, spec = layout.placement, layout.stage_layers
+
+    def key(v: int) -> tuple:
+        blocks = stage_blocks(model_cfg.n_layer, placement.stages, v, spec)
+        return StageShape.of(model_cfg, placement.stages, v, spec), len(blocks), blocks.start % 2
+
+    return next(v for v in range(stage + 1) if key(v) == key(stage))
+
+
+@lru_cache(maxsize=4096)
+def _chunk_activations(model_cfg: GPTConfig, layout: Layout, impl: Implementation, stage: int) -> ActivationBytes:
+    """Activation bytes of one micro batch on virtual stage `stage` (activations.micro_batch_activations)."""
+    return micro_batch_activations(
+        model_cfg, layout.tp, layout.placement.stages, stage, layout.micro_batch,
+        sequence_parallel=layout.sequence_parallel, checkpoint_every=layout.checkpoint_every, autocast=impl.autocast,
+        bf16_weights=impl.bf16_weights, selective=layout.selective_recompute, fused_loss=impl.fused_loss,
+        blocks=layout.stage_layers)
+
+
+def _through_all(chunk_acts: list[ActivationBytes]) -> ActivationBytes:
+    """One micro batch through all of a rank's chunks: what each saves, added; what is transient, the largest."""
+    if len(chunk_acts) == 1:
+        return chunk_acts[0]
+    return ActivationBytes(sum(x.saved for x in chunk_acts), sum(x.weight_copies for x in chunk_acts),
+                           max(x.recompute for x in chunk_acts), max(x.per_block for x in chunk_acts),
+                           max(x.cast_transient for x in chunk_acts), max(x.loss_transient for x in chunk_acts))
+
+
+def _pipeline_transfers(model_cfg: GPTConfig, layout: Layout, rank: int, chunk_params, chunk_shapes, r: int) -> list:
+    """The pipeline traffic of a rank's chunks (plan_comm.pipeline of each, as a stage of the virtual pipeline),
+    less what stays on the rank: a message between two of its own consecutive stages (the turn of zb-v's V)
+    and the tied matrix's all-reduce where it holds both copies' layers."""
+    placement = layout.placement
+    chunks = placement.stages_of(rank)
+    holds_both = placement.stages > 1 and 0 in chunks and placement.stages - 1 in chunks
+    out = []
+    for v, params, shape in zip(chunks, chunk_params, chunk_shapes):
+        tied = sum(p.numel for p in params if p.name.endswith("wte.weight"))
+        local_next = v + 1 < placement.stages and placement.rank_of(v + 1) == rank
+        local_previous = v > 0 and placement.rank_of(v - 1) == rank
+        for t in plan_comm.pipeline(model_cfg, shape, layout.tp, placement.stages, layout.micro_batch,
+                                    layout.micro_batches, tied, sequence_parallel=layout.sequence_parallel,
+                                    residual_bytes=r):
+            stays = ((t.op == "send" and t.phase == "forward" and local_next)
+                     or (t.op == "send" and t.phase == "backward" and local_previous)
+                     or (t.op == "all_reduce" and holds_both))
+            if not stays:
+                out.append(t)
+    return out
 
 
 def launch_priced(layout: Layout, impl: Implementation) -> bool:
@@ -776,15 +552,14 @@ def build_plan(
     """The prediction for `layout` (see module docstring); ranks: first, middle and last stage."""
     tp, dp, m = layout.tp, layout.dp, layout.micro_batches
     inter_node = {"tp": tp > gpus_per_node, "pp": tp * dp >= gpus_per_node, "dp": tp * dp > gpus_per_node}
-    alike = {}  # stages with the same layers predict the same time: each kind computed once
+    alike = {}  # ranks with alike chunks predict the same time: each kind computed once
     for s in range(layout.pp):
-        blocks = stage_blocks(model_cfg.n_layer, layout.pp, s)
-        alike.setdefault((StageShape.of(model_cfg, layout.pp, s), len(blocks), blocks.start % 2), []).append(s)
+        alike.setdefault(_rank_key(model_cfg, layout, s), []).append(s)
     stages = sorted((rank for members in alike.values()
                      for rank in _stage_ranks(model_cfg, layout, implementation, hardware, members, inter_node)),
                     key=lambda rank: rank.stage)
     slowest = max(stages, key=lambda r: r.time["micro_batch_s"])
-    pipeline = PipelineTime(m, slowest, pipeline_seconds(layout.schedule, layout.pp, m, slowest.passes))
+    pipeline = PipelineTime(m, slowest, pipeline_seconds(layout.schedule, layout.placement, m, slowest.passes))
     step_s = pipeline.seconds + max(r.time["dp_comm_s"] + r.time["optimizer_s"] for r in stages)
     shown = sorted({0, layout.pp // 2, layout.pp - 1})
     return Plan(
@@ -793,7 +568,23 @@ def build_plan(
         model_flops_per_step=model_flops_per_token(model_cfg) * layout.global_batch * model_cfg.seq_len,
         hardware_flops_per_step=sum(r.hardware_flops for r in stages) * tp * dp,
         reserved_gib=reserved_gib, tokens=tokens, gpus_per_node=gpus_per_node, notes=_notes(layout),
+        stage_seconds=tuple(seconds for _, seconds in sorted(
+            (v, t) for rank in stages for v, t in zip(rank.chunks, rank.chunk_seconds))),
     )
+
+
+def _rank_key(model_cfg: GPTConfig, layout: Layout, rank: int) -> tuple:
+    """What a rank's time and state depend on, chunk by chunk: each chunk's layers (kind, block count, the
+    parity of its first block: GPT-3 alternates dense and banded attention) and which of its neighbours are
+    on the rank itself."""
+    placement, spec = layout.placement, layout.stage_layers
+    key = []
+    for v in placement.stages_of(rank):
+        blocks = stage_blocks(model_cfg.n_layer, placement.stages, v, spec)
+        key.append((StageShape.of(model_cfg, placement.stages, v, spec), len(blocks), blocks.start % 2,
+                    v > 0 and placement.rank_of(v - 1) == rank,
+                    v + 1 < placement.stages and placement.rank_of(v + 1) == rank))
+    return tuple(key)
 
 
 def _notes(layout: Layout) -> list[str]:

@@ -43,6 +43,8 @@ def layout_from_config(train: TrainConfig, parallel: ParallelConfig, model_cfg: 
         zero_stage=par.zero_stage, offload_optimizer=bool(par.offload_optimizer),
         sequence_parallel=bool(par.sequence_parallel), checkpoint_every=0 if selective else par.activation_checkpointing,
         selective_recompute=selective, schedule=par.pipeline_schedule if pp > 1 else ONE_F_ONE_B,
+        virtual_stages=par.virtual_stages if pp > 1 else 1,
+        stage_layers=tuple(par.stage_layers) if pp > 1 and par.stage_layers is not None else None,
     )
     problem = layout_problem(model_cfg, layout)
     if problem:
@@ -106,6 +108,8 @@ def layout_overrides(layout: Layout) -> str:
         f"parallel.sequence_parallel={str(layout.sequence_parallel).lower()}",
         f"parallel.activation_checkpointing={'selective' if layout.selective_recompute else layout.checkpoint_every}",
         f"train.micro_batch_size={layout.micro_batch}", f"parallel.pipeline_schedule={layout.schedule}",
+        *([f"parallel.virtual_stages={layout.virtual_stages}"] if layout.virtual_stages > 1 else []),
+        *([f"parallel.stage_layers=[{','.join(map(str, layout.stage_layers))}]"] if layout.stage_layers else []),
     ])
 
 

@@ -8,22 +8,31 @@ per node: across nodes it is never faster) and tries micro batches up to 16 sequ
 whichever is more (32 sequences of GPT-3's 2,048: a small model on one GPU runs fastest at the largest
 micro batch that fits, its launches and its products' shapes amortised over more tokens), sequence
 parallelism on and off (at any pp), activation checkpointing off, every block, or selective, and with
-pp > 1 both pipeline schedules, 1F1B and ZB-H1 (not ZB-H1 with model.compile, which the trainer refuses:
-compiled blocks would trace the deferred weight gradients).
+pp > 1 the pipeline schedules 1F1B, ZB-H1 and the interleaved schedule at each V ≥ 2 that divides the blocks a
+rank holds, up to 8 (where the micro batches a step divide into groups of pp); not ZB-V, whose step the planner
+times by playing its list schedule, a second or so a layout at 175B's pp and micro batches (`python -m
+train.plan` with parallel.pipeline_schedule=zb-v plans it, and docs/parallelism.md compares it). Each
+pipeline layout is tried with the blocks split by count and, where it is faster, with the split
+train/planner/stage_split.py balances by time (parallel.stage_layers).
 """
 
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 from model import GPTConfig
 from parallel.topology import check_layout, divisors
-from train.config.sections.parallel import ONE_F_ONE_B, PIPELINE_SCHEDULES, ZB_H1
-from train.planner.estimate import Implementation, Layout, Plan, build_plan
+from parallel.schedules.orders import INTERLEAVED, ONE_F_ONE_B, SCHEDULES, ZB_H1
+from train.planner.estimate import build_plan
 from train.planner.hardware import Hardware
+from train.planner.layout import Implementation, Layout
+from train.planner.results import Plan
+from train.planner.stage_split import balanced_blocks
 
 MAX_MICRO_BATCH = 16  # sequences, at least this many tried where the batch allows
 MAX_MICRO_TOKENS = 65_536  # and up to this many tokens a micro batch: llm.c's 64 × 1,024 a GPU
+MAX_VIRTUAL_STAGES = 8  # chunks a rank the search tries: past 8 the bubble is a few per mille and sends multiply
 RECOMPUTATION = ((0, False), (1, False), (0, True))  # (checkpoint_every, selective): off, every block, selective
 
 
@@ -44,18 +53,27 @@ def layout_problem(model_cfg: GPTConfig, layout: Layout) -> str | None:
     if layout.checkpoint_every < 0 or (layout.selective_recompute and layout.checkpoint_every):
         return (f"parallel.activation_checkpointing={layout.checkpoint_every}: must be 0 (off), a positive block "
                 f"count, or selective")
-    if layout.schedule not in PIPELINE_SCHEDULES:
-        return f"parallel.pipeline_schedule={layout.schedule!r}: must be one of {list(PIPELINE_SCHEDULES)}"
-    if layout.schedule == ZB_H1 and layout.pp == 1:
-        return "parallel.pipeline_schedule=zb-h1 schedules pipeline stages: it needs parallel.pp > 1"
-    if layout.schedule == ZB_H1 and model_cfg.compile:
-        return ("parallel.pipeline_schedule=zb-h1 with model.compile=true: the compiled blocks would trace the deferred "
-                "weight gradients")
+    if layout.schedule not in SCHEDULES:
+        return f"parallel.pipeline_schedule={layout.schedule!r}: must be one of {list(SCHEDULES)}"
+    if layout.schedule != ONE_F_ONE_B and layout.pp == 1:
+        return f"parallel.pipeline_schedule={layout.schedule} schedules pipeline stages: it needs parallel.pp > 1"
+    if layout.virtual_stages > 1 and layout.schedule != INTERLEAVED:
+        return f"parallel.virtual_stages={layout.virtual_stages}: chunks a rank are the interleaved schedule's"
+    if layout.pp > 1 and layout.placement.stages > model_cfg.n_layer:
+        return (f"{layout.placement.stages} virtual pipeline stages for model.n_layer={model_cfg.n_layer}: each needs "
+                f"a block")
+    if layout.stage_layers is not None and (len(layout.stage_layers) != layout.placement.stages
+                                            or sum(layout.stage_layers) != model_cfg.n_layer):
+        return (f"parallel.stage_layers={list(layout.stage_layers)}: give {layout.placement.stages} block counts "
+                f"summing to model.n_layer={model_cfg.n_layer}")
     if layout.micro_batch < 1 or layout.global_batch % (layout.micro_batch * layout.dp):
         return (
             f"train.global_batch_size={layout.global_batch} is not divisible by train.micro_batch_size="
             f"{layout.micro_batch} × data-parallel size {layout.dp}"
         )
+    if layout.schedule == INTERLEAVED and layout.virtual_stages > 1 and layout.micro_batches % layout.pp:
+        return (f"parallel.pipeline_schedule=interleaved runs micro batches in groups of pp={layout.pp}: "
+                f"{layout.micro_batches} a step do not divide into them")
     return None
 
 
@@ -73,12 +91,11 @@ def candidate_layouts(model_cfg: GPTConfig, gpus: int, global_batch: int, gpus_p
             micro = [b for b in divisors(global_batch // dp) if b <= most]
             zero = (0, 1) if pp > 1 else (0, 1, 2, 3)
             sequence = (False, True) if tp > 1 and model_cfg.seq_len % tp == 0 else (False,)
-            schedules = PIPELINE_SCHEDULES if pp > 1 else (ONE_F_ONE_B,)
-            for z, b, (ckpt, selective), sp, schedule in itertools.product(zero, micro, RECOMPUTATION, sequence,
-                                                                           schedules):
+            for z, b, (ckpt, selective), sp, (schedule, chunks) in itertools.product(
+                    zero, micro, RECOMPUTATION, sequence, pipeline_schedules(model_cfg.n_layer, pp)):
                 if dp == 1 and z > 0:
                     continue  # ZeRO over one replica partitions nothing
-                layout = Layout(tp, pp, dp, global_batch, b, z, False, sp, ckpt, selective, schedule)
+                layout = Layout(tp, pp, dp, global_batch, b, z, False, sp, ckpt, selective, schedule, chunks)
                 if layout_problem(model_cfg, layout) is None:
                     out.append(layout)
     return out
@@ -93,6 +110,21 @@ def search(
     for layout in candidate_layouts(model_cfg, gpus, global_batch, gpus_per_node):
         plan = build_plan(model_cfg, layout, hardware, implementation=implementation, gpus_per_node=gpus_per_node,
                           reserved_gib=reserved_gib, tokens=tokens)
+        blocks = balanced_blocks(plan)
+        if blocks is not None:
+            balanced = build_plan(model_cfg, replace(layout, stage_layers=blocks), hardware, implementation=implementation,
+                                  gpus_per_node=gpus_per_node, reserved_gib=reserved_gib, tokens=tokens)
+            plan = balanced if balanced.fits and balanced.tokens_per_s > plan.tokens_per_s else plan
         if plan.fits:
             plans.append(plan)
     return sorted(plans, key=lambda p: -p.tokens_per_s)
+
+
+def pipeline_schedules(n_layer: int, pp: int) -> list[tuple[str, int]]:
+    """(parallel.pipeline_schedule, parallel.virtual_stages) the search tries at `pp` (module docstring)."""
+    if pp == 1:
+        return [(ONE_F_ONE_B, 1)]
+    out = [(ONE_F_ONE_B, 1), (ZB_H1, 1)]
+    per_rank = n_layer // pp
+    out += [(INTERLEAVED, v) for v in range(2, min(per_rank, MAX_VIRTUAL_STAGES) + 1) if per_rank % v == 0]
+    return out

@@ -49,7 +49,8 @@ def format_plan(plan: Plan) -> str:
     weights = "bf16" if plan.implementation.precision == "bf16" else "fp32"
     rows = [
         ("pipeline stage", [str(r.stage) for r in ranks]),
-        ("transformer blocks", [str(len(_blocks(plan, r.stage))) for r in ranks]),
+        *([("virtual stages", [",".join(map(str, r.chunks)) for r in ranks])] if lay.placement.virtual > 1 else []),
+        ("transformer blocks", [str(_blocks(plan, r)) for r in ranks]),
         ("parameters", [_count(r.parameters) for r in ranks]),
         (f"weights ({weights})", [_gib(r.state.weights) for r in ranks]),
         (f"gradients ({weights}) at the step", [_gib(r.state.gradients) for r in ranks]),
@@ -59,9 +60,11 @@ def format_plan(plan: Plan) -> str:
         ("host memory (offload)", [_gib(r.state.host) for r in ranks]),
         ("activations / micro batch", [_gib(r.activations.activations) for r in ranks]),
         ("autocast weight copies / micro batch", [_gib(r.activations.weight_copies) for r in ranks]),
-        ("micro batches in flight", [str(r.in_flight) for r in ranks]),
+        ("micro batches in flight" if lay.placement.virtual == 1 else "chunk micro batches in flight",
+         [str(r.in_flight) for r in ranks]),
         *([("deferred W inputs and gradients / micro batch", [_gib(r.deferred_bytes) for r in ranks]),
-           ("deferred W passes held (ZB-H1)", [str(r.deferred) for r in ranks])] if lay.zero_bubble else []),
+           (f"deferred W passes held ({lay.schedule})", [str(r.deferred) for r in ranks])]
+          if lay.defers_weight_grads else []),
         ("peak memory", [_gib(peak_total[r.stage]) for r in ranks]),
         ("peak memory by kind, GiB", [", ".join(f"{k} {v / GIB:.1f}" for k, v in r.memory.items() if v) for r in ranks]),
         ("hardware FLOPs / step", [f"{r.hardware_flops:.3g}" for r in ranks]),
@@ -85,6 +88,7 @@ def format_plan(plan: Plan) -> str:
         *fp8_lines(plan),
         f"batch: {lay.global_batch} sequences = {_count(plan.tokens_per_step)} tokens per step, "
         f"{lay.micro_batches} micro batches of {lay.micro_batch} per replica, pipeline bubble {100 * plan.bubble:.1f}%",
+        *stage_split_lines(plan),
         "",
         " " * label + "".join(f"{n:>{width}}" for n in names),
     ]
@@ -136,7 +140,7 @@ def fp8_lines(plan: Plan) -> list[str]:
 def _overlaps(plan: Plan) -> str:
     impl, parts = plan.implementation, []
     lay = plan.layout
-    if impl.overlap_tp and lay.tp > 1 and not lay.sequence_parallel and not lay.zero_bubble:
+    if impl.overlap_tp and lay.tp > 1 and not lay.sequence_parallel and not lay.defers_weight_grads:
         parts.append("tensor-parallel input gradients behind weight gradients")
     if impl.overlap_dp and lay.dp > 1 and lay.pp == 1 and zero_optimizer_reduces(lay.zero_stage, impl) and lay.zero_stage < 3:
         parts.append("ZeRO gradient reduction behind the backward")
@@ -145,8 +149,8 @@ def _overlaps(plan: Plan) -> str:
 
 def format_breakdown(plan: Plan) -> list[str]:
     """Where the step goes: the pipeline's time by part of the slowest stage's micro batch (each part
-    times the pipeline's seconds over the micro batch's: 1F1B's m + pp − 1 slots, ZB-H1's m micro
-    batches and its bubble), the bubble's share of it, and what follows the last micro batch."""
+    times the pipeline's seconds over the micro batch's: 1F1B's m + pp − 1 slots, the other schedules' m
+    micro batches and their bubble), the bubble's share of it, and what follows the last micro batch."""
     lay, pipeline = plan.layout, plan.pipeline
     slowest, micro_batch_s = pipeline.slowest, pipeline.passes.total
     slots = pipeline.seconds / micro_batch_s
@@ -157,10 +161,10 @@ def format_breakdown(plan: Plan) -> list[str]:
              ("ZeRO-3 parameter gathers", slowest.time["zero3_gather_s"] * slots),
              ("data-parallel communication, exposed", last.time["dp_comm_s"]),
              ("optimizer step", last.time["optimizer_s"])]
-    if lay.zero_bubble:
+    if lay.pp > 1 and lay.schedule != "1f1b":
         f, b, w = (_ms(x) for x in dataclasses.astuple(pipeline.passes))
         lines = [f"step time {plan.step_time_s:.3f} s: {lay.micro_batches} of stage {slowest.stage}'s micro batch "
-                 f"({_ms(micro_batch_s)}: F {f}, B {b}, W {w}) and the ZB-H1 bubble, worth "
+                 f"({_ms(micro_batch_s)}: F {f}, B {b}, W {w}) and the {lay.schedule} bubble, worth "
                  f"{slots - lay.micro_batches:.2f} of them, then the step"]
     else:
         lines = [f"step time {plan.step_time_s:.3f} s: {slots:.0f} slots of stage {slowest.stage}'s micro batch "
@@ -172,10 +176,27 @@ def format_breakdown(plan: Plan) -> list[str]:
     return lines
 
 
-def _blocks(plan: Plan, stage: int):
+def _blocks(plan: Plan, rank) -> int:
+    """The transformer blocks of a rank, over all its chunks."""
     from train.planner.counts import stage_blocks
 
-    return stage_blocks(plan.model.n_layer, plan.layout.pp, stage)
+    placement, spec = plan.layout.placement, plan.layout.stage_layers
+    return sum(len(stage_blocks(plan.model.n_layer, placement.stages, v, spec)) for v in rank.chunks)
+
+
+def stage_split_lines(plan: Plan) -> list[str]:
+    """With a pipeline: each virtual stage's blocks (the embedding on the first, the head and loss on the last)
+    and one micro batch's compute through it, first to last."""
+    from train.planner.counts import stage_blocks
+
+    lay = plan.layout
+    if lay.pp == 1:
+        return []
+    placement = lay.placement
+    stages = [len(stage_blocks(plan.model.n_layer, placement.stages, v, lay.stage_layers)) for v in range(placement.stages)]
+    split = "given (parallel.stage_layers)" if lay.stage_layers is not None else "balanced by count"
+    return [f"stage split ({split}): blocks {stages}; compute per micro batch "
+            f"[{', '.join(_ms(t) for t in plan.stage_seconds)}]"]
 
 
 def format_search(plans: list[Plan], top: int) -> str:

@@ -160,7 +160,7 @@ def build(spec: RunSpec) -> Trainer:
         mpu=None if pipelined else mpu,
     )
     if schedule_name != ONE_F_ONE_B:  # gpt3d's own schedules (parallel/schedules/); 1f1b is DeepSpeed's
-        engine = ScheduleEngine.adopt(engine, schedule_name, par.virtual_stages, weight_grads)
+        engine = ScheduleEngine.adopt(engine, schedule_name, par.virtual_stages, weight_grads, spec.pass_costs)
     on_device = clip == OWN_NORM  # the step's skip decided on the device, and reported so (train/run/step.py)
     if clip == GIVEN_NORM:  # the optimizer DeepSpeed wraps ours in computes the norm
         holder = engine.optimizer

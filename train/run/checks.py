@@ -79,10 +79,6 @@ def check_parallel(parallel: ParallelConfig, model_cfg: GPTConfig, extras: dict)
         raise ConfigError(
             f"parallel.sequence_parallel=true needs model.seq_len={model_cfg.seq_len} divisible by parallel.tp={parallel.tp}"
         )
-    if parallel.defers_weight_grads and model_cfg.compile:
-        raise ConfigError(f"parallel.pipeline_schedule={parallel.pipeline_schedule} with model.compile=true: the compiled "
-                          "blocks would trace the linears' deferred weight gradients; set model.compile=false, or use "
-                          "pipeline_schedule=1f1b or interleaved")
     if parallel.pp > 1:
         check_stages(parallel, model_cfg.n_layer)
     check_deepspeed_extras(extras)

@@ -65,7 +65,7 @@ def written(train: TrainConfig, parallel: ParallelConfig, optim: OptimConfig, dp
     ]
     if bf16_weights(runtime.precision) and int(parallel.zero_stage) <= 1:
         # DeepSpeed's bf16 optimizer adds each bf16 gradient to its fp32 one as backward makes it, and drops the
-        # bf16 one (none is kept, accumulated or zeroed); ZB-H1's W pass adds its own (parallel/zero_bubble_engine.py)
+        # bf16 one (none is kept, accumulated or zeroed); the W pass of zb-h1 and zb-v adds its own (parallel/schedules/engine.py)
         entries.append(("bf16.immediate_grad_update", parallel.pp == 1, "train.precision"))
     if parallel.offload_optimizer:
         entries.append(("zero_optimization.offload_optimizer", {"device": "cpu", "pin_memory": runtime.device.type == "cuda"},

@@ -47,7 +47,7 @@ from model import GPTConfig
 from train.checkpoint.resume_point import ResumePoint
 from train.config.launch import is_rank_zero
 from train.config.sections import Sections
-from train.config.sections.parallel import AUTO, ZB_H1
+from train.config.sections.parallel import AUTO
 from train.config.settings import ConfigError
 from train.data.sources import DataSpec
 from train.run import checks
@@ -81,6 +81,17 @@ class RunSpec:
     def fp8_line(self) -> str | None:
         """Under fp8, the run's line saying which linears compute in float8 and how the blocks run."""
         return None if self.fp8 is None else f"{self.fp8.line()}; {self.fp8_blocks}"
+
+    @property
+    def pass_costs(self):
+        """The costs gpt3d's pipeline schedules order their passes by (parallel/schedules/orders.py): on CUDA the
+        plan's F, B and W of its slowest rank, as shares of its micro batch to two digits (what the planner
+        timed); elsewhere equal passes."""
+        from parallel.schedules.orders import Costs
+
+        if self.plan is None:
+            return Costs()
+        return Costs(*self.plan.pipeline.passes.shares())
 
     @property
     def run_tokens(self) -> int:
@@ -141,8 +152,7 @@ def _fp8(sections: Sections, model_cfg: GPTConfig, runtime: Runtime, set_keys: l
     par, train = sections.parallel, sections.train
     if runtime.fp8 is None:
         return model_cfg, None, ""
-    compiled, blocks = fp8_compile(runtime.precision, model_cfg.compile, "model.compile" in set_keys,
-                                   par.pp > 1 and par.pipeline_schedule == ZB_H1, runtime.device)
+    compiled, blocks = fp8_compile(runtime.precision, model_cfg.compile, "model.compile" in set_keys, runtime.device)
     from train.planner.fp8_rule import choice_for
 
     preset = None

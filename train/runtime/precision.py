@@ -104,13 +104,12 @@ def fp8_refusal(device: torch.device) -> str | None:
     return None
 
 
-def fp8_compile(precision: str, model_compile: bool, compile_set: bool, zero_bubble: bool,
+def fp8_compile(precision: str, model_compile: bool, compile_set: bool,
                 device: torch.device | None = None) -> tuple[bool, str]:
     """model.compile as a run takes it, and under fp8 the words saying how its blocks run.
 
     Under train.precision=fp8 the blocks compile unless that cannot work: model.compile=false given on
-    the command line (`compile_set`), ZB-H1's pipeline (`zero_bubble`: the compiled blocks would trace
-    the deferred weight gradients, so the run's checks refuse it), the CPU (whose float8 products are
+    the command line (`compile_set`), the CPU (whose float8 products are
     emulated: there is no speed to gain; model.compile=true still compiles there), or torch.compile
     failing its probe on the GPU (model/compile.py). `device` None: the planner's GPU, where it works.
     Other precisions: model.compile as given, and no words."""
@@ -120,9 +119,6 @@ def fp8_compile(precision: str, model_compile: bool, compile_set: bool, zero_bub
         return True, "blocks compiled (model.compile=true)"
     if compile_set:
         return False, "blocks eager: model.compile=false was given (compiled, the float8 casts fuse into their neighbours)"
-    if zero_bubble:
-        return False, ("blocks eager: parallel.pipeline_schedule=zb-h1 cannot compile them (the compiled blocks would "
-                       "trace the deferred weight gradients); 1f1b can")
     if device is not None and device.type != "cuda":
         return False, f"blocks eager: on {device.type} the float8 products are emulated (model.compile=true compiles them)"
     if device is not None:

@@ -1,0 +1,133 @@
+"""What the planner plans: a parallel layout with its batch geometry and pipeline schedule (`Layout`), and how
+the trainer runs the math (`Implementation`, by train.precision through `for_precision`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from parallel.schedules.orders import INTERLEAVED, ONE_F_ONE_B, SPLIT_BACKWARD, placement_of
+from parallel.schedules.placement import Placement
+from train.config.sections.train import FP8_ALL
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A parallel layout and batch geometry (sequences)."""
+
+    tp: int
+    pp: int
+    dp: int
+    global_batch: int
+    micro_batch: int = 1
+    zero_stage: int = 0
+    offload_optimizer: bool = False
+    sequence_parallel: bool = False
+    checkpoint_every: int = 0
+    selective_recompute: bool = False  # parallel.activation_checkpointing=selective
+    schedule: str = ONE_F_ONE_B  # parallel.pipeline_schedule (only with pp > 1)
+    virtual_stages: int = 1  # parallel.virtual_stages: chunks a rank under the interleaved schedule
+    stage_layers: tuple[int, ...] | None = None  # parallel.stage_layers: blocks per virtual stage; None: balanced
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def placement(self) -> Placement:
+        """Where the virtual stages run (parallel/schedules/placement.py): one chunk a rank but for the
+        interleaved schedule (virtual_stages) and zb-v (2, in a V)."""
+        return placement_of(self.schedule, self.pp, self.virtual_stages) if self.pp > 1 else Placement(1)
+
+    @property
+    def own_engine(self) -> bool:
+        """gpt3d's ScheduleEngine runs the pipeline (every schedule but DeepSpeed's 1f1b)."""
+        return self.pp > 1 and self.schedule != ONE_F_ONE_B
+
+    @property
+    def defers_weight_grads(self) -> bool:
+        """The blocks defer their weight gradients to W passes: a pipeline under zb-h1 or zb-v."""
+        return self.pp > 1 and self.schedule in SPLIT_BACKWARD
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro batches per step on each data-parallel replica."""
+        return self.global_batch // (self.micro_batch * self.dp)
+
+    def describe(self) -> str:
+        parts = [f"tp={self.tp}", f"pp={self.pp}", f"dp={self.dp}", f"zero={self.zero_stage}", f"micro={self.micro_batch}"]
+        if self.selective_recompute:
+            parts.append("ckpt=selective")
+        else:
+            parts.append(f"ckpt={self.checkpoint_every}" if self.checkpoint_every else "ckpt=off")
+        if self.sequence_parallel:
+            parts.append("sp")
+        if self.offload_optimizer:
+            parts.append("offload")
+        if self.schedule == INTERLEAVED:
+            parts.append(f"interleaved V={self.virtual_stages}")
+        elif self.schedule != ONE_F_ONE_B:
+            parts.append(self.schedule)
+        if self.stage_layers is not None:
+            parts.append("stages=" + ",".join(map(str, self.stage_layers)))
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """How the trainer runs the math. The default: gpt3d with train.precision=autocast, fp32
+    parameters with bf16 autocast (each micro batch casts the weights), its fused attention, nothing
+    overlapped, the fused loss (`for_precision` gives the other precisions). Published
+    Megatron-style runs: bf16 parameters (fp32_weights=False, autocast=True: bf16 matmuls, no
+    casts) and the plain vocab-parallel loss (fused_loss=False)."""
+
+    fp32_weights: bool = True
+    autocast: bool = True  # bf16 matmuls (with fp32_weights=False: the weights themselves are bf16)
+    overlap_tp: bool = False  # the column layers' input-gradient collective runs during their weight-gradient GEMM
+    overlap_dp: bool = False  # ZeRO 1/2 reduce gradients in buckets during the backward (overlap_comm)
+    fused_loss: bool = True  # train.fused_loss: the loss unembeds chunk by chunk, no (n, Vp/p) logits kept
+    # measured on this project's H100 (README, "How the step time is modelled"):
+    attention_efficiency: float = 0.21  # the fused attention's forward+backward, 212 of 989 TFLOP/s
+    unaligned_gemm_efficiency: float = 0.1  # a GEMM with a dimension not a multiple of 8 (vocab 50257)
+    kernels_per_block: int = 100  # kernels one block launches per micro batch, forward and backward
+    host_seconds_per_kernel: float = 30e-6  # Python and launch time per kernel: the GPU cannot run ahead
+    grad_reduce_bytes: int | None = None  # None: gpt3d's (bf16 weights: bf16; fp32 weights: fp32, but
+    #                                       DeepSpeed reduces nn.Linear gradients in bf16 under autocast
+    #                                       at ZeRO ≥ 1); else this size for all
+    fp8: str | None = None  # the float8 recipe of the blocks' linears (train.precision=fp8), with bf16 weights
+    # which block linears compute in float8: train.fp8_linears (auto: by the fp8 rule at each layout, fp8_rule.py;
+    # all), or the names a run resolved
+    fp8_linears: object = FP8_ALL
+    compiled: bool = False  # model.compile: the float8 casts fuse into the compiled blocks' kernels
+
+    @property
+    def bf16_weights(self) -> bool:
+        """bf16 parameters and gradients (fp32 master weights in the optimizer)."""
+        return not self.fp32_weights and self.autocast
+
+    @property
+    def precision(self) -> str:
+        """The train.precision this is: fp32, autocast, bf16 or fp8."""
+        if self.fp8 is not None:
+            return "fp8"
+        return "bf16" if self.bf16_weights else "autocast" if self.autocast else "fp32"
+
+
+PRECISIONS = ("fp32", "autocast", "bf16", "fp8")
+
+
+def for_precision(precision: str, overlap_communication: bool = True, fused_loss: bool = True,
+                  fp8_recipe: str = "tensorwise", compiled: bool = False, fp8_linears=FP8_ALL) -> Implementation:
+    """gpt3d under train.precision (auto resolved by the caller): fp32 everything; autocast (fp32
+    weights, bf16 matmuls with per-micro-batch casts); bf16 (bf16 weights and gradients, fp32 master
+    weights and moments in the optimizer); fp8 (bf16, and the blocks' linears in float8 by
+    `fp8_recipe`, on the linears `fp8_linears` says: train.fp8_linears, or a run's resolved names).
+    overlap_communication: parallel.overlap_communication, and DeepSpeed's overlap_comm set from the plan
+    (train/planner/zero_buckets.py); fused_loss: train.fused_loss; compiled: model.compile."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"train.precision={precision!r}: must be one of {['auto', *PRECISIONS]}")
+    return Implementation(
+        fp32_weights=precision in ("fp32", "autocast"), autocast=precision != "fp32",
+        overlap_tp=overlap_communication, overlap_dp=overlap_communication, fused_loss=fused_loss,
+        fp8=fp8_recipe if precision == "fp8" else None, compiled=compiled,
+        fp8_linears=tuple(fp8_linears) if isinstance(fp8_linears, (list, tuple)) else fp8_linears,
+    )
