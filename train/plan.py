@@ -160,7 +160,7 @@ def _dry_run(model_cfg: GPTConfig, par: ParallelConfig, plan_cfg: PlanConfig, ou
     """plan.dry_run=true: build and check the layout's shards (the batch does not matter here)."""
     from parallel.topology import check_layout
     from train.planner.dry_run import dry_run
-    from train.planner.from_config import gpus_of
+    from train.planner.from_config import gpus_of, stage_split
     from parallel.topology import skip_shared_memory_op
 
     try:
@@ -169,7 +169,8 @@ def _dry_run(model_cfg: GPTConfig, par: ParallelConfig, plan_cfg: PlanConfig, ou
         print(f"gpt3d plan: error: {error}", file=err)
         return EXIT_BAD_INPUT
     skip_shared_memory_op()  # the fake process groups never communicate: no op to compile
-    report = dry_run(model_cfg, par.tp, par.pp, log=lambda line: print(line, file=err, flush=True))
+    report = dry_run(model_cfg, par.tp, par.pp, log=lambda line: print(line, file=err, flush=True),
+                     split=stage_split(par))
     if report.ok:
         print(f"dry run: built all {report.shards} distinct rank shards (tp × pp) on meta in {report.seconds:.1f} s; "
               f"together they hold each of the {report.full_parameters:,} parameters exactly once", file=out)

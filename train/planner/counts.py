@@ -142,6 +142,19 @@ def rank_parameters(config: GPTConfig, tp: int, pp: int, stage: int, blocks: tup
     return tuple(params)
 
 
+@lru_cache(maxsize=4096)
+def chunked_rank_parameters(config: GPTConfig, tp: int, placement, rank: int,
+                            blocks: tuple[int, ...] | None = None) -> tuple[ParamShape, ...]:
+    """The parameters of pipeline rank `rank` holding the virtual stages `placement` (parallel/schedules/
+    placement.py) gives it, chunk by chunk in order, as parallel/build.py builds them; where it holds both the
+    embedding and the head (zb-v's first rank) the head's copy of the tied matrix is the embedding's Parameter."""
+    chunks = [rank_parameters(config, tp, placement.stages, v, blocks) for v in placement.stages_of(rank)]
+    params = [p for chunk in chunks for p in chunk]
+    if len(chunks) > 1 and any(p.name.endswith("wte.weight") for p in chunks[0]):
+        params = params[: len(chunks[0])] + [p for p in params[len(chunks[0]):] if not p.name.endswith("wte.weight")]
+    return tuple(params)
+
+
 @dataclass(frozen=True)
 class StateBytes:
     """Bytes one rank keeps for its parameters and optimizer, by kind (see the module docstring)."""

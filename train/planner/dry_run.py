@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from model import GPT, GPTConfig, count_parameters
 from parallel.naming import Shard, parameter_map
-from train.planner.counts import ParamShape, rank_parameters
+from train.planner.counts import ParamShape, chunked_rank_parameters
 
 
 @dataclass
@@ -68,13 +68,13 @@ def _fake_world(rank: int, world_size: int):
             del os.environ[key]
 
 
-def _build_rank_shard(model_cfg: GPTConfig, tp: int, pp: int):
+def _build_rank_shard(model_cfg: GPTConfig, tp: int, pp: int, split):
     """This (fake) rank's part of the model and its topology: parallel.build_model on meta."""
-    from parallel.build import build_model
+    from parallel.build import BuildOptions, build_model
     from parallel.topology import Topology
 
     topology = Topology.create(tp, pp)
-    return build_model(model_cfg, topology, seed=0, device="meta"), topology
+    return build_model(model_cfg, topology, seed=0, device="meta", options=BuildOptions(stages=split)), topology
 
 
 def _compare(part: torch.nn.Module, shards: dict[str, Shard], expected: tuple[ParamShape, ...],
@@ -137,8 +137,14 @@ def coverage(pieces: list[Shard], full: dict[str, tuple[int, ...]]) -> tuple[int
     return covered, problems
 
 
-def dry_run(model_cfg: GPTConfig, tp: int, pp: int, log=None) -> DryRunReport:
-    """Build all tp·pp distinct shards on meta and check their coverage (see module docstring)."""
+def dry_run(model_cfg: GPTConfig, tp: int, pp: int, log=None, split=None) -> DryRunReport:
+    """Build all tp·pp distinct shards on meta and check their coverage (see module docstring); `split`: the
+    pipeline's stages (parallel.pipeline.StageSplit: its virtual stages and their blocks), None for one
+    chunk a rank balanced by count."""
+    from parallel.pipeline import StageSplit
+    from parallel.schedules.placement import Placement
+
+    split = split or StageSplit(Placement(pp))
     started = time.perf_counter()
     with torch.device("meta"):
         full_model = GPT(model_cfg)  # the one-process model: the names and shapes to cover
@@ -146,11 +152,11 @@ def dry_run(model_cfg: GPTConfig, tp: int, pp: int, log=None) -> DryRunReport:
     full = {name: tuple(getattr(p, "full_shape", p.shape)) for name, p in full_model.named_parameters()}
     pieces, problems = [], []
     for stage in range(pp):
-        expected = rank_parameters(model_cfg, tp, pp, stage)
+        expected = chunked_rank_parameters(model_cfg, tp, split.placement, stage, split.blocks)
         for tp_rank in range(tp):
             where = f"stage {stage}, tp rank {tp_rank}"
             with _fake_world(stage * tp + tp_rank, tp * pp):  # DeepSpeed's rank order: pipe, data, model
-                part, topology = _build_rank_shard(model_cfg, tp, pp)
+                part, topology = _build_rank_shard(model_cfg, tp, pp, split)
                 if (topology.pp_rank, topology.tp_rank) != (stage, tp_rank):
                     placed = f"stage {topology.pp_rank}, tp rank {topology.tp_rank}"
                     raise RuntimeError(f"{where}: the fake rank is ({placed})")

@@ -26,19 +26,20 @@ the step time is modelled"):
            input-gradient products, attention's backward, the backward traffic, recomputation, the
            other weights' per-micro-batch traffic (under 1F1B all of it), the backward's collectives
            and send
-  pipeline every stage timed as the slowest one (largest t_mb), by parallel.pipeline_schedule:
-             1f1b   (m + pp − 1)·t_mb                    bubble (pp − 1)/(m + pp − 1) of it
-             zb-h1  m·t_mb + (pp − 1)·(t_F + t_B − t_W)  when m ≥ pp and t_W ≤ min(t_F, t_B); the
-                    step of the order ZeroBubbleEngine runs, in closed form for any m and costs
-                    (`pipeline_seconds`)
+  pipeline every rank timed as the slowest one (largest t_mb over all its chunks), by
+           parallel.pipeline_schedule (train/planner/pipeline_time.py: 1f1b, zb-h1, interleaved, zb-v);
+           a rank holding V chunks (interleaved, zb-v) is timed chunk by chunk, each chunk as a virtual
+           stage of the layout's P = pp·V (its layers, sends and tied matrix), and summed
   step     = pipeline + the data-parallel collectives, tied-embedding all-reduce and optimizer (not overlapped)
 
-Activation memory at a stage's peak: under 1F1B, min(pp − s, m) micro batches' saved activations;
+Activation memory at a rank's peak: under 1F1B, min(pp − s, m) micro batches' saved activations;
 under ZB-H1 also the deferred W passes, each holding every block linear's input x and output
 gradient g (activations.deferred_weight_grad_bytes), at the larger of two moments: just after a
 forward, i = min(pp − s, m) micro batches and min(s, m − i) W passes, and just after a B, i − 1 and
-min(s + 1, m − i + 1) (`held_at_peak`: exact for the engine's order at every pp and m). ZB-H1 sends
-the same messages as 1F1B: its communication is 1F1B's.
+min(s + 1, m − i + 1) (`held_at_peak`: exact for the engine's order at every pp and m); under the
+interleaved schedule and zb-v the largest sum along the rank's own order of its chunks' saved bytes
+and deferred W bytes (`chunks_held_at_peak`). Every schedule sends the same messages for each pair of
+consecutive virtual stages on two ranks.
 
 Collectives run at the achieved link bandwidth (NVLink inside a node, the network between nodes)
 plus a fixed latency each. Only what the code overlaps is hidden:
@@ -46,8 +47,11 @@ plus a fixed latency each. Only what the code overlaps is hidden:
     input-gradient all-reduce runs while the same layer's weight-gradient GEMM computes: each is
     exposed by max(0, collective − that GEMM). Under sequence parallelism the code does not overlap
     (the reduce-scatter of those gradients runs after the layer's backward) and neither does the plan;
-    under ZB-H1 that GEMM is deferred to W and the all-reduce runs in B with nothing beside it
+    under zb-h1 and zb-v that GEMM is deferred to W and the all-reduce runs in B with nothing beside it
     (parallel/tensor.py): exposed whole;
+  - under gpt3d's own schedules (zb-h1, interleaved, zb-v) the pipeline's sends are asynchronous and
+    their receives posted ahead (parallel/schedules/engine.py): each is exposed by max(0, send − the
+    chunk's next pass, its forward or its B);
   - with `Implementation.overlap_dp` (DeepSpeed's zero_optimization.overlap_comm; its ZeRO optimizer
     at ZeRO 1 and 2, not bf16's BF16_Optimizer, which reduces after the backward; pp = 1), the gradient
     reduction runs in buckets during the backward that produces the gradients:
@@ -57,9 +61,7 @@ plus a fixed latency each. Only what the code overlaps is hidden:
     DeepSpeed's pipeline engine the reduction waits for the end of the last backward
     (PipeEngine._exec_reduce_grads is the only gradient-accumulation boundary), so nothing hides;
 Nothing else overlaps: not the other tensor-parallel collectives (the next matmul needs their
-result), not the pipeline's (DeepSpeed's 1F1B sends block; ZB-H1's are asynchronous, but the plan
-counts them on the critical path all the same, the conservative choice: at GPT-3 175B's layout they
-are under 0.5% of the step), not ZeRO 1's all-gather of the updated parameters, and not ZeRO-3's parameter
+result), not DeepSpeed's 1F1B sends (they block), not ZeRO 1's all-gather of the updated parameters, and not ZeRO-3's parameter
 gathers (its prefetching hides little: Narayanan et al.'s ZeRO-3 runs match the model only without
 overlap).
 A micro batch also takes at least the host time that launching its kernels costs (when that bounds
@@ -93,6 +95,7 @@ from train.planner.counts import (
     StateBytes,
     block_elements,
     bucket_elements,
+    chunked_rank_parameters,
     rank_parameters,
     stage_blocks,
     state_bytes,
@@ -135,6 +138,7 @@ FP8_AMAX_REDUCTIONS = {"tensorwise": (2, 1), "rowwise": (1, 1)}
 FP8_KERNELS_PER_LINEAR = {"tensorwise": 72, "rowwise": 107}
 
 
+@lru_cache(maxsize=64)
 def model_flops_per_token(model_cfg: GPTConfig) -> float:
     """PaLM's 6N + 12·L·d·T (model/gpt.py), N without the position table."""
     n = sum(p.full_numel for p in rank_parameters(model_cfg, 1, 1, 0) if not p.name.endswith("wpe.weight"))
@@ -248,8 +252,8 @@ def _stage_compute(model_cfg: GPTConfig, layout: Layout, impl: Implementation, h
     embedding, so the head's tied matrix is that one, counted there).
     Beyond the blocks (_blocks_compute): the weights' traffic in B; the head's three unembedding products
     and its loss traffic, all in F with the fused loss (it makes both gradients in its forward), else one
-    product and half the traffic in F; the embedding's traffic, half in F; under ZB-H1 with BF16_Optimizer
-    under DeepSpeed's BF16_Optimizer each gradient's addition to its fp32 copy (BF16_OPTIMIZER_UPDATE_BYTES, two
+    product and half the traffic in F; the embedding's traffic, half in F; under DeepSpeed's BF16_Optimizer
+    each gradient's addition to its fp32 copy (BF16_OPTIMIZER_UPDATE_BYTES, two
     kernels a parameter); under gpt3d's own pipeline schedules (zb-h1, interleaved, zb-v: ScheduleEngine) every
     bf16 gradient is written fresh, nothing cleared or accumulated (parallel/schedules/engine.py drops them
     once added), the addition in W for the parameters W computes (the block linears' weights and the column
@@ -332,6 +336,12 @@ def _comm_time(transfers, hw: Hardware, inter_node: dict) -> float:
     return sum(t.sent / hw.link_bandwidth(inter_node[t.group]) + t.count * COLLECTIVE_LATENCY_S for t in transfers)
 
 
+@lru_cache(maxsize=4096)
+def _sizes(params: tuple) -> tuple[int, int]:
+    """(elements, elements in the weight-decay group) of a rank's parameters."""
+    return sum(p.numel for p in params), sum(p.numel for p in params if p.decay)
+
+
 def _memory(layout: Layout, impl: Implementation, params, state: StateBytes, acts: ActivationBytes,
             held: tuple[int, int, int], reduce_bucket: int) -> dict:
     """Bytes by kind at the rank's peak: the larger of the backward phase (`held`: the activations and weight
@@ -339,7 +349,7 @@ def _memory(layout: Layout, impl: Implementation, params, state: StateBytes, act
     accumulate) and the optimizer step (gradients as ZeRO hands them over, AdamW's foreach temporaries,
     DeepSpeed's flattened buffers)."""
     dp, zero = layout.dp, layout.zero_stage
-    n_local = sum(p.numel for p in params)
+    n_local, decayed = _sizes(params)
     common = {"weights": state.weights, "master": state.master, "moments": state.moments, "buffers": state.buffers}
     g = 2 if impl.bf16_weights else FP32  # a gradient element
     bf16_optimizer = uses_bf16_optimizer(zero, impl)  # its gradients are all there from the start
@@ -350,7 +360,7 @@ def _memory(layout: Layout, impl: Implementation, params, state: StateBytes, act
     backward = {**common, "gradients": grads_backward, "activations": activations,
                 "weight_copies": copies, "deferred_weight_grads": deferred,
                 "transient": max(acts.recompute, acts.cast_transient - acts.weight_copies, acts.loss_transient)}
-    largest_group = max(sum(p.numel for p in params if p.decay), sum(p.numel for p in params if not p.decay))
+    largest_group = max(decayed, n_local - decayed)
     partitioned = zero > 0 or bf16_optimizer
     step_extra = FP32 * (state.partition if partitioned else largest_group)  # foreach sqrt of the second moment
     if zero_optimizer_reduces(zero, impl) and zero < 3:
@@ -372,9 +382,7 @@ def _stage_ranks(model_cfg: GPTConfig, layout: Layout, impl: Implementation, hw:
     chunks = placement.stages_of(stage)
     holds_both = virtual > 1 and 0 in chunks and virtual - 1 in chunks  # zb-v's first rank: one tied matrix
     chunk_params = [rank_parameters(model_cfg, tp, virtual, v, spec) for v in chunks]
-    params = [p for ps in chunk_params for p in ps]
-    if holds_both:  # the head's copy of the tied matrix is the embedding's Parameter (parallel/pipeline.py)
-        params = [p for i, p in enumerate(params) if not (p.name.endswith("wte.weight") and i >= len(chunk_params[0]))]
+    params = chunked_rank_parameters(model_cfg, tp, placement, stage, spec)
     chunk_shapes = [StageShape.of(model_cfg, virtual, v, spec) for v in chunks]
     shape = StageShape(any(c.embedding for c in chunk_shapes), sum(c.blocks for c in chunk_shapes),
                        any(c.head for c in chunk_shapes), pp > 1)  # the rank's layers together
@@ -423,11 +431,16 @@ def _stage_ranks(model_cfg: GPTConfig, layout: Layout, impl: Implementation, hw:
     tp_s = _comm_time([t for t in tp_transfers if t not in overlapped], hw, inter_node) / m
     tp_s += _exposed_behind_weight_gradients(model_cfg, layout, impl, hw, overlapped, inter_node) / m
     sends = [t for t in transfers if t.group == "pp" and t.op == "send"]
-    pp_s = _comm_time(sends, hw, inter_node) / m
+    if layout.own_engine:  # asynchronous sends, their receives posted ahead: exposed past the chunk's next pass
+        beside = {"forward": passes.forward / len(chunks), "backward": passes.input_grad / len(chunks)}
+        send_s = {id(t): t.count * max(0.0, _comm_time([t], hw, inter_node) / t.count - beside[t.phase]) for t in sends}
+    else:  # DeepSpeed's 1F1B sends and waits
+        send_s = {id(t): _comm_time([t], hw, inter_node) for t in sends}
+    pp_s = sum(send_s.values()) / m
     gathers = [t for t in transfers if t.group == "dp" and t.phase == "forward"]
     gather_s = _comm_time(gathers, hw, inter_node) / m
     forward_comm_s = gather_s + (_comm_time([t for t in tp_transfers if t.phase == "forward"], hw, inter_node)
-                                 + _comm_time([t for t in sends if t.phase == "forward"], hw, inter_node)) / m
+                                 + sum(send_s[id(t)] for t in sends if t.phase == "forward")) / m
     exposed = [t for t in transfers if t not in gathers and (t.group == "dp" or (t.group == "pp" and t.op != "send"))]
     overlap_dp = impl.overlap_dp and pp == 1 and zero_optimizer_reduces(layout.zero_stage, impl)
     hidden = [t for t in exposed if overlap_dp and t.overlaps == plan_comm.BACKWARD]
@@ -573,6 +586,7 @@ def build_plan(
     )
 
 
+@lru_cache(maxsize=8192)
 def _rank_key(model_cfg: GPTConfig, layout: Layout, rank: int) -> tuple:
     """What a rank's time and state depend on, chunk by chunk: each chunk's layers (kind, block count, the
     parity of its first block: GPT-3 alternates dense and banded attention) and which of its neighbours are

@@ -52,6 +52,17 @@ def layout_from_config(train: TrainConfig, parallel: ParallelConfig, model_cfg: 
     return layout
 
 
+def stage_split(parallel: ParallelConfig):
+    """The pipeline's stages as the run builds them (parallel.pipeline.StageSplit): the schedule's placement of
+    its virtual stages and parallel.stage_layers."""
+    from parallel.pipeline import StageSplit
+    from parallel.schedules.orders import placement_of
+
+    schedule = parallel.pipeline_schedule if parallel.pp > 1 else ONE_F_ONE_B
+    blocks = tuple(parallel.stage_layers) if parallel.pp > 1 and parallel.stage_layers is not None else None
+    return StageSplit(placement_of(schedule, parallel.pp, parallel.virtual_stages), blocks)
+
+
 def implementation_from_config(train: TrainConfig, parallel: ParallelConfig, compiled: bool,
                                fp8_linears=None) -> Implementation:
     """gpt3d's implementation under the run's train.precision (auto: what it is on a GPU, bf16; the

@@ -23,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+import numpy as np
+
 from parallel.schedules.orders import (
     FORWARD,
     INPUT_GRAD,
@@ -140,24 +142,65 @@ def chunks_held_at_peak(schedule: str, placement: Placement, micro_batches: int,
                         deferred: dict[int, int], shares: Costs = Costs()) -> tuple[tuple, int, int, int]:
     """What `rank` holds at its activation peak under the interleaved schedule or zb-v, walking its own order:
     saved[v] = (activation bytes, weight-copy bytes) of one micro batch on its virtual stage v, deferred[v]
-    the bytes of one W pass there. Returns ((activation bytes, weight-copy bytes), W bytes, chunk micro
-    batches in flight, W passes held), at the moment the sum of the bytes is largest; `shares`: the passes'
-    shares zb-v's order was built for."""
+    the bytes of one W pass there (empty: none deferred). Returns ((activation bytes, weight-copy bytes),
+    W bytes, chunk micro batches in flight, W passes held), at the first moment the sum of the bytes is
+    largest; `shares`: the passes' shares zb-v's order was built for."""
+    forwarded, deferring = _held_counts(schedule, placement, micro_batches, rank, shares)
+    own = placement.stages_of(rank)
+    activations = forwarded @ np.array([saved[v][0] for v in own], dtype=np.int64)
+    copies = forwarded @ np.array([saved[v][1] for v in own], dtype=np.int64)
+    held_w = deferring @ np.array([deferred.get(v, 0) for v in own], dtype=np.int64)
+    t = int(np.argmax(activations + copies + held_w))
+    return ((int(activations[t]), int(copies[t])), int(held_w[t]), int(forwarded[t].sum()),
+            int(deferring[t].sum()) if deferred else 0)
+
+
+def _held_counts(schedule: str, placement: Placement, micro_batches: int, rank: int, shares: Costs
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """After each pass of `rank`'s order, per chunk (its virtual stages in order): the micro batches forwarded
+    and not yet through B, and those through B and not yet through W."""
     if schedule == INTERLEAVED:
-        order = interleaved(placement, micro_batches, rank)
+        return _interleaved_counts(placement, micro_batches, rank)
+    return _zb_v_counts(placement.pp, micro_batches, rank, shares)
+
+
+def _interleaved_counts(placement: Placement, micro_batches: int, rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """`_held_counts` of parallel.schedules.orders.interleaved's order, built as arrays: the k-th forward runs
+    chunk (k mod pp·V) div pp and the k-th backward chunk V − 1 − that (a search meets thousands of these)."""
+    pp, chunks = placement.pp, placement.virtual
+    order = interleaved(placement, micro_batches, rank) if chunks == 1 else None
+    total = micro_batches * chunks
+    if order is not None:  # one chunk: 1F1B's order
+        kinds = np.array([1 if kind == FORWARD else -1 for kind, _, _ in order])
+        index = np.zeros(len(order), dtype=np.int64)
     else:
-        order = zb_v_orders(placement.pp, micro_batches, shares)[rank]
-    acts = copies = held_w = count = count_w = 0
-    best = ((0, 0), 0, 0, 0)
-    for kind, v, _ in order:
+        warmup = min((pp - rank - 1) * 2 + (chunks - 1) * pp, total)
+        forward = (np.arange(total) % (pp * chunks)) // pp  # the chunk of each forward, in order
+        backward = chunks - 1 - forward
+        steady = total - warmup
+        index = np.concatenate([forward[:warmup], np.stack([forward[warmup:], backward[:steady]], 1).reshape(-1),
+                                backward[steady:]])
+        kinds = np.concatenate([np.ones(warmup, dtype=np.int64), np.tile([1, -1], steady),
+                                -np.ones(total - steady, dtype=np.int64)])
+    delta = np.zeros((len(index) + 1, chunks), dtype=np.int64)
+    delta[np.arange(1, len(index) + 1), index] = kinds
+    return np.cumsum(delta, axis=0), np.zeros_like(delta)
+
+
+@lru_cache(maxsize=256)
+def _zb_v_counts(pp: int, micro_batches: int, rank: int, shares: Costs) -> tuple[np.ndarray, np.ndarray]:
+    order = zb_v_orders(pp, micro_batches, shares)[rank]
+    chunk = {v: i for i, v in enumerate(placement_of(ZB_V, pp).stages_of(rank))}
+    forwarded = np.zeros((len(order) + 1, 2), dtype=np.int64)
+    deferring = np.zeros_like(forwarded)
+    for t, (kind, v, _) in enumerate(order, start=1):
+        forwarded[t], deferring[t] = forwarded[t - 1], deferring[t - 1]
+        c = chunk[v]
         if kind == FORWARD:
-            acts, copies, count = acts + saved[v][0], copies + saved[v][1], count + 1
+            forwarded[t, c] += 1
         elif kind == INPUT_GRAD:
-            acts, copies, count = acts - saved[v][0], copies - saved[v][1], count - 1
-            if deferred:
-                held_w, count_w = held_w + deferred[v], count_w + 1
+            forwarded[t, c] -= 1
+            deferring[t, c] += 1
         elif kind == WEIGHT_GRAD:
-            held_w, count_w = held_w - deferred[v], count_w - 1
-        if acts + copies + held_w > sum(best[0]) + best[1]:
-            best = ((acts, copies), held_w, count, count_w)
-    return best
+            deferring[t, c] -= 1
+    return forwarded, deferring

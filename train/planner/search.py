@@ -9,7 +9,7 @@ whichever is more (32 sequences of GPT-3's 2,048: a small model on one GPU runs 
 micro batch that fits, its launches and its products' shapes amortised over more tokens), sequence
 parallelism on and off (at any pp), activation checkpointing off, every block, or selective, and with
 pp > 1 the pipeline schedules 1F1B, ZB-H1 and the interleaved schedule at each V ≥ 2 that divides the blocks a
-rank holds, up to 8 (where the micro batches a step divide into groups of pp); not ZB-V, whose step the planner
+rank holds, up to 12 (where the micro batches a step divide into groups of pp); not ZB-V, whose step the planner
 times by playing its list schedule, a second or so a layout at 175B's pp and micro batches (`python -m
 train.plan` with parallel.pipeline_schedule=zb-v plans it, and docs/parallelism.md compares it). Each
 pipeline layout is tried with the blocks split by count and, where it is faster, with the split
@@ -32,7 +32,7 @@ from train.planner.stage_split import balanced_blocks
 
 MAX_MICRO_BATCH = 16  # sequences, at least this many tried where the batch allows
 MAX_MICRO_TOKENS = 65_536  # and up to this many tokens a micro batch: llm.c's 64 × 1,024 a GPU
-MAX_VIRTUAL_STAGES = 8  # chunks a rank the search tries: past 8 the bubble is a few per mille and sends multiply
+MAX_VIRTUAL_STAGES = 12  # chunks a rank the search tries (GPT-3 175B at pp=8: every divisor of its 12 blocks)
 RECOMPUTATION = ((0, False), (1, False), (0, True))  # (checkpoint_every, selective): off, every block, selective
 
 

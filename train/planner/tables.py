@@ -194,9 +194,22 @@ def stage_split_lines(plan: Plan) -> list[str]:
         return []
     placement = lay.placement
     stages = [len(stage_blocks(plan.model.n_layer, placement.stages, v, lay.stage_layers)) for v in range(placement.stages)]
-    split = "given (parallel.stage_layers)" if lay.stage_layers is not None else "balanced by count"
-    return [f"stage split ({split}): blocks {stages}; compute per micro batch "
-            f"[{', '.join(_ms(t) for t in plan.stage_seconds)}]"]
+    if len(set(stages)) == 1 and len(stages) > 8:
+        stages = f"{stages[0]} × {len(stages)}"
+    split = "parallel.stage_layers" if lay.stage_layers is not None else "balanced by count"
+    return [f"stage split: blocks {stages} ({split}); compute per micro batch {_runs(plan.stage_seconds)}"]
+
+
+def _runs(seconds: tuple[float, ...]) -> str:
+    """Each virtual stage's time, runs of one value shown once ("stages 1–94 2.16 ms")."""
+    shown, start = [], 0
+    values = [_ms(t) for t in seconds]
+    for i in range(1, len(values) + 1):
+        if i == len(values) or values[i] != values[start]:
+            where = f"stage {start}" if i - start == 1 else f"stages {start}–{i - 1}"
+            shown.append(f"{where} {values[start]}")
+            start = i
+    return ", ".join(shown)
 
 
 def format_search(plans: list[Plan], top: int) -> str:

@@ -113,9 +113,9 @@ def build(spec: RunSpec) -> Trainer:
     from model.weight_grads import WeightGradStore
     from parallel.build import BuildOptions, build_model
     from parallel.topology import Topology
-    from parallel.pipeline import StageSplit
     from parallel.schedules.engine import ScheduleEngine
-    from parallel.schedules.orders import placement_of
+    from parallel.schedules.orders import ZB_V, Costs
+    from train.planner.from_config import stage_split
 
     settings, model_cfg, ramp, runtime = spec.sections, spec.model, spec.ramp, spec.runtime
     device = runtime.device
@@ -128,8 +128,7 @@ def build(spec: RunSpec) -> Trainer:
     par = settings.parallel
     schedule_name = par.pipeline_schedule if pipelined else ONE_F_ONE_B
     weight_grads = WeightGradStore() if par.defers_weight_grads else None  # filled by the linears, drained by the engine
-    split = StageSplit(placement_of(schedule_name, topology.pp_size, par.virtual_stages),
-                       tuple(par.stage_layers) if par.stage_layers is not None else None)
+    split = stage_split(par)  # the schedule's virtual stages and parallel.stage_layers
     options = BuildOptions(
         sequence_parallel=settings.parallel.sequence_parallel,
         activation_checkpointing=settings.parallel.activation_checkpointing,
@@ -160,7 +159,8 @@ def build(spec: RunSpec) -> Trainer:
         mpu=None if pipelined else mpu,
     )
     if schedule_name != ONE_F_ONE_B:  # gpt3d's own schedules (parallel/schedules/); 1f1b is DeepSpeed's
-        engine = ScheduleEngine.adopt(engine, schedule_name, par.virtual_stages, weight_grads, spec.pass_costs)
+        costs = spec.pass_costs if schedule_name == ZB_V else Costs()  # zb-h1's step is its equal-pass order's
+        engine = ScheduleEngine.adopt(engine, schedule_name, par.virtual_stages, weight_grads, costs)
     on_device = clip == OWN_NORM  # the step's skip decided on the device, and reported so (train/run/step.py)
     if clip == GIVEN_NORM:  # the optimizer DeepSpeed wraps ours in computes the norm
         holder = engine.optimizer

@@ -84,9 +84,9 @@ class RunSpec:
 
     @property
     def pass_costs(self):
-        """The costs gpt3d's pipeline schedules order their passes by (parallel/schedules/orders.py): on CUDA the
-        plan's F, B and W of its slowest rank, as shares of its micro batch to two digits (what the planner
-        timed); elsewhere equal passes."""
+        """The costs zb-v orders its passes by (parallel/schedules/orders.py: list_orders): on CUDA the plan's F, B
+        and W of its slowest rank, as shares of its micro batch to two digits (the order the planner timed);
+        elsewhere equal passes. (zb-h1 orders by equal passes: its closed form is that order's step.)"""
         from parallel.schedules.orders import Costs
 
         if self.plan is None:

@@ -11,10 +11,12 @@ import pytest
 
 from train.plan import load
 from train.planner.dry_run import dry_run
-from train.planner.from_config import plan_from_config, preflight
+from train.planner.from_config import plan_from_config, preflight, stage_split
 
 RECIPES = {  # recipe: (GPUs, the model it sets, layout it must hold, blocks for the dry run)
-    "gpt3-175b-h100x1024": (1024, "gpt3-175b", "tp=8 pp=16 dp=8 zero=1 micro=2 ckpt=off sp zb-h1", 16),
+    # the whole 96 blocks: 12 chunks of one block on each of the 8 ranks
+    "gpt3-175b-h100x1024": (1024, "gpt3-175b", "tp=8 pp=8 dp=16 zero=1 micro=3 ckpt=selective sp interleaved V=12",
+                            None),
     "gpt3-13b-h100x64": (64, "gpt3-13b", "tp=2 pp=1 dp=32 zero=2 micro=8 ckpt=selective", None),
 }
 
@@ -32,7 +34,7 @@ def test_recipe_fits_passes_preflight_and_its_shards_cover_the_model(recipe):
     shrunk = load([f"+recipe={recipe}", f"model.n_layer={blocks}"])[2] if blocks else model_cfg
     tp, pp = sections.parallel.tp, sections.parallel.pp
     before = dict(os.environ)
-    report = dry_run(shrunk, tp, pp)
+    report = dry_run(shrunk, tp, pp, split=stage_split(sections.parallel))
     assert report.ok, report.problems[:5]
     assert report.shards == tp * pp
     assert dict(os.environ) == before  # no LOCAL_RANK left behind: lm-eval's model would take it for a launch

@@ -223,23 +223,22 @@ def test_fp8_without_torchao_is_refused_in_one_line(monkeypatch):
     assert refusal(["train.precision=bf16"]) is None  # only fp8 needs it
 
 
-@pytest.mark.parametrize("precision, compile_, given, zero_bubble, device, compiled, words", [
-    ("bf16", False, False, False, "cuda", False, ""),  # only fp8 changes model.compile
-    ("fp8", True, True, False, "cpu", True, "blocks compiled (model.compile=true)"),
-    ("fp8", False, True, False, None, False, "blocks eager: model.compile=false was given"),
-    ("fp8", False, False, True, None, False, "blocks eager: parallel.pipeline_schedule=zb-h1 cannot compile them"),
-    ("fp8", False, False, False, "cpu", False, "blocks eager: on cpu the float8 products are emulated"),
-    ("fp8", False, False, False, None, True, "blocks compiled (fp8 compiles them where it can"),  # the planner's GPU
-    ("fp8", False, False, False, "cuda", True, "blocks compiled (fp8 compiles them where it can"),  # the probe passes
-    ("fp8", False, False, False, "cuda:1", False, "blocks eager: torch.compile is unavailable on cuda:1 (no Triton)"),
-], ids=["bf16", "compile-given", "compile-false-given", "zb-h1", "cpu", "planner", "cuda", "cuda-probe-fails"])
-def test_fp8_compiles_the_blocks_where_it_can_and_says_why_not(monkeypatch, precision, compile_, given, zero_bubble,
-                                                              device, compiled, words):
+@pytest.mark.parametrize("precision, compile_, given, device, compiled, words", [
+    ("bf16", False, False, "cuda", False, ""),  # only fp8 changes model.compile
+    ("fp8", True, True, "cpu", True, "blocks compiled (model.compile=true)"),
+    ("fp8", False, True, None, False, "blocks eager: model.compile=false was given"),
+    ("fp8", False, False, "cpu", False, "blocks eager: on cpu the float8 products are emulated"),
+    ("fp8", False, False, None, True, "blocks compiled (fp8 compiles them where it can"),  # the planner's GPU
+    ("fp8", False, False, "cuda", True, "blocks compiled (fp8 compiles them where it can"),  # the probe passes
+    ("fp8", False, False, "cuda:1", False, "blocks eager: torch.compile is unavailable on cuda:1 (no Triton)"),
+], ids=["bf16", "compile-given", "compile-false-given", "cpu", "planner", "cuda", "cuda-probe-fails"])
+def test_fp8_compiles_the_blocks_where_it_can_and_says_why_not(monkeypatch, precision, compile_, given, device,
+                                                              compiled, words):
     """fp8 without model.compile given: compiled wherever that can work; the CUDA probe faked (it compiles a
     function on the device), failing on cuda:1."""
     import model.compile
     from train.runtime.precision import fp8_compile
 
     monkeypatch.setattr(model.compile, "compile_unavailable", lambda d: "no Triton" if str(d) == "cuda:1" else None)
-    got = fp8_compile(precision, compile_, given, zero_bubble, None if device is None else torch.device(device))
+    got = fp8_compile(precision, compile_, given, None if device is None else torch.device(device))
     assert got[0] == compiled and got[1].startswith(words)
