@@ -1,33 +1,36 @@
-"""Pipeline bubble benchmark: DeepSpeed's 1F1B and gpt3d's ZB-H1 schedules, each measured against its prediction.
+"""Pipeline bubble benchmark: DeepSpeed's 1F1B and gpt3d's ZB-H1, interleaved (V=2) and ZB-V schedules, each
+measured against its prediction.
 
-  python -m bench.pipeline_bubble                          # pp ∈ {2, 4} × m ∈ {4, 8}, both schedules, 5 steps
+  python -m bench.pipeline_bubble                          # pp ∈ {2, 4} × m ∈ {4, 8}, every schedule, 5 steps
   python -m bench.pipeline_bubble --quick                  # pp ∈ {2, 4} × m = 4, 2 steps, 20 ms passes: a smoke run
   python -m bench.pipeline_bubble --t-forward 20 --t-backward 20 --t-weight 20   # shorter stage work
   python -m bench.pipeline_bubble --pp 4 --m 8 --timeline  # one case, and where each stage's step goes
   python -m bench.pipeline_bubble --results bench/results  # also pipeline_bubble-CPU-<date>.{json,md} there
 
 A stage's backward splits into B (its input gradient, which the previous stage waits for) and W (its
-weight gradients, which only the optimizer step needs). With pp equal stages whose forward, B and W take
-t_F, t_B and t_W, m micro batches per step and free communication (parallel/zero_bubble.py):
+weight gradients, which only the optimizer step needs). With pp equal ranks whose forward, B and W take
+t_F, t_B and t_W for a micro batch, m micro batches per step and free communication (parallel/schedules/):
 
-    1F1B    step = (m + pp − 1)·(t_F + t_B + t_W)                 bubble (pp − 1)/(m + pp − 1)
-    ZB-H1   step = m·(t_F + t_B + t_W) + (pp − 1)·(t_F + t_B − t_W)
+    1F1B          step = (m + pp − 1)·(t_F + t_B + t_W)                 bubble (pp − 1)/(m + pp − 1)
+    ZB-H1         step = m·(t_F + t_B + t_W) + (pp − 1)·(t_F + t_B − t_W)
+    interleaved   step = (V·m + pp − 1)·(t_F + t_B + t_W)/V             V = 2 chunks a rank, each half the work
+    ZB-V          its list schedule's step (2 chunks a rank in a V, each half the work)
 
-and the predicted bubble is the mean over stages of 1 − (a stage's work, m·(t_F + t_B + t_W)) / step:
-parallel.zero_bubble.predicted_bubble with the same costs (t_F = t_B = t_W at pp = 4, m = 8: 1F1B
-3/11 = 0.273, ZB-H1 3/27 = 0.111).
+and the predicted bubble is the mean over ranks of 1 − (a rank's work, m·(t_F + t_B + t_W)) / step:
+parallel.schedules.orders.predicted_bubble with the same costs (t_F = t_B = t_W at pp = 4, m = 8: 1F1B
+3/11 = 0.273, ZB-H1 3/27 = 0.111, interleaved 3/19 = 0.158, ZB-V 3/51 = 0.059).
 
-Method. For each pp, pp forked CPU processes (gloo) run a deepspeed.pipe.PipelineModule of pp identical
-stages through deepspeed.initialize → PipelineEngine.train_batch, once per m and schedule
-(gradient_accumulation_steps = m), the two schedules of a case back to back in the same process group.
-A stage's work is a wait, not compute: its forward sleeps t_F. Under 1F1B (DeepSpeed's TrainSchedule) its
-backward sleeps t_B + t_W at once, the whole backward. Under ZB-H1 the engine is adopted with
-ZeroBubbleEngine.adopt(engine, store, Costs(t_F, t_B, t_W)); the backward sleeps t_B, returns the input
-gradient and defers W to the stage's WeightGradStore (store.defer) as a closure that sleeps t_W and
-returns the gradient of the stage's scalar parameter, which the engine's W pass accumulates. A sleeping
-process leaves the CPU free, so the stages overlap as they would on pp devices even on a 2-core machine.
-Each stage adds up the time it spends in its sleeps (F, B and W: busy) and each rank times train_batch
-after a barrier (step), so
+Method. For each pp, pp forked CPU processes (gloo) run a deepspeed.pipe.PipelineModule of identical
+sleeping stages (`SleepChunks`: one per virtual stage, placed as the schedule places them) through
+deepspeed.initialize → PipelineEngine.train_batch, once per m and schedule (gradient_accumulation_steps =
+m), the schedules of a case back to back in the same process group. A stage's work is a wait, not
+compute: its forward sleeps t_F/V. Under 1F1B (DeepSpeed's TrainSchedule) and the interleaved schedule its
+backward sleeps (t_B + t_W)/V at once, the whole backward. gpt3d's schedules run on ScheduleEngine.adopt;
+under ZB-H1 and ZB-V the backward sleeps t_B/V, returns the input gradient and defers W to the rank's
+WeightGradStore (store.defer) as a function that sleeps t_W/V and returns the gradient of the stage's
+scalar parameter, which the engine's W pass accumulates. A sleeping process leaves the CPU free, so the
+ranks overlap as they would on pp devices even on a 2-core machine. Each rank adds up the time its
+stages spend in their sleeps (F, B and W: busy) and times train_batch after a barrier (step), so
 
     measured bubble of a stage = 1 − busy / step,
 
@@ -41,9 +44,9 @@ weighs more against ZB-H1's shorter step than against 1F1B's. The stage work (--
 run overlaps with its kernels, stays a few percent of a step (at 20 ms passes it is a quarter of ZB-H1's
 bubble at pp = 4, m = 8; --quick runs at 20 ms).
 
-Columns: predicted and measured bubbles, `worst stage` (the highest stage's bubble), `ratio` = measured /
-predicted, `step ms` (median step, mean over ranks), `ideal ms` (the predicted step: the stages' work /
-(1 − predicted)), and for ZB-H1 `zb/1f1b` = its measured bubble / 1F1B's measured bubble in the same run.
+Columns: predicted and measured bubbles, `worst stage` (the highest rank's bubble), `ratio` = measured /
+predicted, `step ms` (median step, mean over ranks), `ideal ms` (the predicted step: the ranks' work /
+(1 − predicted)), and for gpt3d's schedules `vs 1f1b` = its measured bubble / 1F1B's in the same run.
 --timeline adds, per stage (means over the steps): the time before its first pass, the gaps between its
 passes and the time after its last one (tail: gradient reductions, optimizer step, loss broadcast), each
 beside the predicted timeline's, and how much its sleeps overran (counted as busy). --results DIR writes
@@ -76,7 +79,8 @@ from bench.attention import git_commit
 
 SHAPE = (1, 8, 16)  # one micro batch of activations: (micro batch, tokens, hidden)
 DEFAULT_PASS_MS = 100.0  # F, B and W each: the per-step overhead (about 35 ms here) stays a few % of a step
-SCHEDULES = ("1f1b", "zb-h1")
+SCHEDULES = ("1f1b", "zb-h1", "interleaved", "zb-v")
+CHUNKS = 2  # the interleaved schedule's V here
 DEVICE = "CPU (gloo, sleeping stages)"
 
 
@@ -99,12 +103,14 @@ class _SleepScale(torch.autograd.Function):
             return grad * scale, (grad * x).sum().reshape(1), None
         stage.wait("B", stage.t_b)
 
-        def weight_grad():
-            stage.wait("W", stage.t_w)
-            return (grad * x).sum().reshape(1), None
-
-        stage.store.defer(scale, None, weight_grad)
+        stage.store.defer(scale, None, _weight_grad, stage, grad, x)
         return grad * scale, None, None
+
+
+def _weight_grad(stage, grad, x):
+    """A deferred W: sleeps t_W, returns the stage's scalar weight's gradient."""
+    stage.wait("W", stage.t_w)
+    return (grad * x).sum().reshape(1), None
 
 
 class SleepStage(torch.nn.Module):
@@ -131,22 +137,48 @@ def mse(outputs, labels):
     return ((outputs - labels) ** 2).mean()
 
 
+def sleep_chunks(placement, t_f: float, t_b: float, t_w: float, store=None):
+    """A PipelineModule of placement.stages SleepStages (each t_F/V, t_B/V, t_W/V), this rank building its own
+    virtual stages, a forward running chunk `chunk` (as parallel/pipeline.PipelineStages does for the model)."""
+    from deepspeed.pipe import LayerSpec, PipelineModule
+
+    chunks = placement.virtual
+
+    class SleepChunks(PipelineModule):
+        def __init__(self):
+            self.placement, self.chunk = placement, 0  # plain attributes, read while Module.__init__ builds
+            super().__init__(layers=[LayerSpec(SleepStage, t_f / chunks, t_b / chunks, t_w / chunks, store)
+                                     for _ in range(placement.stages)],
+                             num_stages=placement.pp, loss_fn=mse, partition_method="uniform")
+
+        def _partition_layers(self, method="uniform"):
+            own = placement.stages_of(self.stage_id)
+            self.parts = list(range(placement.stages + 1))
+            self._set_bounds(start=own[0], stop=own[-1] + 1)
+
+        def _build(self):
+            for v in placement.stages_of(self.stage_id):
+                layer = self._layer_specs[v].build()
+                self.forward_funcs.append(layer)
+                self.add_module(str(v), layer)
+
+        def forward(self, x):
+            return self.forward_funcs[self.chunk](x)
+
+    return SleepChunks()
+
+
 def measure(schedule: str, pp: int, m: int, t_f: float, t_b: float, t_w: float, steps: int) -> list[dict]:
     """This rank's {busy, step, passes} in each of `steps` train_batch calls, after one warm-up."""
     import deepspeed
-    from deepspeed.pipe import LayerSpec, PipelineModule
 
     from model.weight_grads import WeightGradStore
-    from parallel.zero_bubble import Costs
-    from parallel.zero_bubble_engine import ZeroBubbleEngine
+    from parallel.schedules.engine import ScheduleEngine
+    from parallel.schedules.orders import SPLIT_BACKWARD, placement_of
 
-    store = WeightGradStore() if schedule == "zb-h1" else None
-    module = PipelineModule(
-        layers=[LayerSpec(SleepStage, t_f, t_b, t_w, store) for _ in range(pp)],
-        num_stages=pp,
-        loss_fn=mse,
-        partition_method="uniform",
-    )
+    store = WeightGradStore() if schedule in SPLIT_BACKWARD else None
+    placement = placement_of(schedule, pp, CHUNKS)
+    module = sleep_chunks(placement, t_f, t_b, t_w, store)
     config = {
         "train_batch_size": m * SHAPE[0],
         "train_micro_batch_size_per_gpu": SHAPE[0],
@@ -156,19 +188,21 @@ def measure(schedule: str, pp: int, m: int, t_f: float, t_b: float, t_w: float, 
     }
     optimizer = torch.optim.SGD(module.parameters(), lr=1e-3)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config)
-    if store is not None:
-        engine = ZeroBubbleEngine.adopt(engine, store, Costs(t_f, t_b, t_w))
-    (stage,) = [layer for layer in module.modules() if isinstance(layer, SleepStage)]
+    if schedule != "1f1b":  # equal passes: the order the engine builds on the CPU (RunSpec.pass_costs)
+        engine = ScheduleEngine.adopt(engine, schedule, placement.virtual, store)
+    stages = [layer for layer in module.modules() if isinstance(layer, SleepStage)]
     data = itertools.repeat((torch.randn(SHAPE), torch.randn(SHAPE)))
     times = []
     for _ in range(steps + 1):
         dist.barrier()
-        stage.busy, stage.passes = 0.0, []
+        for stage in stages:
+            stage.busy, stage.passes = 0.0, []
         start = time.perf_counter()
         engine.train_batch(data)
         step = time.perf_counter() - start
-        passes = [(kind, a - start, b - start) for kind, a, b in stage.passes]
-        times.append({"busy": stage.busy, "step": step, "passes": passes})
+        passes = sorted((a - start, b - start, kind) for stage in stages for kind, a, b in stage.passes)
+        times.append({"busy": sum(stage.busy for stage in stages), "step": step,
+                      "passes": [(kind, a, b) for a, b, kind in passes]})
     return times[1:]
 
 
@@ -217,7 +251,7 @@ def _import_before_fork() -> None:
     import torch._dynamo  # noqa: F401
     from deepspeed.utils import logger
 
-    import parallel.zero_bubble_engine  # noqa: F401
+    import parallel.schedules.engine  # noqa: F401
     from parallel.topology import skip_shared_memory_op
 
     logger.setLevel("WARNING")
@@ -232,12 +266,14 @@ def _free_port() -> int:
 
 def summarize(schedule: str, pp: int, m: int, per_stage: list[list[dict]], costs) -> dict:
     """One row: the predicted and measured bubbles of a case and its step time, medians over the steps."""
-    from parallel.zero_bubble import Costs, predicted_bubble
+    from parallel.schedules.orders import Costs, placement_of, predicted_bubble
 
     steps = len(per_stage[0])
     step_bubbles = [[1 - t["busy"] / t["step"] for t in times] for times in per_stage]  # [stage][step]
     stage_bubbles = [statistics.median(bubbles) for bubbles in step_bubbles]
-    predicted = predicted_bubble(schedule, pp, m, Costs(*costs))
+    placement = placement_of(schedule, pp, CHUNKS)
+    chunks = placement.virtual
+    predicted = predicted_bubble(schedule, placement, m, Costs(*(t / chunks for t in costs)))
     return {
         "schedule": schedule, "pp": pp, "m": m, "steps": steps,
         "t_forward_ms": costs[0] * 1e3, "t_input_grad_ms": costs[1] * 1e3, "t_weight_grad_ms": costs[2] * 1e3,
@@ -249,40 +285,39 @@ def summarize(schedule: str, pp: int, m: int, per_stage: list[list[dict]], costs
 
 
 def _orders(schedule: str, pp: int, m: int, costs):
-    """Each stage's passes in the order the engine runs them, [(kind, micro batch)], and the predicted timeline
-    [(kind, micro batch, start, end)] (messages free, no overhead); 1F1B's backward is one pass, "B" here."""
-    from parallel.zero_bubble import Costs, one_f_one_b, stage_orders, timeline
+    """Each rank's passes in the order the engine runs them, [(kind, virtual stage, micro batch)], and the
+    predicted timeline [(kind, stage, micro batch, start, end)] (messages free, no overhead); a backward that
+    is one pass (1F1B, interleaved) is "B" here. `costs` are a rank's, each chunk's its share."""
+    from parallel.schedules.orders import Costs, placement_of, rank_orders, schedule_costs, timeline
 
-    if schedule == "1f1b":
-        orders = [one_f_one_b(pp, m, s) for s in range(pp)]
-        return orders, timeline(orders, Costs(costs.forward, costs.input_grad + costs.weight_grad, 0))
-    orders = stage_orders(pp, m, costs)
-    return orders, timeline(orders, costs)
+    placement = placement_of(schedule, pp, CHUNKS)
+    chunk = Costs(*(t / placement.virtual for t in (costs.forward, costs.input_grad, costs.weight_grad)))
+    orders = rank_orders(schedule, placement, m)
+    return orders, timeline(orders, schedule_costs(schedule, chunk)), placement
 
 
-def critical_path(orders, step: dict, pp: int) -> tuple[list[float], list[float], float, float]:
+def critical_path(orders, step: dict, placement) -> tuple[list[float], list[float], float, float]:
     """The chain of passes that set one measured step's length, walked back from the pass that ended last:
-    each pass started after either the previous pass on its stage (a gap on one stage: the engine's own work
-    between two passes) or the pass on the next or previous stage it needed (a hand-off: the message and the
-    wake-up), whichever ended later. Returns (hand-off gaps, same-stage gaps, time before the chain's first
-    pass, time after its last pass), in seconds."""
-    passes = {}
-    for s, (order, measured) in enumerate(zip(orders, step)):
-        for (kind, j), (_, start, end) in zip(order, measured["passes"]):
-            passes[(kind, s, j)] = (start, end)
+    each pass started after either the previous pass on its rank (a gap on one rank: the engine's own work
+    between two passes) or the pass on another rank it needed (a hand-off: the message and the wake-up),
+    whichever ended later. Returns (hand-off gaps, same-rank gaps, time before the chain's first pass, time
+    after its last pass), in seconds."""
+    from parallel.schedules.orders import dependency
+
+    pp, passes, rank_of = placement.pp, {}, {}
+    for r, (order, measured) in enumerate(zip(orders, step)):
+        for (kind, v, j), (_, start, end) in zip(order, measured["passes"]):
+            passes[(kind, v, j)], rank_of[(kind, v, j)] = (start, end), r
     last = max(passes, key=lambda key: passes[key][1])
     tail = sum(t["step"] for t in step) / pp - passes[last][1]
     handoffs, local, current = [], [], last
     while True:
-        kind, s, j = current
-        start = passes[current][0]
-        index = orders[s].index((kind, j))
-        previous = (*orders[s][index - 1][:1], s, orders[s][index - 1][1]) if index else None
-        needed = None  # the pass on another stage this one waits for (W passes wait for none)
-        if kind == "F" and s > 0:
-            needed = ("F", s - 1, j)
-        elif kind == "B" and s < pp - 1:
-            needed = ("B", s + 1, j)
+        start, r = passes[current][0], rank_of[current]
+        index = orders[r].index(current)
+        previous = orders[r][index - 1] if index else None
+        needed = dependency(*current, placement.stages)
+        if needed is not None and rank_of.get(needed) == r:
+            needed = None  # on this rank: a same-rank gap
         previous_end = passes[previous][1] if previous else 0.0
         if needed is not None and passes[needed][1] > previous_end:
             handoffs.append(start - passes[needed][1])
@@ -297,12 +332,13 @@ def critical_path(orders, step: dict, pp: int) -> tuple[list[float], list[float]
 def timeline_lines(schedule: str, pp: int, m: int, per_stage: list[list[dict]], costs) -> list[str]:
     """Per stage, mean over steps: time before the first pass, gaps between passes, the tail after the last
     pass, and the same three of the predicted timeline; then the steps' critical path (`critical_path`)."""
-    from parallel.zero_bubble import Costs
+    from parallel.schedules.orders import Costs
 
     c = Costs(*costs)
-    orders, predicted = _orders(schedule, pp, m, c)
-    end = max(p[-1][3] for p in predicted)
-    nominal = {"F": c.forward, "B": c.input_grad, "W": c.weight_grad, "BW": c.input_grad + c.weight_grad}
+    orders, predicted, placement = _orders(schedule, pp, m, c)
+    end = max(p[-1][4] for p in predicted)
+    v = placement.virtual
+    nominal = {"F": c.forward / v, "B": c.input_grad / v, "W": c.weight_grad / v, "BW": (c.input_grad + c.weight_grad) / v}
     lines = []
     for s, times in enumerate(per_stage):
         n = len(times)
@@ -311,16 +347,16 @@ def timeline_lines(schedule: str, pp: int, m: int, per_stage: list[list[dict]], 
         gaps = sum(sum(b[1] - a[2] for a, b in zip(t["passes"], t["passes"][1:])) for t in times) / n
         tail = sum(t["step"] - t["passes"][-1][2] for t in times) / n
         p = predicted[s]
-        p_head, p_gaps, p_tail = p[0][2], sum(b[2] - a[3] for a, b in zip(p, p[1:])), end - p[-1][3]
-        lines.append(f"    stage {s}: before first pass {head * 1e3:6.1f} ms (predicted {p_head * 1e3:6.1f}), "
+        p_head, p_gaps, p_tail = p[0][3], sum(b[3] - a[4] for a, b in zip(p, p[1:])), end - p[-1][4]
+        lines.append(f"    rank {s}: before first pass {head * 1e3:6.1f} ms (predicted {p_head * 1e3:6.1f}), "
                      f"gaps {gaps * 1e3:6.1f} ({p_gaps * 1e3:6.1f}), after last pass {tail * 1e3:6.1f} "
                      f"({p_tail * 1e3:6.1f}); {len(times[0]['passes'])} passes, their sleeps overran by "
                      f"{overrun * 1e3:.1f} ms in all")
-    paths = [critical_path(orders, [times[k] for times in per_stage], pp) for k in range(len(per_stage[0]))]
+    paths = [critical_path(orders, [times[k] for times in per_stage], placement) for k in range(len(per_stage[0]))]
     n = len(paths)
     handoffs = sum(len(h) for h, _, _, _ in paths) / n
     local = sum(len(g) for _, g, _, _ in paths) / n
-    lines.append(f"    critical path (mean over steps): {handoffs:.1f} hand-offs between stages of "
+    lines.append(f"    critical path (mean over steps): {handoffs:.1f} hand-offs between ranks of "
                  f"{sum(sum(h) for h, _, _, _ in paths) / max(1, sum(len(h) for h, _, _, _ in paths)) * 1e3:.2f} ms "
                  f"each, {local:.1f} gaps between passes on one stage of "
                  f"{sum(sum(g) for _, g, _, _ in paths) / max(1, sum(len(g) for _, g, _, _ in paths)) * 1e3:.2f} ms each, "
@@ -333,16 +369,17 @@ def header(costs_ms, steps: int) -> list[str]:
     t_f, t_b, t_w = costs_ms
     return [
         f"pipeline bubble on CPU (gloo, sleeping stages): F {t_f:g} ms, B {t_b:g} ms, W {t_w:g} ms "
-        f"(1F1B's backward B+W {t_b + t_w:g} ms); {steps} steps after a warm-up; measured = 1 − stage busy / step "
-        f"(median over steps, mean over stages)",
-        f"{'schedule':<8} {'pp':>3} {'m':>3} {'predicted':>10} {'measured':>9} {'worst stage':>12} {'ratio':>6} "
-        f"{'step ms':>8} {'ideal ms':>9} {'zb/1f1b':>8}",
+        f"a rank's micro batch (1F1B's backward B+W {t_b + t_w:g} ms; interleaved V={CHUNKS} and zb-v: each chunk "
+        f"1/2 of it); {steps} steps after a warm-up; measured = 1 − rank busy / step (median over steps, mean over "
+        f"ranks)",
+        f"{'schedule':<11} {'pp':>3} {'m':>3} {'predicted':>10} {'measured':>9} {'worst stage':>12} {'ratio':>6} "
+        f"{'step ms':>8} {'ideal ms':>9} {'vs 1f1b':>8}",
     ]
 
 
 def row_line(row: dict, vs_1f1b: float | None) -> str:
     ratio = f"{vs_1f1b:>8.2f}" if vs_1f1b is not None else f"{'':>8}"
-    return (f"{row['schedule']:<8} {row['pp']:>3} {row['m']:>3} {row['predicted']:>10.3f} {row['measured']:>9.3f} "
+    return (f"{row['schedule']:<11} {row['pp']:>3} {row['m']:>3} {row['predicted']:>10.3f} {row['measured']:>9.3f} "
             f"{row['worst_stage']:>12.3f} {row['measured'] / row['predicted']:>6.2f} {row['step_ms']:>8.1f} "
             f"{row['ideal_ms']:>9.1f} {ratio}")
 
@@ -417,7 +454,7 @@ def main() -> None:
             for schedule in SCHEDULES:
                 row = summarize(schedule, pp, m, measured[(m, schedule)], costs)
                 vs = row["measured"] / baseline["measured"] if baseline is not None else None
-                row["zb_vs_1f1b"] = vs
+                row["vs_1f1b"] = vs
                 rows.append(row)
                 say(row_line(row, vs))
                 if args.timeline:

@@ -6,7 +6,7 @@
   python -m bench.pipeline_memory --results bench/results  # also pipeline_memory-CPU-<date>.{json,md} there
                                                            # (other runs' names add -mb2, -quick)
 
-ZB-H1 (parallel/zero_bubble.py) defers each micro batch's weight gradients (W) past its input-gradient pass
+ZB-H1 (parallel/schedules/) defers each micro batch's weight gradients (W) past its input-gradient pass
 (B), and a deferred W keeps its linears' inputs and output gradients alive until it runs. Stage s holds at
 most pp − s micro batches' activations and s + 1 deferred W passes, at most pp micro batches in flight as
 stage 0 does under 1F1B, so the claim (Qi et al. 2023) is that the peak over stages stays 1F1B's, while a
@@ -16,7 +16,7 @@ Method. pp forked CPU processes (gloo), one pipeline stage each, build the real 
 with a Topology.create(tp=1, pp) layout; BuildOptions(weight_grads=WeightGradStore()) for ZB-H1, None for 1F1B)
 in fp32 and train it through deepspeed.initialize with the DeepSpeed config and optimizer train/run/loop.py would
 use (train.run.engine.deepspeed_config and create_engine, train.run.optimizer.make_optimizer), the ZB-H1 engine adopted
-with ZeroBubbleEngine.adopt. For each schedule: one warm-up train_batch, then the same batch (m micro batches
+with ScheduleEngine.adopt. For each schedule: one warm-up train_batch, then the same batch (m micro batches
 of `micro batch` sequences) again, both under torch.profiler with profile_memory=True. The profiler records
 every allocation and release of a CPU tensor's storage by c10's allocator ([memory] events: the exact bytes
 asked for, + or −, in order; it sees no Python objects and no allocator overhead), so their running sum is
@@ -79,7 +79,7 @@ def _annotate_instructions() -> None:
     the names the profiler sees change: each instruction runs as before (in this forked rank alone)."""
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
-    from parallel.zero_bubble_engine import ZeroBubbleEngine
+    from parallel.schedules.engine import ScheduleEngine
 
     def annotated(kind, run):
         def instruction(self, **kwargs):
@@ -88,7 +88,7 @@ def _annotate_instructions() -> None:
                 return run(self, **kwargs)
         return instruction
 
-    for table in (PipelineEngine._INSTRUCTION_MAP, ZeroBubbleEngine._ZB_INSTRUCTIONS):
+    for table in (PipelineEngine._INSTRUCTION_MAP, ScheduleEngine._INSTRUCTIONS):
         for kind, run in list(table.items()):
             table[kind] = annotated(kind, run)
 
@@ -127,7 +127,7 @@ def measure(schedule: str, config: GPTConfig, pp: int, m: int, micro_batch: int,
     from model.weight_grads import WeightGradStore
     from parallel.build import BuildOptions, build_model
     from parallel.topology import Topology
-    from parallel.zero_bubble_engine import ZeroBubbleEngine
+    from parallel.schedules.engine import ScheduleEngine
     from train.config.sections import ParallelConfig, TrainConfig
     from train.config.sections.optim import OptimConfig
     from train.run.engine import clipping, create_engine, deepspeed_config
@@ -146,7 +146,7 @@ def measure(schedule: str, config: GPTConfig, pp: int, m: int, micro_batch: int,
     optimizer = make_optimizer(model, optim, 1e-4, clip=clipping(parallel, fp32), mpu=model.mpu())
     engine = create_engine(model, optimizer, None, deepspeed_config(train, parallel, optim, {}, 1, fp32))
     if store is not None:
-        engine = ZeroBubbleEngine.adopt(engine, store)
+        engine = ScheduleEngine.adopt(engine, schedule, 1, store)
     windows = torch.randint(0, config.vocab_size, (m * micro_batch, config.seq_len + 1),
                             generator=torch.Generator().manual_seed(seed))
     batches = micro_batch_split(windows, micro_batch)
@@ -186,7 +186,7 @@ def _import_before_fork() -> None:
     from deepspeed.utils import logger
 
     import parallel.build  # noqa: F401
-    import parallel.zero_bubble_engine  # noqa: F401
+    import parallel.schedules.engine  # noqa: F401
     import train.run.optimizer  # noqa: F401
     import train.run.step  # noqa: F401
     from parallel.topology import skip_shared_memory_op

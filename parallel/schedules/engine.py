@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from deepspeed.runtime.pipe import schedule as ds
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.utils import PartitionedTensor
 
@@ -130,6 +131,7 @@ class ScheduleEngine(PipelineEngine):
         if not isinstance(pipe_schedule, PipelineProgram):
             raise TypeError(f"{self.schedule} runs its own programs, not DeepSpeed's {type(pipe_schedule).__name__}")
         self._reserve_pipe_buffers(pipe_schedule.num_pipe_buffers())
+        self._program_micro_batches = pipe_schedule.micro_batches
         self.fwd_outputs = []
         self._template = None
         if 0 not in self._own_stages:
@@ -138,6 +140,16 @@ class ScheduleEngine(PipelineEngine):
             for cmd in step:
                 run = self._INSTRUCTIONS.get(type(cmd)) or PipelineEngine._INSTRUCTION_MAP[type(cmd)]
                 run(self, **cmd.kwargs)
+
+    def _exec_load_micro_batch(self, buffer_id: int) -> None:
+        """DeepSpeed's load; on a rank holding both the first and the last virtual stage (zb-v) its one load
+        serves both, the labels then moved to the last stage's buffer of the micro batch."""
+        PipelineEngine._exec_load_micro_batch(self, buffer_id)
+        last = self.placement.stages - 1
+        if 0 in self._own_stages and last in self._own_stages and last > 0:
+            labels = self.pipe_buffers["labels"]
+            j = buffer_id % self._program_micro_batches
+            labels[self.placement.chunk_of(last) * self._program_micro_batches + j] = labels[buffer_id]
 
     # ---- what goes between stages ----
 
@@ -297,6 +309,7 @@ class ScheduleEngine(PipelineEngine):
             param.grad = None
 
     _INSTRUCTIONS = {
+        ds.LoadMicroBatch: _exec_load_micro_batch,
         PostRecvActivation: _exec_post_recv_activation,
         PostRecvGrad: _exec_post_recv_grad,
         SendActivationAsync: _exec_send_activations_async,

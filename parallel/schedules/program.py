@@ -140,7 +140,7 @@ def rank_program(schedule: str, placement: Placement, micro_batches: int, rank: 
         if kind == FORWARD:
             if v > 0 and placement.rank_of(v - 1) != rank and ("act", v, j) not in posted:
                 raise RuntimeError(f"rank {rank} would run forward {j} of stage {v} before posting its receive")
-            if v == 0:  # the first stage loads the micro batch, whose targets ride with the activations
+            if v == 0 or (v == last and placement.rank_of(0) != rank):  # inputs on the first, labels on the last
                 program.append(ds.LoadMicroBatch(buffer(v, j)))
             program.append(Forward(buffer(v, j), stage=v))
             if v < last:

@@ -31,28 +31,33 @@ def test_attention_benchmark_quick_prints_ratios_against_its_baseline():
     assert any(" torch " in r for r in rows) and any("w=256" in r for r in rows), out
 
 
-def test_pipeline_bubble_benchmark_quick_measures_both_schedules_beside_their_predictions(tmp_path):
+def test_pipeline_bubble_benchmark_quick_measures_every_schedule_beside_its_prediction(tmp_path):
+    """Each schedule's measured bubble against the prediction of parallel.schedules (V=2 for the interleaved
+    schedule, a chunk doing half a rank's work): never below it, and the zero-bubble schedules below 1F1B
+    where the predictions lie far apart (pp=4: 0.200 and 0.111 against 0.429)."""
     import json
 
-    from parallel.zero_bubble import Costs, predicted_bubble
+    from parallel.schedules.orders import Costs, placement_of, predicted_bubble
 
+    schedules = ("1f1b", "zb-h1", "interleaved", "zb-v")
     out = run_bench("bench.pipeline_bubble", "--quick", "--results", str(tmp_path))
-    rows = [line.split() for line in out.splitlines() if line.startswith(("1f1b ", "zb-h1 "))]
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] and line.split()[0] in schedules]
     assert [(r[0], int(r[1]), int(r[2])) for r in rows] == [
-        (schedule, pp, 4) for pp in (2, 4) for schedule in ("1f1b", "zb-h1")], out
+        (schedule, pp, 4) for pp in (2, 4) for schedule in schedules], out
     measured = {}
     for schedule, pp, m, predicted, bubble, *rest in rows:
         pp, m = int(pp), int(m)
-        assert float(predicted) == round(predicted_bubble(schedule, pp, m, Costs(20, 20, 20)), 3)
+        placement = placement_of(schedule, pp, 2)
+        chunk = Costs(*(20 / placement.virtual,) * 3)
+        assert float(predicted) == round(predicted_bubble(schedule, placement, m, chunk), 3)
         # a real pipeline can only do worse than the ideal schedule, and sleeping stages keep it close
-        assert float(predicted) - 0.01 <= float(bubble) < float(predicted) + 0.3, out
+        assert float(predicted) - 0.01 <= float(bubble) < float(predicted) + 0.35, out
         measured[schedule, pp] = float(bubble)
-        assert len(rest) == (5 if schedule == "zb-h1" else 4), out  # zb/1f1b on the ZB-H1 rows only
-    for pp in (2, 4):  # predicted 0.077 vs 0.200 and 0.200 vs 0.429: far apart even on a busy machine
-        assert measured["zb-h1", pp] < measured["1f1b", pp], out
+        assert len(rest) == (4 if schedule == "1f1b" else 5), out  # vs 1f1b on gpt3d's schedules only
+    assert measured["zb-h1", 4] < measured["1f1b", 4] and measured["zb-v", 4] < measured["1f1b", 4], out
     (json_file,) = tmp_path.glob("pipeline_bubble-CPU-*.json")
     records = json.loads(json_file.read_text())
-    assert [(r["schedule"], r["pp"]) for r in records] == [(s, pp) for pp in (2, 4) for s in ("1f1b", "zb-h1")]
+    assert [(r["schedule"], r["pp"]) for r in records] == [(s, pp) for pp in (2, 4) for s in schedules]
     assert all(r["device"] == "CPU (gloo, sleeping stages)" and r["command"].endswith(str(tmp_path)) for r in records)
     (markdown,) = tmp_path.glob("pipeline_bubble-CPU-*.md")
     assert all(" ".join(r) in " ".join(markdown.read_text().split()) for r in rows)

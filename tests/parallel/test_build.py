@@ -204,7 +204,7 @@ def test_parallel_and_train_declare_no_model_layer():
     assert declared == {
         "parallel.tensor.ColumnParallelLinear", "parallel.tensor.RowParallelLinear", "parallel.tensor.VocabParallelEmbedding",
         "parallel.tensor.VocabParallelUnembedding", "parallel.tensor.SequenceParallelLayerNorm", "parallel.tensor.FullLogits",
-        "parallel.pipeline.PipelineStages", "parallel.zero_bubble_engine.ZeroBubbleEngine",
+        "parallel.pipeline.PipelineStages", "parallel.schedules.engine.ScheduleEngine",
     }
 
 

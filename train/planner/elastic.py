@@ -20,8 +20,9 @@ world size and the device model: no collective):
 
 It fills parallel.tp, parallel.pp, parallel.zero_stage, parallel.sequence_parallel,
 parallel.activation_checkpointing, parallel.offload_optimizer (false: the search does not model it),
-parallel.pipeline_schedule (1f1b or zb-h1, ranked with the layouts; 1f1b without a pipeline) and
-train.micro_batch_size (AUTO_KEYS). A world size on which no layout is valid (or fits) is one ConfigError
+parallel.pipeline_schedule with parallel.virtual_stages and parallel.stage_layers (the search's: 1f1b, zb-h1
+or interleaved, ranked with the layouts, its stage split balanced where that is faster; 1f1b without a
+pipeline) and train.micro_batch_size (AUTO_KEYS). A world size on which no layout is valid (or fits) is one ConfigError
 naming the world sizes that would do.
 """
 
@@ -74,6 +75,8 @@ class LayoutChoice:
             "parallel.sequence_parallel": lay.sequence_parallel,
             "parallel.activation_checkpointing": "selective" if lay.selective_recompute else lay.checkpoint_every,
             "parallel.offload_optimizer": False, "parallel.pipeline_schedule": lay.schedule,
+            "parallel.virtual_stages": lay.virtual_stages,
+            "parallel.stage_layers": list(lay.stage_layers) if lay.stage_layers is not None else None,
             "train.micro_batch_size": lay.micro_batch,
         }
 
@@ -96,6 +99,7 @@ class LayoutChoice:
             "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "zero_stage": lay.zero_stage, "micro_batch": lay.micro_batch,
             "activation_checkpointing": "selective" if lay.selective_recompute else lay.checkpoint_every,
             "sequence_parallel": lay.sequence_parallel, "pipeline_schedule": lay.schedule,
+            "virtual_stages": lay.virtual_stages, "stage_layers": lay.stage_layers,
             "processes": self.processes, "device": self.device, "valid": self.valid, "fitting": self.fitting,
             "reason": self.reason,
         }

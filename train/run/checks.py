@@ -108,8 +108,9 @@ def check_layout_mode(parallel: ParallelConfig, set_keys: list[str]) -> str:
     return parallel.layout
 
 
-def check_batches(train: TrainConfig, dp: int) -> None:
-    """The global batch splits into whole micro batches on every data-parallel rank."""
+def check_batches(train: TrainConfig, dp: int, parallel: ParallelConfig | None = None) -> None:
+    """The global batch splits into whole micro batches on every data-parallel rank, and under the interleaved
+    schedule with several chunks a rank into groups of pp micro batches (Megatron's order)."""
     global_batch, micro = train.global_batch_size, train.micro_batch_size
     if global_batch % (micro * dp):
         fits = [m for m in range(1, global_batch + 1) if global_batch % (m * dp) == 0]
@@ -117,6 +118,22 @@ def check_batches(train: TrainConfig, dp: int) -> None:
             f"train.global_batch_size={global_batch} is not divisible by train.micro_batch_size={micro} × "
             f"data-parallel size {dp}; micro batch sizes that fit: {fits}"
         )
+    groups = micro_batch_groups(parallel) if parallel is not None else 1
+    if (global_batch // (micro * dp)) % groups:
+        raise ConfigError(
+            f"parallel.pipeline_schedule=interleaved runs micro batches in groups of pp={groups}: "
+            f"train.global_batch_size={global_batch} makes {global_batch // (micro * dp)} micro batches of "
+            f"{micro} a step on each of {dp} data-parallel ranks; make them a multiple of {groups} (global batch a "
+            f"multiple of {micro * dp * groups})")
+
+
+def micro_batch_groups(parallel: ParallelConfig) -> int:
+    """The number the micro batches of every step must be a multiple of: pp under the interleaved schedule with
+    several chunks a rank, else 1."""
+    from parallel.schedules.orders import INTERLEAVED
+
+    interleaving = parallel.pp > 1 and parallel.pipeline_schedule == INTERLEAVED and parallel.virtual_stages > 1
+    return parallel.pp if interleaving else 1
 
 
 def check_data(data_cfg: DataConfig, train: TrainConfig, seq_len: int, dp: int, streams_set: bool = True):
@@ -138,11 +155,11 @@ def check_data(data_cfg: DataConfig, train: TrainConfig, seq_len: int, dp: int, 
         raise ConfigError(str(err)) from None
 
 
-def check_batch_ramp(train: TrainConfig, model_cfg: GPTConfig, dp: int, streams: int):
+def check_batch_ramp(train: TrainConfig, model_cfg: GPTConfig, dp: int, streams: int, groups: int = 1):
     """train.batch_ramp: valid on its own (train/run/batch_ramp.py), and every batch it takes splits into
-    whole micro batches on every data-parallel rank and takes the same number of windows from every
-    stream, i.e. start and increment are multiples of lcm(data.streams, micro batch × dp). Returns the
-    BatchRamp."""
+    whole micro batches on every data-parallel rank (in `groups` of them: micro_batch_groups) and takes the
+    same number of windows from every stream, i.e. start and increment are multiples of lcm(data.streams,
+    micro batch × dp × groups). Returns the BatchRamp."""
     from train.run.batch_ramp import from_config
 
     try:
@@ -150,7 +167,7 @@ def check_batch_ramp(train: TrainConfig, model_cfg: GPTConfig, dp: int, streams:
     except ValueError as err:
         raise ConfigError(str(err)) from None
     micro = train.micro_batch_size
-    unit = math.lcm(streams, micro * dp)
+    unit = math.lcm(streams, micro * dp * groups)
     for key, n in (("start", ramp.start), ("increment", ramp.increment)):
         if not ramp.enabled or n % unit == 0:
             continue

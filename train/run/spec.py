@@ -117,7 +117,7 @@ def resolve(cfg: DictConfig, run_dir: Path, overrides: tuple[str, ...] | list[st
     if layout is not None:
         sections = sections.replaced(layout.values())
     dp = checks.check_parallel(sections.parallel, model_cfg, sections.deepspeed)
-    checks.check_batches(sections.train, dp)
+    checks.check_batches(sections.train, dp, sections.parallel)
     model_cfg, fp8, fp8_blocks = _fp8(sections, model_cfg, runtime, set_keys)
     data = checks.check_data(sections.data, sections.train, model_cfg.seq_len, dp,
                              streams_set="data.streams" in set_keys)
@@ -125,7 +125,8 @@ def resolve(cfg: DictConfig, run_dir: Path, overrides: tuple[str, ...] | list[st
     checks.check_resume_data(resume, data, model_cfg.seq_len, sections.train.seed)
     if sections.train.eval_batches > data.val_batches > 0:  # what at most 10% of a small corpus holds
         sections = sections.replaced({"train.eval_batches": data.val_batches})
-    ramp = checks.check_batch_ramp(sections.train, model_cfg, dp, data.streams)
+    ramp = checks.check_batch_ramp(sections.train, model_cfg, dp, data.streams,
+                                   checks.micro_batch_groups(sections.parallel))
     try:
         run_tokens = ramp.tokens_after(sections.train.max_steps)
         schedule = schedule_for_run(sections, model_cfg.name, run_tokens, kept, saved_schedule,

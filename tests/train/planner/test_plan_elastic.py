@@ -25,6 +25,7 @@ from train.planner.elastic import HEADROOM_GIB, DataOrder, LayoutChoice, choose_
 from train.planner.estimate import Layout, build_plan
 from train.planner.hardware import preset
 from train.planner.search import candidate_layouts
+from train.planner.stage_split import balanced_blocks
 
 TOY = GPTConfig(name="toy", n_layer=3, n_head=2, d_model=32, seq_len=32)
 
@@ -72,8 +73,14 @@ def gpt3_1_3b() -> GPTConfig:
 def test_gpu_rule_takes_the_fastest_layout_that_fits_and_says_which_sizes_fit():
     model, small = gpt3_1_3b(), dataclasses.replace(preset("h100-80g"), memory_gib=14.0)
     choice = choose_layout(model, 4, 64, DataOrder(4), small, 4)
-    plans = [build_plan(model, lay, small, gpus_per_node=4, reserved_gib=HEADROOM_GIB)
-             for lay in candidate_layouts(model, 4, 64, 4)]
+    plans = []
+    for lay in candidate_layouts(model, 4, 64, 4):  # each with its blocks split by count, or balanced where faster
+        plan = build_plan(model, lay, small, gpus_per_node=4, reserved_gib=HEADROOM_GIB)
+        if balanced_blocks(plan) is not None:
+            balanced = build_plan(model, dataclasses.replace(lay, stage_layers=balanced_blocks(plan)), small,
+                                  gpus_per_node=4, reserved_gib=HEADROOM_GIB)
+            plan = balanced if balanced.fits and balanced.tokens_per_s > plan.tokens_per_s else plan
+        plans.append(plan)
     fitting = [p for p in plans if p.peak_memory_gib + HEADROOM_GIB <= 14.0 and (4 % p.layout.dp == 0 or p.layout.dp % 4 == 0)]
     assert choice.plan.peak_memory_gib + HEADROOM_GIB <= 14.0
     assert choice.plan.tokens_per_s == max(p.tokens_per_s for p in fitting)
@@ -85,18 +92,21 @@ def test_gpu_rule_takes_the_fastest_layout_that_fits_and_says_which_sizes_fit():
 
 
 def test_gpu_rule_chooses_the_pipeline_schedule_with_the_layout_and_the_run_takes_it():
-    """GPT-3 1.3B on 16 H100s, batch 32: the fastest is ZB-H1 over 2 stages (test_plan_schedules.py); the
-    choice's values are exactly AUTO_KEYS, and the run's sections (train/run/spec.py: replaced) take them."""
+    """GPT-3 1.3B on 16 H100s, batch 32: the fastest is the interleaved schedule, 3 chunks a rank on 4 ranks
+    with the blocks balanced off the head's rank (test_plan_schedules.py); the choice's values are exactly
+    AUTO_KEYS, and the run's sections (train/run/spec.py: replaced) take them."""
     from train.plan import load
 
     choice = choose_layout(gpt3_1_3b(), 16, 32, DataOrder(8), preset("h100-80g"), 8)
     values = choice.values()
     assert set(values) == set(AUTO_KEYS)
-    assert choice.layout.pp == 2 and values["parallel.pipeline_schedule"] == choice.to_json()["pipeline_schedule"] == "zb-h1"
+    assert choice.layout.pp == 4 and values["parallel.pipeline_schedule"] == choice.to_json()["pipeline_schedule"] == "interleaved"
     sections = load(["model=gpt3-1.3b", "train.global_batch_size=32", "parallel.layout=auto"])[0]
     assert sections.parallel.pipeline_schedule == "1f1b"
     run = sections.replaced(values)
-    assert (run.parallel.pp, run.parallel.pipeline_schedule, run.train.micro_batch_size) == (2, "zb-h1", 2)
+    assert (run.parallel.pp, run.parallel.pipeline_schedule, run.parallel.virtual_stages, run.train.micro_batch_size) == \
+        (4, "interleaved", 3, 2)
+    assert run.parallel.stage_layers == [2, 3, 2, 1, 2, 2, 2, 2, 2, 2, 2, 2]
     cpu = choose_layout(TOY, 6, 24, DataOrder(4), None, 6)  # pp = 3 (test_cpu_rule_gives_the_hand_computed_layout)
     assert cpu.layout.pp == 3 and cpu.values()["parallel.pipeline_schedule"] == "1f1b"
 

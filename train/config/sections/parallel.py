@@ -16,7 +16,7 @@ PIPELINE_SCHEDULES = SCHEDULES
 AUTO_KEYS = (
     "parallel.tp", "parallel.pp", "parallel.zero_stage", "parallel.sequence_parallel",
     "parallel.activation_checkpointing", "parallel.offload_optimizer", "parallel.pipeline_schedule",
-    "train.micro_batch_size",
+    "parallel.virtual_stages", "parallel.stage_layers", "train.micro_batch_size",
 )
 STAGE_LAYERS = Check(lambda v: v is None or (isinstance(v, (list, tuple)) and len(v) > 0
                                              and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in v)),
@@ -34,7 +34,8 @@ class ParallelConfig(Section):
         MANUAL, "`manual`: the values below as given; `auto`: chosen for the world size and device of each start "
                 "(fastest predicted that fits on GPUs; on a CPU the most data parallelism), keeping "
                 "train.global_batch_size and the data order; it sets tp, pp, zero_stage, sequence_parallel, "
-                "activation_checkpointing, offload_optimizer, pipeline_schedule and train.micro_batch_size",
+                "activation_checkpointing, offload_optimizer, pipeline_schedule, virtual_stages, stage_layers and "
+                "train.micro_batch_size",
         one_of(MANUAL, AUTO, note=" (manual: the parallel.* settings as given; auto: chosen for the world size and device)"))
     tp: int = setting(1, "tensor parallel: heads, MLP columns and the vocabulary split over tp ranks")
     pp: int = setting(1, "pipeline parallel: blocks split into pp stages (DeepSpeed's pipeline engine)")
