@@ -12,10 +12,10 @@ step (2 per replica at dp=2).
 from __future__ import annotations
 
 import pytest
-from cli import assert_same_losses, metrics, train, write_corpus
+from cli import TOLERANCES, assert_same_losses, metrics, train, write_corpus
 
-BASE = ["train.eval_interval=0", "logging.wandb.mode=disabled", "model.n_layer=8",
-        "optim.warmup_tokens=16"]  # one LR schedule for runs of 2 to 8 steps
+BASE = ["logging.wandb.mode=disabled", "model.n_layer=8", "optim.warmup_tokens=16"]  # one LR schedule, 2 to 8 steps
+NO_EVAL, EVAL = "train.eval_interval=0", "train.eval_interval=2"  # evaluation at steps 2, 4, 6 and 8
 PRECISIONS = ["fp32", "bf16"]
 ZB_H1, ZB_V = "parallel.pipeline_schedule=zb-h1", "parallel.pipeline_schedule=zb-v"
 
@@ -31,11 +31,11 @@ def corpus(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory, corpus):
-    """{precision: the one-process run's 8 steps}."""
+    """{precision: the one-process run's 8 steps, evaluated every 2}."""
     runs = {}
     for precision in PRECISIONS:
         run_dir = tmp_path_factory.mktemp(f"one_{precision}")
-        train(run_dir, corpus, *BASE, "train.max_steps=8", "train.checkpoint_interval=0", f"train.precision={precision}")
+        train(run_dir, corpus, *BASE, EVAL, "train.max_steps=8", "train.checkpoint_interval=0", f"train.precision={precision}")
         runs[precision] = metrics(run_dir)
     return runs
 
@@ -58,7 +58,7 @@ def one_process(tmp_path_factory, corpus):
          "interleaved-pp2-V3-tp2-sp-uneven", "zbv-pp2-tp2", "zbv-pp2-dp2-zero1", "zbv-pp4"],
 )
 def test_schedule_matches_one_process(tmp_path, corpus, one_process, layout, words, precision):
-    proc = train(tmp_path, corpus, *BASE, "train.max_steps=2", "train.checkpoint_interval=0", *layout,
+    proc = train(tmp_path, corpus, *BASE, NO_EVAL, "train.max_steps=2", "train.checkpoint_interval=0", *layout,
                  f"train.precision={precision}", kind="ranks", nproc=4)
     assert words in proc.stdout  # the run says which schedule it runs
     assert_same_losses(metrics(tmp_path), one_process[precision][:2], precision)
@@ -66,17 +66,22 @@ def test_schedule_matches_one_process(tmp_path, corpus, one_process, layout, wor
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_checkpoints_resume_across_schedules_and_layouts(tmp_path, corpus, one_process, precision):
-    """Steps 1–2 interleaved (V=2) at pp=2, 3–4 zb-v at pp=2, 5–6 zb-h1 at pp=4, 7–8 DeepSpeed's 1f1b at pp=2
-    with evaluation on: one curve, the one-process run's, and the validation loss of the last leg equal
-    to the one the interleaved schedule's forward-only program computes for the same weights."""
-    run = [*BASE, f"train.precision={precision}"]
+    """Steps 1–2 interleaved (V=2) at pp=2, 3–4 zb-v at pp=2, 5–6 zb-h1 at pp=4, 7–8 DeepSpeed's 1f1b at pp=2,
+    each leg ending in an evaluation (gpt3d's schedules run their forward-only programs for it): one curve,
+    the one-process run's, its training and validation losses alike."""
+    run = [*BASE, EVAL, f"train.precision={precision}"]
     legs = ((2, [*interleaved(2), "parallel.pp=2"]), (4, [ZB_V, "parallel.pp=2"]), (6, [ZB_H1, "parallel.pp=4"]),
             (8, ["parallel.pp=2"]))
     for last, layout in legs:
         proc = train(tmp_path, corpus, *run, f"train.max_steps={last}", *layout, kind="ranks",
                      nproc=4 if "parallel.pp=4" in layout else 2)
         assert last == 2 or "resumed from" in proc.stdout
-    assert_same_losses(metrics(tmp_path), one_process[precision], precision)
+    got, want = metrics(tmp_path), one_process[precision]
+    assert_same_losses(got, want, precision)
+    validation = [(r["step"], r["val/loss"]) for r in got if "val/loss" in r]
+    assert [step for step, _ in validation] == [2, 4, 6, 8]
+    for (step, loss), expected in zip(validation, [r["val/loss"] for r in want if "val/loss" in r], strict=True):
+        assert loss == pytest.approx(expected, rel=TOLERANCES[precision][0]), step
 
 
 @pytest.mark.slow  # CPU inductor compiles the blocks on each rank (later runs find them in its cache)
@@ -86,7 +91,7 @@ def test_compiled_blocks_follow_the_eager_run_under_every_schedule(tmp_path, cor
     one-process eager run within 1e-4 in fp32."""
     for name, layout in (("1f1b", []), ("zb-h1", [ZB_H1]), ("interleaved", interleaved(2)), ("zb-v", [ZB_V])):
         run_dir = tmp_path / name
-        train(run_dir, corpus, *BASE, "train.max_steps=2", "train.checkpoint_interval=0", "parallel.pp=2",
+        train(run_dir, corpus, *BASE, NO_EVAL, "train.max_steps=2", "train.checkpoint_interval=0", "parallel.pp=2",
               "model.compile=true", *layout, kind="ranks", nproc=2)
         got, want = metrics(run_dir), one_process["fp32"][:2]
         for g, e in zip(got, want, strict=True):
