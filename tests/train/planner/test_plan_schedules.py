@@ -16,8 +16,6 @@ import pytest
 
 from model import GPTConfig
 from parallel.schedules.orders import (
-    FORWARD,
-    INPUT_GRAD,
     INTERLEAVED,
     ONE_F_ONE_B,
     ZB_H1,
@@ -27,7 +25,6 @@ from parallel.schedules.orders import (
     placement_of,
     predicted_bubble,
     timeline,
-    zb_h1,
 )
 from parallel.schedules.placement import Placement
 from parallel.schedules.program import Forward, InputGradPass, WeightGradPass, rank_program
@@ -36,7 +33,6 @@ from train.planner.estimate import (
     COLLECTIVE_LATENCY_S,
     _per_weight_bytes,
     build_plan,
-    deferred_parameters_per_block,
 )
 from train.planner.hardware import preset
 from train.planner.layout import Layout, for_precision

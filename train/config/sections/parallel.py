@@ -7,11 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from parallel.schedules.orders import INTERLEAVED, ONE_F_ONE_B, SCHEDULES, SPLIT_BACKWARD, ZB_H1, ZB_V
+from parallel.schedules.orders import INTERLEAVED, ONE_F_ONE_B, SCHEDULES, SPLIT_BACKWARD, ZB_V
 from train.config.settings import BOOLEAN, Check, ConfigError, Section, one_of, setting
 
 MANUAL, AUTO = "manual", "auto"
-PIPELINE_SCHEDULES = SCHEDULES
 # parallel.layout=auto chooses these keys at each start (train/planner/elastic.py); they may then not be set
 AUTO_KEYS = (
     "parallel.tp", "parallel.pp", "parallel.zero_stage", "parallel.sequence_parallel",
@@ -54,7 +53,7 @@ class ParallelConfig(Section):
         ONE_F_ONE_B, "with pp > 1: `1f1b` (DeepSpeed's schedule), `zb-h1` (zero-bubble: the blocks' weight-gradient "
                      "GEMMs deferred into the pipeline bubble, at 1F1B's activation memory), `interleaved` "
                      "(parallel.virtual_stages chunks a rank, Megatron-LM's order) or `zb-v` (two chunks a rank in a "
-                     "V, weight gradients deferred; parallel/schedules/)", one_of(*PIPELINE_SCHEDULES))
+                     "V, weight gradients deferred; parallel/schedules/)", one_of(*SCHEDULES))
     virtual_stages: int = setting(
         1, "with pipeline_schedule=interleaved: V, the chunks of consecutive blocks each pipeline rank holds (the "
            "bubble shrinks about V-fold; micro batches a step a multiple of pp); 1 is 1F1B",
