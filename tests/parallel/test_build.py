@@ -17,13 +17,16 @@ from model import GPTConfig, build, generate
 from parallel.naming import Shard, full_shapes, layer_shards, load_full_, parameter_map, split_local_name
 
 # vocab 300 is no multiple of 128·tp: at tp=4 the last rank's embedding rows are all padding.
-CONFIG = GPTConfig(name="build-test", n_layer=3, n_head=4, d_model=32, seq_len=16, vocab_size=300,
+CONFIG = GPTConfig(name="build-test", n_layer=4, n_head=4, d_model=32, seq_len=16, vocab_size=300,
                    attention_pattern="alternating", local_window=4)
 SEED = 1234
-LAYOUTS = {  # name: (tp, pp, sequence_parallel, world size)
-    "tp2-pp2-sp": (2, 2, True, 4),
-    "tp4": (4, 1, False, 4),
-    "pp3": (1, 3, False, 3),
+LAYOUTS = {  # name: (tp, pp, sequence_parallel, world size, pipeline schedule)
+    "tp2-pp2-sp": (2, 2, True, 4, "1f1b"),
+    "tp4": (4, 1, False, 4, "1f1b"),
+    "pp3": (1, 3, False, 3, "1f1b"),  # 2, 1 and 1 blocks
+    # two chunks a rank in a V: rank 0 holds the embedding and the head, one tied Parameter; the decoder
+    # walks 0 → 1 → 1 → 0, the turn of the V in memory
+    "pp2-zbv": (1, 2, False, 2, "zb-v"),
 }
 
 
@@ -31,15 +34,18 @@ def prompt() -> torch.Tensor:
     return torch.randint(0, CONFIG.vocab_size, (2, 5), generator=torch.Generator().manual_seed(1))  # (2, 5)
 
 
-def part_worker(tp: int, pp: int, sequence_parallel: bool, save_dir: str) -> dict:
+def part_worker(tp: int, pp: int, sequence_parallel: bool, schedule: str, save_dir: str) -> dict:
     from parallel.build import BuildOptions, build_model
     from parallel.layout_decoder import LayoutDecoder
+    from parallel.pipeline import StageSplit
+    from parallel.schedules.orders import placement_of
     from parallel.topology import Topology
     from train.checkpoint import CheckpointParts, EngineCounters, ProcessRNG, Record, save
     from train.run.engine import create_engine
 
     topology = Topology.create(tp=tp, pp=pp)
-    part = build_model(CONFIG, topology, SEED, "cpu", BuildOptions(sequence_parallel=sequence_parallel))
+    stages = StageSplit(placement_of(schedule, pp)) if pp > 1 else None
+    part = build_model(CONFIG, topology, SEED, "cpu", BuildOptions(sequence_parallel=sequence_parallel, stages=stages))
     shards = parameter_map(part, CONFIG, topology)
     result = {
         "coords": (topology.pp_rank, topology.tp_rank),
@@ -89,9 +95,9 @@ def full_values(model) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
 def layout(request, tmp_path_factory) -> tuple[str, list[dict], object]:
-    tp, pp, sp, world = LAYOUTS[request.param]
+    tp, pp, sp, world, schedule = LAYOUTS[request.param]
     save_dir = tmp_path_factory.mktemp(request.param)
-    return request.param, run_distributed(part_worker, world, tp, pp, sp, str(save_dir)), save_dir
+    return request.param, run_distributed(part_worker, world, tp, pp, sp, schedule, str(save_dir)), save_dir
 
 
 def test_every_parameter_is_a_slice_of_the_one_process_model(layout, reference):
