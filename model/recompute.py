@@ -35,6 +35,7 @@ input gradient's reduction does, or later.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -149,13 +150,19 @@ def linear(
     return _Linear.apply(x, weight, bias, recompute, reduce_input_grad, gather_input, matmuls, weight_grads)
 
 
-@torch.compiler.disable
 def _deferring_linear(*args) -> torch.Tensor:
     """_Linear with its weight gradients deferred, always eager: in a compiled block (model.compile) the graph
     breaks here, the compiled pieces before and after it keep their own backward, and this layer's backward
     hands its store the products to run later, which no compiled graph may trace (model/weight_grads.py
     compiles that later pass on its own)."""
-    return _Linear.apply(*args)
+    return _eager_apply()(*args)
+
+
+@functools.cache
+def _eager_apply():
+    """_Linear.apply that torch.compile does not trace (torch.compiler.disable), made on first use: disabling
+    imports torch._dynamo, and with it Triton, which importing this module must not."""
+    return torch.compiler.disable(_Linear.apply)
 
 
 def _autocast_dtype(x: torch.Tensor) -> torch.dtype:
