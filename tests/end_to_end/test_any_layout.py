@@ -20,12 +20,18 @@ ALTERNATING = ["model.attention_pattern=alternating", "model.local_window=8"]
 GREEDY = ["generate.temperature=0", "generate.max_new_tokens=32", "generate.prompt='import os'"]
 
 
+@pytest.fixture(scope="module")
+def extensions(tmp_path_factory):
+    """An extension cache for this module's layout runs: one folder, so that they share one warm interpreter
+    (TORCH_EXTENSIONS_DIR is part of what chooses it, tests/helpers/warm.py)."""
+    return tmp_path_factory.mktemp("torch_extensions")
+
+
 @pytest.mark.parametrize("nproc, precision", [(4, "fp32"), (8, "fp32"), (4, "bf16")],
                          ids=["tp2-pp2", "tp2-pp2-dp2", "tp2-pp2-bf16"])
-def test_sequence_parallel_pipeline_matches_one_process(request, tmp_path, corpus, nproc, precision):
-    """Against the one-process run of the same precision. Also: the run compiles no DeepSpeed op (an
-    empty extension cache stays empty)."""
-    extensions = tmp_path / "torch_extensions"
+def test_sequence_parallel_pipeline_matches_one_process(request, tmp_path, corpus, extensions, nproc, precision):
+    """Against the one-process run of the same precision. Also: the run compiles no DeepSpeed op (the empty
+    extension cache stays empty)."""
     layout = ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true", f"train.precision={precision}"]
     proc = train(tmp_path / "run", corpus, *STEPS, *layout, kind="ranks", nproc=nproc,
                  env={"TORCH_EXTENSIONS_DIR": str(extensions)})

@@ -1,6 +1,7 @@
 """Killed at random moments, resumed each time, a run ends bit for bit where an uninterrupted one ends.
 
-A 2-process gloo run (dp=2, one `python -m train` per rank, as srun starts them) with a checkpoint
+A 2-process gloo run (dp=2, one `python -m train` per rank with a launcher's environment, forked by the warm
+interpreter of tests/helpers/warm.py: its imports are done, the run's own start is not) with a checkpoint
 (written in the background: train.async_checkpoint=true) and a metrics row every step is killed
 (SIGKILL, both ranks at once, as a lost node would be) at a random moment: sometimes while it starts
 or resumes, otherwise somewhere in the steps after its first new one (forward, backward, update,
@@ -22,8 +23,7 @@ import time
 import pytest
 
 from checkpoint_state import differences, load_folder
-from cli import arguments, launcher, metrics, read_log, start, write_corpus
-from distributed import free_port
+from cli import arguments, metrics, read_log, start_forked, write_corpus
 
 KILLS = int(os.environ.get("GPT3D_CHAOS_KILLS", "4"))
 SEED = int(os.environ.get("GPT3D_CHAOS_SEED", "0"))
@@ -39,11 +39,9 @@ def corpus(tmp_path_factory):
 
 
 def start_ranks(run_dir, corpus, log):
-    """Both ranks of one attempt, each its own process."""
-    port = free_port()
-    env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    cmd = [*launcher("python", 1), *arguments(run_dir, corpus, *RUN)]
-    return [start(f"{log}-rank{r}", cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
+    """Both ranks of one attempt, each its own process (its output in <log>-rank<r>.out and .err)."""
+    return start_forked("train", arguments(run_dir, corpus, *RUN), f"{log}-rank{{rank}}.out", f"{log}-rank{{rank}}.err",
+                        ranks=2)
 
 
 def rows_logged(run_dir) -> int:
@@ -62,7 +60,7 @@ def attempt(run_dir, corpus, log, rng: random.Random | None, timing: dict) -> st
     if rng is not None and "startup" in timing and rng.random() < 0.25:  # now and then while it starts or resumes
         kill_at = started + rng.uniform(0.2, timing["startup"])
     try:
-        while all(p.poll() is None for p in procs):
+        while all(code is None for code in procs.codes()):
             now, rows = time.monotonic(), rows_logged(run_dir)
             if first is None and rows > rows_before:
                 first = (now, rows)
@@ -70,26 +68,24 @@ def attempt(run_dir, corpus, log, rng: random.Random | None, timing: dict) -> st
                 if rng is not None and kill_at is None:  # otherwise within about two more steps
                     kill_at = now + rng.uniform(0, 2 * timing.get("step", 0.5))
             if kill_at is not None and now >= kill_at:
-                for p in procs:
-                    p.kill()
+                procs.kill()
                 if first is not None and rows > first[1]:
                     timing["step"] = (now - first[0]) / (rows - first[1])
                 return f"killed {now - started:.2f} s after start, {rows - rows_before} new rows"
             time.sleep(0.01)
-        codes = [p.wait() for p in procs]
+        codes = procs.wait_codes()
         assert codes == [0, 0], f"attempt ended with {codes}:\n" + "\n".join(
             read_log(f"{log}-rank{r}")[1][-3000:] for r in range(2))
         return "finished"
     finally:
-        for p in procs:
-            p.kill()
-            p.wait()
+        procs.kill()
+        procs.wait_codes()
 
 
 def test_random_kills_resume_to_the_uninterrupted_run_bit_for_bit(tmp_path, corpus):
     straight, chaos = tmp_path / "straight", tmp_path / "chaos"
     procs = start_ranks(straight, corpus, tmp_path / "straight")
-    assert [p.wait(timeout=900) for p in procs] == [0, 0], read_log(tmp_path / "straight-rank0")[1][-3000:]
+    assert procs.wait_codes(timeout=900) == [0, 0], read_log(tmp_path / "straight-rank0")[1][-3000:]
 
     rng, timing, history = random.Random(SEED), {}, []
     while sum(h.startswith("killed") for h in history) < KILLS:

@@ -1,7 +1,9 @@
-"""Elastic restarts at parallel.layout=auto, through torchrun with gloo processes on the CPU.
+"""Elastic restarts at parallel.layout=auto, with gloo processes on the CPU.
 
 - A run on 8 processes is killed with SIGKILL (every process, as when its node dies) after its first
-  checkpoint; copies of its run folder restart on 6 and on 4 processes. Each restart takes the layout
+  checkpoint; copies of its run folder restart on 6 and on 4 processes (each run's ranks forked with the
+  environment torchrun gives its workers, tests/helpers/warm.py; torchrun itself starts and restarts the next
+  case's, and tests/cluster/test_torchrun_elastic.py's). Each restart takes the layout
   the CPU rule gives for its world size (worked out by hand below), says so in one line and in its
   first metrics record, and the whole run (8 processes up to the checkpoint, then 6 or 4) follows the
   one-process run of the same config: per-step losses within 1e-5 relative (float32).
@@ -29,7 +31,8 @@ from pathlib import Path
 
 import pytest
 
-from cli import BIN, REPO, TINY, assert_same_losses, clean_env, free_port, launcher, metrics, read_log, start, train
+from cli import (BIN, REPO, TINY, assert_same_losses, free_port, metrics, read_log, run_module, start, start_forked,
+                 train)
 
 STEPS = ["train.max_steps=4", "train.checkpoint_interval=2", "train.eval_interval=0", "logging.wandb.mode=disabled",
          "train.global_batch_size=24", "data.streams=4"]
@@ -42,9 +45,9 @@ def auto_arguments(run_dir, corpus) -> list[str]:
 
 
 def train_auto(run_dir: Path, corpus, nproc: int) -> subprocess.CompletedProcess:
-    cmd = [*launcher("torchrun", nproc), *auto_arguments(run_dir, corpus)]
-    proc = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    """`nproc` ranks of `python -m train` at parallel.layout=auto, forked as torchrun would start them."""
+    proc = run_module("train", auto_arguments(run_dir, corpus), "ranks", nproc)
+    assert proc.returncode == 0, f"{' '.join(proc.args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return proc
 
 
@@ -88,14 +91,10 @@ def killed_at_eight(tmp_path_factory, corpus):
     """8 processes at parallel.layout=auto, all killed with SIGKILL once the first checkpoint is published."""
     root = tmp_path_factory.mktemp("eight")
     run_dir, log = root / "run", root / "log"
-    proc = start(log, [*launcher("torchrun", 8), *auto_arguments(run_dir, corpus)], start_new_session=True)
-    wait_for_checkpoint(proc, run_dir, log)
-    workers = processes_of(proc.pid)
-    for pid in [proc.pid, *workers]:
-        os.kill(pid, signal.SIGKILL)
-    proc.wait()
-    while any(Path(f"/proc/{pid}").exists() for pid in workers):  # gone, not only signalled
-        time.sleep(0.05)
+    procs = start_forked("train", auto_arguments(run_dir, corpus), f"{log}.out", f"{log}.err", ranks=8)
+    wait_for_checkpoint(procs, run_dir, log)
+    procs.kill()
+    procs.wait_codes()  # gone, not only signalled
     out, _ = read_log(log)
     assert LAYOUT_LINE.search(out).groups() == ("8", "1", "1", "8", "3")
     return run_dir

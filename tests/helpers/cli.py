@@ -99,17 +99,71 @@ def train(
     return proc
 
 
-def start_train(run_dir: Path, corpus: Path | None, *overrides: str, log: Path) -> subprocess.Popen:
-    """One-process `python -m train` as `train` runs it, in the background, writing its output to `log`, in
-    a session of its own: the session id is its pid, so a test can find and stop whatever it started."""
-    data = [f"data.paths=[{corpus}/*.txt]"] if corpus is not None else []
-    cmd = [*launcher("python", 1), f"hydra.run.dir={run_dir}", *TINY, *data, *overrides]
-    with open(log, "w") as out:
-        return subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+class Forked:
+    """A command the warm interpreter forked and left running (`start_forked`): what subprocess.Popen offers, for
+    all of its processes (one, or each rank of a launch) at once. Each process is in a session of its own, whose
+    id is its pid (`pids`; `pid`: the first)."""
+
+    def __init__(self, warm, child, cmd: list[str]):
+        self.warm, self.child, self.args = warm, child, cmd
+        self.pids = list(child.pids)
+        self.pid = self.pids[0]
+        self._codes: list[int] | None = None
+
+    def codes(self) -> list[int | None]:
+        """Each process's exit code (negative: the signal that ended it), None while it runs."""
+        return list(self._codes) if self._codes is not None else self.warm.exit_codes(self.child)
+
+    def poll(self) -> int | None:
+        """None while any process runs; then the first nonzero exit code, or 0."""
+        codes = self.codes()
+        return None if None in codes else next((code for code in codes if code), 0)
+
+    def kill(self) -> None:
+        """SIGKILL to every process still running, and to whatever it started (its session)."""
+        for pid, code in zip(self.pids, self.codes()):
+            if code is None:
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+    def wait_codes(self, timeout: float = 600) -> list[int]:
+        """Each process's exit code, once all have ended (after `timeout`: every one killed, TimeoutExpired)."""
+        if self._codes is None:
+            codes = self.warm.wait(self.child, timeout)
+            if codes is None:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self._codes = codes
+        return list(self._codes)
+
+    def wait(self, timeout: float = 600) -> int:
+        codes = self.wait_codes(timeout)
+        return next((code for code in codes if code), 0)
 
 
-def kill_after_first_checkpoint(proc: subprocess.Popen, run_dir: Path, log: Path) -> int:
+def start_forked(module: str, args: list[str], out: Path | str, err: Path | str | None = None, ranks: int = 0,
+                 env: dict | None = None) -> Forked:
+    """`python -m <module> <args>` forked by the warm interpreter as `run_module` forks it (`ranks`: that many
+    ranks of a launch, each with the launcher's environment), left running in the background: its stdout to
+    `out`, its stderr to `err` (default: `out` too); with ranks, "{rank}" in either path is each rank's number."""
+    from warm import Warm
+
+    warm = Warm.shared()
+    child = warm.start([module, *args], clean_env(env), REPO, Path(out), Path(err or out), ranks=ranks,
+                       port=free_port() if ranks else None)
+    return Forked(warm, child, [*launcher("ranks" if ranks else "python", ranks or 1, module), *args])
+
+
+def start_train(run_dir: Path, corpus: Path | None, *overrides: str, log: Path) -> Forked:
+    """One-process `python -m train` as `train` runs it (forked by the warm interpreter), in the background,
+    writing its output to `log`, in a session of its own: the session id is its pid, so a test can find and stop
+    whatever it started."""
+    Path(log).write_text("")
+    return start_forked("train", arguments(run_dir, corpus, *overrides), log)
+
+
+def kill_after_first_checkpoint(proc: Forked, run_dir: Path, log: Path) -> int:
     """Wait (up to 300 s) until the background run `proc` (start_train) has a checkpoint, then SIGKILL it,
     no chance to clean up; returns the step its `latest` names."""
     latest, deadline = Path(run_dir) / "checkpoints" / "latest", time.monotonic() + 300

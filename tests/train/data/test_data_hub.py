@@ -31,20 +31,20 @@ SEQ = 16
 S = 4
 N_FILES = 16
 STEPS = ["train.max_steps=6", "train.eval_interval=0", "train.checkpoint_interval=0", "logging.wandb.mode=disabled"]
-OPEN_HOOK = '''"""Test instrumentation: append every .parquet file this process opens under GPT3D_OPENS_ROOT to a log."""
-import os
-import shutil
-import subprocess
-import sys
-import sys
+OPEN_HOOK = '''"""Test instrumentation: append every .parquet file this process opens under GPT3D_OPENS_ROOT to a log.
 
-_root, _log = os.environ["GPT3D_OPENS_ROOT"], os.environ["GPT3D_OPENS_LOG"]
+The variables are read at each open, not when Python starts: a warm interpreter (tests/helpers/warm.py) that
+started with this hook forks runs with other environments, each logging its own opens."""
+import os
+import sys
 
 
 def _record(event, args):
-    if event == "open" and isinstance(args[0], str) and args[0].startswith(_root) and args[0].endswith(".parquet"):
-        with open(f"{_log}/rank{os.environ.get('RANK', '0')}.{os.getpid()}", "a") as log:
-            log.write(os.path.basename(args[0]) + "\\n")
+    root, log = os.environ.get("GPT3D_OPENS_ROOT"), os.environ.get("GPT3D_OPENS_LOG")
+    if (root and log and event == "open" and isinstance(args[0], str) and args[0].startswith(root)
+            and args[0].endswith(".parquet")):
+        with open(f"{log}/rank{os.environ.get('RANK', '0')}.{os.getpid()}", "a") as out:
+            out.write(os.path.basename(args[0]) + "\\n")
 
 
 sys.addaudithook(_record)
@@ -140,11 +140,13 @@ def _hub(root: Path) -> list[str]:
 
 
 def _env(tmp: Path, root: Path) -> dict:
-    """Offline (nothing may download), a datasets cache of the test's own, and the file-open log."""
-    hook, log = tmp / "hook", tmp / "opens"
-    hook.mkdir(parents=True, exist_ok=True)
-    log.mkdir(exist_ok=True)
-    (hook / "sitecustomize.py").write_text(OPEN_HOOK)
+    """Offline (nothing may download), a datasets cache of the test's own, and the file-open log. The hook is
+    one folder beside the dataset's for every run (the same PYTHONPATH: one warm interpreter serves them all)."""
+    hook, log = root.with_name(f"{root.name}-open-hook"), tmp / "opens"
+    hook.mkdir(exist_ok=True)
+    log.mkdir(parents=True, exist_ok=True)
+    if not (hook / "sitecustomize.py").exists():
+        (hook / "sitecustomize.py").write_text(OPEN_HOOK)
     return {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp / "hf-cache"),
             "GPT3D_OPENS_ROOT": str(root), "GPT3D_OPENS_LOG": str(log),
             "PYTHONPATH": os.pathsep.join(p for p in [str(hook), os.environ.get("PYTHONPATH")] if p)}
