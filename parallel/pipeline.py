@@ -142,9 +142,10 @@ class PipelineStages(PipelineModule):
 
     def _build(self) -> None:
         """This rank's layers registered by their index in the full list (as DeepSpeed names them)."""
-        self._chunks = []
+        self._chunks, self._ends_in_head = [], []  # each chunk's layers; whether its last is the Head
         for chunk in self.split.chunks(self._num_layers - 2, self.stage_id):
             self._chunks.append([self._layer_specs[i] for i in chunk])
+            self._ends_in_head.append(chunk[-1] == self._num_layers - 1)
             for i in chunk:
                 self.forward_funcs.append(self._layer_specs[i])
                 self.add_module(str(i), self._layer_specs[i])
@@ -159,8 +160,7 @@ class PipelineStages(PipelineModule):
         every = self.checkpoint_every if self.training else 0
         layers = self._chunks[self.chunk]
         out = run_layers(layers, x, targets, checkpoint_every=every)
-        holds_head = self.split.chunks(self._num_layers - 2, self.stage_id)[self.chunk][-1] == self._num_layers - 1
-        return out if holds_head else (out, targets)
+        return out if self._ends_in_head[self.chunk] else (out, targets)
 
     def to(self, *args, **kwargs):
         """nn.Module.to, except that a shapes-only stage stays on meta: it has no data to move, and

@@ -39,7 +39,6 @@ FORWARD, INPUT_GRAD, WEIGHT_GRAD = "F", "B", "W"
 ONE_F_ONE_B, ZB_H1, INTERLEAVED, ZB_V = "1f1b", "zb-h1", "interleaved", "zb-v"
 SCHEDULES = (ONE_F_ONE_B, ZB_H1, INTERLEAVED, ZB_V)
 SPLIT_BACKWARD = (ZB_H1, ZB_V)
-W_CAP = 1
 
 Pass = tuple[str, int, int]  # (kind, virtual stage, micro batch)
 
@@ -165,7 +164,8 @@ def list_orders(placement: Placement, micro_batches: int, costs: Costs, split: b
     earliest, by priority: a B whose input is there (the latest virtual stage first), then a forward (the
     latest stage first; a forward of a rank's first chunk only while it holds fewer than 2·pp chunks'
     activations in flight), and a W (the oldest B's)
-    when nothing else could start on the rank before the W would end. W passes run in their B's order."""
+    when nothing else could start on the rank before the W would end, or when the rank holds pp deferred W
+    passes. W passes run in their B's order."""
     stages, m, pp = placement.stages, micro_batches, placement.pp
     ranks = range(pp)
     clock = [0.0] * pp
@@ -199,7 +199,8 @@ def list_orders(placement: Placement, micro_batches: int, costs: Costs, split: b
         """(start, rank, priority, pass) of what `r` would run next, or None while it waits on an unknown end."""
         found = candidates(r)
         first = min((start for start, _, _ in found), default=math.inf)
-        if deferred[r] and (first - clock[r] >= costs.weight_grad or first == math.inf or len(deferred[r]) >= W_CAP * pp):
+        held_back = len(deferred[r]) >= pp  # a rank holds at most pp deferred W passes
+        if deferred[r] and (first - clock[r] >= costs.weight_grad or first == math.inf or held_back):
             return clock[r], r, 2 * stages + 1, (WEIGHT_GRAD, *deferred[r][0][1:])
         if found:
             start, priority, chosen = min(x for x in found if x[0] == first)

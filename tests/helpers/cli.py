@@ -203,6 +203,15 @@ def clean_env(extra: dict | None = None) -> dict:
     return clean
 
 
+def assert_refused_before_building(run_dir: Path, corpus: Path, world: int, overrides, message: str) -> None:
+    """`python -m train` as a launcher would start rank 0 of `world` processes, refused before rendezvous: exit 2,
+    `message` on stderr, no traceback and no run folder."""
+    proc = train(run_dir, corpus, *overrides, check=False, env={"WORLD_SIZE": str(world), "RANK": "0", "LOCAL_RANK": "0"})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr and not run_dir.exists()
+
+
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
