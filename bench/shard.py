@@ -41,6 +41,7 @@ import sys
 import torch
 
 from bench.timing import call_seconds
+from model import GPTConfig
 from train.config.entry import EXIT_BAD_INPUT
 from train.config.sections import TrainConfig
 
@@ -115,7 +116,8 @@ def defined_outputs():
             setattr(dist, name, function)
 
 
-def build_block_shard(model_cfg, topology, sequence_parallel: bool, device: torch.device, modes=None) -> torch.nn.Module:
+def build_block_shard(model_cfg: GPTConfig, topology, sequence_parallel: bool, device: torch.device,
+                      modes=None) -> torch.nn.Module:
     """Rank 0's shard of the model's first block on `device`, built in `modes` (model.modes.LayerModes: which
     linears compute in float8; None: the defaults), with small random weights (the same for every build)."""
     from model.gpt import make_layer

@@ -83,7 +83,7 @@ class _Linear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, recompute, reduce_input_grad, gather_input, matmuls, weight_grads):
         if gather_input is not None:
             x = gather_input(x)  # (…, k), from this rank's piece of the sequence
-        dtype = _autocast_dtype(x)
+        dtype = autocast_dtype(x)
         x_cast, w_cast = x.to(dtype), weight.to(dtype)  # the very tensors when no cast applies
         y, kept_by_matmuls = matmuls.forward(x_cast, w_cast, None if bias is None else bias.to(dtype))  # (…, n)
         kept = recompute.sources if recompute is not None else (x_cast,)
@@ -111,7 +111,9 @@ class _Linear(torch.autograd.Function):
         if ctx.weight_grads is not None:  # W later (model/weight_grads.py); the reduction of ∂L/∂x stays here
             if ctx.reduce_input_grad is not None:
                 grad_x, _ = ctx.reduce_input_grad(grad_x, lambda: None)
-            ctx.weight_grads.defer(*ctx.parameters, parameter_grads, products, x, g, ctx.has_bias)
+            # x detached: as unpacked it carries the graph behind it (grad_fn) down to the stage's input, an
+            # autograd leaf its AccumulateGrad node holds, which W has no use for and would keep alive until it runs
+            ctx.weight_grads.defer(*ctx.parameters, parameter_grads, products, x.detach(), g, ctx.has_bias)
             return grad_x, None, None, None, None, None, None, None
         if ctx.reduce_input_grad is None:
             grad_w, grad_b = parameter_grads(products, x, g, ctx.has_bias)
@@ -165,7 +167,7 @@ def _eager_apply():
     return torch.compiler.disable(_Linear.apply)
 
 
-def _autocast_dtype(x: torch.Tensor) -> torch.dtype:
+def autocast_dtype(x: torch.Tensor) -> torch.dtype:
     device = x.device.type
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 

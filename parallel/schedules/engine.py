@@ -102,6 +102,7 @@ class ScheduleEngine(PipelineEngine):
         engine._template = None  # [(shape, dtype)] of what goes between stages, this step
         engine._held_posts = []  # receives posted before the template was known (the rank of stage 0)
         engine._recvs, engine._sends, engine._losses = {}, [], {}
+        engine._input_grads_out = {}  # buffer → ∂L/∂(its chunk's input), made by B, until sent or handed off
         engine._fp32_index = {}  # bf16 parameter → (group, index) of its fp32 gradient in the bf16 optimizer
         if engine.using_bf16_optimizer:
             engine._fp32_index = {p: (i, j) for i, group in enumerate(engine.optimizer.bf16_groups)
@@ -233,18 +234,19 @@ class ScheduleEngine(PipelineEngine):
         self._send(self._outputs(buffer_id), peer)
 
     def _exec_send_grads_async(self, buffer_id: int, peer: int) -> None:
-        self._send(self._input_grads(buffer_id), peer)
+        self._send(self._input_grads_out.pop(buffer_id), peer)
 
     def _exec_hand_off_activation(self, buffer_id: int, to: int) -> None:
         self._recvs[("act", to)] = ([t.detach().clone() for t in self._outputs(buffer_id)], [])
 
     def _exec_hand_off_grad(self, buffer_id: int, to: int) -> None:
-        self._recvs[("grad", to)] = (self._input_grads(buffer_id), [])
+        self._recvs[("grad", to)] = (self._input_grads_out.pop(buffer_id), [])
 
     def _exec_wait_sends(self) -> None:
         self._release_sends()
-        if self._recvs or self._held_posts:
-            raise RuntimeError(f"receives posted and never used: {sorted(self._recvs)}, {self._held_posts}")
+        if self._recvs or self._held_posts or self._input_grads_out:
+            raise RuntimeError(f"receives posted and never used: {sorted(self._recvs)}, {self._held_posts}; input "
+                               f"gradients never sent: {sorted(self._input_grads_out)}")
         if self.weight_grads is not None:
             self.weight_grads.check_drained()
 
@@ -268,11 +270,19 @@ class ScheduleEngine(PipelineEngine):
 
     def _exec_input_grad_pass(self, buffer_id: int, stage: int) -> None:
         self._release_sends()
-        if stage == self.placement.stages - 1:
+        last = stage == self.placement.stages - 1
+        if last:
             self.loss = self._losses.pop(buffer_id)
         else:
             self.grad_layer = self._received("grad", buffer_id)
         self._run_pass(stage, PipelineEngine._exec_backward_pass, buffer_id)
+        if last:  # the loss's graph holds the chunk's inputs (autograd's leaves) alive: let go of it (DeepSpeed keeps it)
+            self.pipe_buffers["outputs"][buffer_id] = None
+            self.loss = self.loss.detach()
+        if stage == 0:  # its loaded ids and targets, which no gradient goes back to, released now (not at the buffer's reuse)
+            self.pipe_buffers["inputs"][buffer_id] = None
+        else:  # the input's gradient taken and the input let go now, not when the gradient is sent
+            self._input_grads_out[buffer_id] = self._input_grads(buffer_id)
         if self.using_bf16_optimizer:  # added to the fp32 ones by the backward: the next one writes them fresh
             for param in self._bf16_params:
                 param.grad = None

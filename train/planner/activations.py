@@ -31,8 +31,19 @@ p = 1). Dropout with p = 0 saves nothing.
                   softmax, 4·Vp/p, and its target index and masks, 10 bytes), plus the targets (8)
 
 What either loss holds only while it runs is `loss_transient`.
-Under DeepSpeed's pipeline every stage but the last also keeps its output until backward (r·d, or
-with tp > 1 the 1/p piece it sent).
+Under a pipeline (DeepSpeed's 1F1B engine and gpt3d's ScheduleEngine alike) every stage but the last
+keeps its output until backward (r·d, or with tp > 1 the 1/p piece it sent). Each stage also keeps what
+it was loaded or sent until its backward and runs its forward on a copy (PipelineEngine's forward pass):
+the first stage keeps the token ids and targets (2·8 bytes a token) beside the copies its embedding saves
+and passes on; every other stage keeps the activation it received (r·d/σ) and the targets (8) beside
+their copies, unless the activation came in tp pieces (tp > 1 without sequence parallelism), whose
+gathered whole replaces them. The targets' copy travels on (8) to the last stage, where the plain loss at p = 1
+flattens it in place (its flattened targets, counted above, are that copy), the vocab-parallel loss keeps it
+beside its target index, and the fused loss lets it go. Pieces sent under tp > 1 without σ also keep their
+metadata (8·(p + 7) bytes a micro batch).
+DeepSpeed's 1F1B engine also keeps each loss on the last stage after its backward, until its buffer's next
+forward, and the loss's graph keeps the stage's input (autograd's leaf): the received activation of up to two
+earlier micro batches (`received_activation_bytes`); gpt3d's ScheduleEngine lets go of them.
 
 Under ZB-H1 (parallel.pipeline_schedule=zb-h1) each block linear's backward defers its weight gradient
 gᵀ·x (model/weight_grads.py), keeping its input x (a matmul input, a bytes) and its output gradient g (cast
@@ -200,6 +211,13 @@ def checkpointed_segments(shape: StageShape, k: int) -> int:
     return -(-checkpointed_blocks(shape, k) // k) if k > 0 else 0
 
 
+def received_activation_bytes(config: GPTConfig, tp: int, sequence_parallel: bool, micro_batch: int, r: int) -> int:
+    """The activation a pipeline stage's forward gets from the one before, as autograd's leaf: what it was sent
+    (r·d a token, under σ its sequence part), or with tp > 1 without σ the whole gathered from the tp pieces sent."""
+    sigma = tp if sequence_parallel else 1
+    return r * config.d_model * micro_batch * config.seq_len // sigma
+
+
 def micro_batch_activations(
     config: GPTConfig, tp: int, pp: int, stage: int, micro_batch: int, *, sequence_parallel: bool = False,
     checkpoint_every: int = 0, autocast: bool = True, bf16_weights: bool = False, selective: bool = False,
@@ -224,11 +242,20 @@ def micro_batch_activations(
         saved += _embedding_bytes_per_token(tp) * n + INT64 * config.seq_len  # ids, position ids
     if shape.head:
         saved += _head_bytes(config, tp, sequence_parallel, a, r, n, fused_loss)
+    partitioned = tp > 1 and not sequence_parallel  # DeepSpeed's pipe partitioning: activations sent in tp pieces
     if shape.pipelined and not shape.head:
-        # the stage output DeepSpeed keeps (tp > 1: its 1/tp part, or under σ its own sequence part)
-        saved += r * config.d_model * n / tp
-    if shape.pipelined:  # the targets travel with the micro batch to the last stage (parallel/pipeline.py)
-        saved += INT64 * n
+        # the stage output the engine keeps (tp > 1: its 1/tp part, or under σ its own sequence part), and the
+        # targets' copy travelling with it to the last stage (parallel/pipeline.py)
+        saved += (r * config.d_model / tp + INT64) * n
+        if partitioned:  # the pieces' metadata: ndim, the 3 sizes, parts, rank and the tp + 1 offsets
+            saved += INT64 * (tp + 7)
+    if shape.pipelined and shape.head and not fused_loss and tp > 1:
+        saved += INT64 * n  # the targets' copy, which the vocab-parallel loss keeps beside its target index
+    if shape.pipelined:  # what the stage was loaded or sent, kept beside the copy its forward runs on
+        if shape.embedding:
+            saved += 2 * INT64 * n  # token ids and targets
+        elif not partitioned:  # else the activation's gathered whole replaces the pieces received
+            saved += (received_activation_bytes(config, tp, sequence_parallel, micro_batch, r) + INT64 * n)
     copies = transient = block_casts = 0
     if autocast and not bf16_weights:
         copies, transient, block_casts = _weight_casts(config, tp, pp, stage, shape, ckpt_blocks, fused_loss, blocks)

@@ -79,7 +79,7 @@ from functools import lru_cache
 
 from model import GPTConfig, flops_per_token
 from model.modes import BLOCK_LINEARS
-from parallel.schedules.orders import Costs
+from parallel.schedules.orders import ONE_F_ONE_B, ZB_V, Costs
 from train.planner import comm as plan_comm
 from train.planner.activations import (
     ActivationBytes,
@@ -87,6 +87,7 @@ from train.planner.activations import (
     checkpointed_blocks,
     deferred_weight_grad_bytes,
     micro_batch_activations,
+    received_activation_bytes,
     unembedding_rows,
 )
 from train.planner.counts import (
@@ -372,7 +373,9 @@ def _memory(layout: Layout, impl: Implementation, params, state: StateBytes, act
 
 
 def _stage_ranks(model_cfg: GPTConfig, layout: Layout, impl: Implementation, hw: Hardware, stages: list[int],
-                 inter_node: dict) -> list[RankPlan]:
+                 inter_node: dict, order_costs: Costs | None = None) -> list[RankPlan]:
+    """The plans of pipeline ranks `stages`, alike. order_costs: the F, B and W shares zb-v's engine orders every
+    rank's passes by (RunSpec.pass_costs: the plan's slowest rank's); None: these ranks' own."""
     """The RankPlans of pipeline ranks `stages`, which hold alike chunks (`_rank_key`): their state, activations,
     communication and time are one rank's, computed once from its chunks (its virtual stages, one under 1f1b
     and zb-h1); what each holds at its peak depends on the rank (held_at_peak, chunks_held_at_peak)."""
@@ -463,16 +466,20 @@ def _stage_ranks(model_cfg: GPTConfig, layout: Layout, impl: Implementation, hw:
     for s in stages:
         if placement.virtual == 1:
             in_flight, deferred = held_at_peak(layout.schedule, pp, m, s, acts.saved, deferred_bytes)
-            held = (in_flight * acts.activations, in_flight * acts.weight_copies, deferred * deferred_bytes)
+            retained = 0  # DeepSpeed's 1F1B: the last stage's inputs that its kept losses hold (activations.py)
+            if layout.schedule == ONE_F_ONE_B and pp > 1 and s == pp - 1:
+                retained = min(2, m - 1) * received_activation_bytes(model_cfg, tp, layout.sequence_parallel,
+                                                                     layout.micro_batch, r)
+            held = (in_flight * acts.activations + retained, in_flight * acts.weight_copies, deferred * deferred_bytes)
         else:  # this rank's own virtual stages, alike to the first rank's chunk by chunk
             own = placement.stages_of(s)
             saved = {v: (x.activations, x.weight_copies) for v, x in zip(own, chunk_acts)}
             (activations, copies), w_bytes, in_flight, deferred = chunks_held_at_peak(
                 layout.schedule, placement, m, s, saved, dict(zip(own, chunk_deferred)) if deferred_bytes else {},
-                Costs(*passes.shares()))  # zb-v's order for this rank's passes (the plan's slowest rank's, to 2 digits)
+                order_costs or Costs(*passes.shares()))
             held = (activations, copies, w_bytes)
         memory = _memory(layout, impl, params, state, acts, held, bucket)
-        ranks.append(RankPlan(s, parameters, state, acts, in_flight, deferred, deferred_bytes, memory,
+        ranks.append(RankPlan(s, parameters, state, acts, in_flight, deferred, deferred_bytes, held, memory,
                               sum(memory.values()), flops * m, transfers, time, placement.stages_of(s),
                               tuple(p.total for p, _ in computed)))
     return ranks
@@ -568,10 +575,14 @@ def build_plan(
     alike = {}  # ranks with alike chunks predict the same time: each kind computed once
     for s in range(layout.pp):
         alike.setdefault(_rank_key(model_cfg, layout, s), []).append(s)
-    stages = sorted((rank for members in alike.values()
-                     for rank in _stage_ranks(model_cfg, layout, implementation, hardware, members, inter_node)),
-                    key=lambda rank: rank.stage)
+    def ranks(order_costs: Costs | None = None) -> list[RankPlan]:
+        return sorted((rank for members in alike.values() for rank in _stage_ranks(
+            model_cfg, layout, implementation, hardware, members, inter_node, order_costs)), key=lambda rank: rank.stage)
+
+    stages = ranks()
     slowest = max(stages, key=lambda r: r.time["micro_batch_s"])
+    if layout.schedule == ZB_V:  # the memory of the order the engine runs: by the slowest rank's shares
+        stages = ranks(Costs(*slowest.passes.shares()))
     pipeline = PipelineTime(m, slowest, pipeline_seconds(layout.schedule, layout.placement, m, slowest.passes))
     step_s = pipeline.seconds + max(r.time["dp_comm_s"] + r.time["optimizer_s"] for r in stages)
     shown = sorted({0, layout.pp // 2, layout.pp - 1})

@@ -29,6 +29,9 @@ class RankPlan:
     in_flight: int  # (chunk) micro batches whose activations the rank holds at its peak
     deferred: int  # zb-h1's or zb-v's W passes whose inputs and output gradients it holds then
     deferred_bytes: int  # what one W pass of a micro batch through all its chunks holds (0 without them)
+    # at the rank's backward peak: the saved activations, their weight copies and the deferred W passes' inputs
+    # and output gradients, in bytes (the instant the rank's order holds the most; the memory's `held`)
+    held: tuple[int, int, int]
     memory: dict  # kind → bytes at this rank's peak
     peak_bytes: int
     hardware_flops: float  # per step, this rank

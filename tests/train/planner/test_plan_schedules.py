@@ -199,9 +199,12 @@ def test_zb_h1_stage_memory_is_1f1bs_plus_s_deferred_weight_gradients():
         deferred = _deferred_by_hand(len(stage_blocks(CFG.n_layer, 4, a.stage)), N, D, F, 2)
         assert a.deferred_bytes == deferred < a.activations.saved  # so the peak is just after a forward
         assert (a.in_flight, a.deferred) == (b.in_flight, a.stage) == (4 - a.stage, a.stage)
-        assert a.memory["activations"] == b.memory["activations"]
+        # DeepSpeed's 1F1B keeps the last stage's two previous losses, whose graphs hold their inputs (bf16,
+        # gathered from the tp pieces: N·D·2 bytes each); gpt3d's engine lets go of them
+        retained = 2 * N * D * 2 if a.stage == 3 else 0
+        assert a.memory["activations"] == b.memory["activations"] - retained
         assert a.memory["deferred_weight_grads"] == a.stage * deferred
-        assert a.peak_bytes - b.peak_bytes == a.stage * deferred
+        assert a.peak_bytes - b.peak_bytes == a.stage * deferred - retained
         assert a.to_json()["deferred_weight_grad_passes_held"] == a.stage
     assert zb.to_json()["layout"]["schedule"] == ZB_H1 and zb.to_json()["bubble"] == zb.bubble
     # the memory check is ZB-H1's: a device between the two peaks fits 1F1B's and not ZB-H1's
@@ -321,7 +324,7 @@ def test_the_175b_recipe_is_the_fastest_layout_whose_bubble_is_under_2_percent()
     the interleaved schedule at pp=16, V=6, 47.1% MFU with a bubble of 3.5% of the step; the fastest whose
     bubble is at most 2% of the step, the recipe's, interleaves 12 chunks of one block on 8 ranks: 46.7%,
     1.6%. Its schedule beside the others at that layout: V=6 46.0%, 1F1B 37.9% (a 16.6% bubble), ZB-H1 and
-    ZB-V over the memory (97.6 and 106.2 GiB). model.compile=true changes no bf16 figure."""
+    ZB-V over the memory (97.6 and 106.5 GiB). model.compile=true changes no bf16 figure."""
     plan = _recipe_175b()
     assert plan.layout.describe() == "tp=8 pp=8 dp=16 zero=1 micro=3 ckpt=selective sp interleaved V=12"
     assert plan.implementation.compiled and plan.fits
