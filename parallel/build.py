@@ -48,6 +48,8 @@ class BuildOptions:
     sequence_parallel: bool = False  # with tp > 1: activations between blocks split along the sequence
     activation_checkpointing: int | str = 0  # k > 0: recompute each run of k blocks in backward; "selective"
     overlap_communication: bool = True  # with tp > 1: input-gradient all-reduces overlap the weight-gradient GEMMs
+    # with sequence parallelism: the linears' all-gathers and reduce-scatters in ring steps behind their GEMM chunks
+    tp_comm_overlap: bool = False
     fused_loss: bool = False  # the Head's loss unembeds its hidden states chunk by chunk (train.fused_loss)
     fp8: Float8 | None = None  # the blocks' linears compute in float8 (train.precision=fp8; model/float8.py)
     # which of each block's linears (model.modes.BLOCK_LINEARS) `fp8` applies to; the others compute in the
@@ -91,7 +93,8 @@ def build_model(
     check_plan(full_plan(TP_PLAN, options.sequence_parallel), _module_names(kinds))
     local = {i: layers[i] for i in split.layers_of(config.n_layer, topology.pp_rank)}
     for index, layer in local.items():
-        shard_layer(layer, topology, TP_PLAN, options.sequence_parallel, index, options.overlap_communication)
+        shard_layer(layer, topology, TP_PLAN, options.sequence_parallel, index, options.overlap_communication,
+                    options.tp_comm_overlap)
     shapes_only = torch.device(device).type == "meta"
     if topology.pp_size == 1:
         model = GPT(config, layers, modes)  # ties the unembedding to the embedding

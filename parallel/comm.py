@@ -79,7 +79,8 @@ def record_overlap() -> Iterator[list[tuple[str, str]]]:
         _OVERLAP_RECORDERS.remove(steps)
 
 
-def _step(step: str, tag: str) -> None:
+def record_step(step: str, tag: str) -> None:
+    """One step of an overlapped communication, for record_overlap's lists."""
     for steps in _OVERLAP_RECORDERS:
         steps.append((step, tag))
 
@@ -99,12 +100,12 @@ def overlapped_reduction(group, tag: str, sequence_dim: int | None = None):
             stacked = _stacked_pieces(grad_x, group, sequence_dim)  # (p, …, n/p, …)
             reduced = stacked.new_empty(stacked.shape[1:])
             work = dist.reduce_scatter_tensor(reduced, stacked.flatten(0, 1), group=group, async_op=True)
-        _step("issue", tag)
-        _step("gemm start", tag)
+        record_step("issue", tag)
+        record_step("gemm start", tag)
         result = during()
-        _step("gemm end", tag)
+        record_step("gemm end", tag)
         work.wait()
-        _step("wait", tag)
+        record_step("wait", tag)
         return reduced, result
 
     return reduce_while
@@ -116,9 +117,14 @@ def sequence_gather(group, tag: str, dim: int = 1):
     return lambda x: _all_gather(x, group, dim, tag, "forward")
 
 
-def _record(op: str, tag: str, phase: str, full: torch.Tensor) -> None:
+def record_collective(op: str, tag: str, phase: str, nbytes: int) -> None:
+    """One collective of `nbytes` (the full tensor's, as CommEvent counts them), for record_comm's lists."""
     for events in _RECORDERS:
-        events.append(CommEvent(op, tag, phase, full.numel() * full.element_size()))
+        events.append(CommEvent(op, tag, phase, nbytes))
+
+
+def _record(op: str, tag: str, phase: str, full: torch.Tensor) -> None:
+    record_collective(op, tag, phase, full.numel() * full.element_size())
 
 
 def all_reduce(x: torch.Tensor, group, tag: str, phase: str, op=dist.ReduceOp.SUM) -> torch.Tensor:

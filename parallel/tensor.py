@@ -51,6 +51,7 @@ from parallel.comm import (
     scatter_to_tp_region,
     sequence_gather,
 )
+from parallel.overlap import Ring, gathered_linear, scattered_linear
 from parallel.topology import check_layout
 
 TP_PLAN = {
@@ -122,22 +123,27 @@ class ColumnParallelLinear(nn.Module):
     reduced over the group (they are split by output features; x is whole on every rank).
     Built with `weight_grads` (model/weight_grads.py) the weight-gradient product is deferred to that store;
     the input gradient's reduction stays in the backward, then with nothing to overlap.
+    Built with `ring_overlap` (parallel.tp_comm_overlap, sequence parallelism only) the layer gathers its input
+    ring step by step behind the GEMM's chunks and reduce-scatters its input gradient the same way
+    (parallel/overlap.py): every collective of the layer is hidden, also when W is deferred.
     """
 
     sequence_parallel = Fixed()
     overlap = Fixed()
+    ring_overlap = Fixed()
     fp8 = Fixed()
     matmuls = Fixed()
     weight_grads = Fixed()
 
     def __init__(
         self, in_features, out_features, group, bias=True, sequence_parallel=False, tag="", device=None, dtype=None,
-        overlap=False, fp8=None, weight_grads=None,
+        overlap=False, fp8=None, weight_grads=None, ring_overlap=False,
     ):
         super().__init__()
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         self.group, self.tag = group, tag
         self.sequence_parallel, self.overlap, self.weight_grads = sequence_parallel, overlap, weight_grads
+        self.ring_overlap, self.ring = ring_overlap, _ring(ring_overlap, sequence_parallel, fp8, group, tag)
         self.fp8, self.matmuls = fp8, matmuls_for(fp8, "out", _reduce_max(group, tag))
         local = _local(out_features, size, f"{tag or 'column-parallel'} out_features")
         self.weight = nn.Parameter(torch.empty(local, in_features, device=device, dtype=dtype))
@@ -146,15 +152,18 @@ class ColumnParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(local, device=device, dtype=dtype))
             _mark(self.bias, (out_features,), SPLIT_DIMS["column"]["bias"], rank, size)
-        self.copy_input = not (sequence_parallel or overlap)
+        self.copy_input = not (sequence_parallel or overlap or ring_overlap)
         self.reduce_input_grad = None
-        if overlap:
+        if overlap and not ring_overlap:
             self.reduce_input_grad = overlapped_reduction(group, tag, sequence_dim=1 if sequence_parallel else None)
         self.gather_input = sequence_gather(group, tag, dim=1) if sequence_parallel and overlap else None
 
     def forward(self, x: torch.Tensor, recompute: Recompute | None = None) -> torch.Tensor:
         """x (B, T, k) replicated, or this rank's (B, T/p, k) when the layer gathers it; recompute: how
         backward gets x back instead of keeping it (model/recompute.py)."""
+        if self.ring is not None:  # x (B, T/p, k): under sequence parallelism the LayerNorm before recomputes nothing
+            weight_grads = self.weight_grads if torch.is_grad_enabled() else None
+            return gathered_linear(x, self.weight, self.bias, self.ring, weight_grads)  # (B, T, n/p)
         if self.copy_input:
             x = copy_to_tp_region(x, self.group, self.tag)
         grad = torch.is_grad_enabled()
@@ -174,21 +183,25 @@ class RowParallelLinear(nn.Module):
     reduced over the group (both are split by input features; g is whole on every rank).
     Built with `weight_grads` (model/weight_grads.py) the weight-gradient product is deferred to that store
     (b's gradient, taken after the sum, is not).
+    Built with `ring_overlap` (parallel.tp_comm_overlap, sequence parallelism only) the sum is reduce-scattered
+    ring step by step behind the GEMM's chunks, and backward gathers ∂L/∂y the same way (parallel/overlap.py).
     """
 
     sequence_parallel = Fixed()
+    ring_overlap = Fixed()
     fp8 = Fixed()
     matmuls = Fixed()
     weight_grads = Fixed()
 
     def __init__(
         self, in_features, out_features, group, bias=True, sequence_parallel=False, tag="", device=None, dtype=None,
-        fp8=None, weight_grads=None,
+        fp8=None, weight_grads=None, ring_overlap=False,
     ):  # fmt: skip
         super().__init__()
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         self.group, self.sequence_parallel, self.tag = group, sequence_parallel, tag
         self.weight_grads = weight_grads
+        self.ring_overlap, self.ring = ring_overlap, _ring(ring_overlap, sequence_parallel, fp8, group, tag)
         self.fp8, self.matmuls = fp8, matmuls_for(fp8, "in", _reduce_max(group, tag))
         local = _local(in_features, size, f"{tag or 'row-parallel'} in_features")
         self.weight = nn.Parameter(torch.empty(out_features, local, device=device, dtype=dtype))
@@ -198,6 +211,9 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor, recompute: Recompute | None = None) -> torch.Tensor:  # x (B, T, k/p)
         """recompute: how backward gets x back instead of keeping it (model/recompute.py)."""
         weight_grads = self.weight_grads if torch.is_grad_enabled() else None
+        if self.ring is not None:
+            y = scattered_linear(x, self.weight, self.ring, recompute, weight_grads)  # (B, T/p, n)
+            return y if self.bias is None else y + copy_to_tp_region(self.bias, self.group, self.tag)
         partial_sum = linear(x, self.weight, None, recompute, matmuls=self.matmuls,
                              weight_grads=weight_grads)  # (B, T, n), this rank's term of Σ_i
         if self.sequence_parallel:
@@ -376,6 +392,19 @@ class FullLogits(nn.Module):
         return logits
 
 
+def _ring(ring_overlap: bool, sequence_parallel: bool, fp8, group, tag: str) -> Ring | None:
+    """The layer's Ring when it overlaps its collectives ring step by step (parallel.tp_comm_overlap), else None."""
+    if not ring_overlap:
+        return None
+    if not sequence_parallel:
+        raise ValueError(f"{tag}: parallel.tp_comm_overlap decomposes sequence parallelism's all-gather and "
+                         "reduce-scatter; it needs parallel.sequence_parallel=true")
+    if fp8 is not None:
+        raise ValueError(f"{tag}: parallel.tp_comm_overlap runs the products in bf16 or fp32 (float8's per-tensor "
+                         "scales would need the whole gathered operand first); use train.precision=bf16 with it")
+    return Ring(group, tag)
+
+
 def _reduce_max(group, tag: str):
     """A float8 layer's amax reduction (model/float8.py): (amaxes, phase) ↦ their MAX over the group, in place."""
     return lambda amaxes, phase: all_reduce(amaxes, group, tag, phase, op=dist.ReduceOp.MAX)
@@ -391,7 +420,8 @@ def _scatter_sequence(group, tag: str):
     return hook
 
 
-def _build(style: str, name: str, module: nn.Module, group, sequence_parallel: bool, overlap: bool) -> nn.Module:
+def _build(style: str, name: str, module: nn.Module, group, sequence_parallel: bool, overlap: bool,
+           ring_overlap: bool = False) -> nn.Module:
     """The tensor-parallel replacement for `module` (same shapes when unsharded, same parameter names),
     built in its modes: sequence parallelism, overlap, and those kept from `module` (the unembedding's loss,
     a linear's float8 recipe and deferred weight gradients)."""
@@ -402,7 +432,7 @@ def _build(style: str, name: str, module: nn.Module, group, sequence_parallel: b
         raise TypeError(f"plan maps {name!r} ({type(module).__name__}) to {style!r}, which needs {kinds[style]}")
     like = {"device": module.weight.device, "dtype": module.weight.dtype}
     if style == "sequence":  # the LayerNorm before a column layer that gathers its input itself leaves it split
-        gather = not (overlap and name.rpartition(".")[2] in NORM_BEFORE_COLUMN)
+        gather = not ((overlap or ring_overlap) and name.rpartition(".")[2] in NORM_BEFORE_COLUMN)
         return SequenceParallelLayerNorm(module.normalized_shape, module.eps, group, tag=name, gather_output=gather, **like)
     if style == "vocab" and isinstance(module, PaddedEmbedding):
         return VocabParallelEmbedding(module.vocab_size, module.embedding_dim, group, tag=name, **like)
@@ -412,13 +442,15 @@ def _build(style: str, name: str, module: nn.Module, group, sequence_parallel: b
     has_bias = module.bias is not None
     if style == "column":
         return ColumnParallelLinear(module.in_features, module.out_features, group, has_bias, sequence_parallel,
-                                    tag=name, overlap=overlap, fp8=module.fp8, weight_grads=module.weight_grads, **like)
+                                    tag=name, overlap=overlap, fp8=module.fp8, weight_grads=module.weight_grads,
+                                    ring_overlap=ring_overlap, **like)
     return RowParallelLinear(module.in_features, module.out_features, group, has_bias, sequence_parallel, tag=name,
-                             fp8=module.fp8, weight_grads=module.weight_grads, **like)
+                             fp8=module.fp8, weight_grads=module.weight_grads, ring_overlap=ring_overlap, **like)
 
 
 def shard(
-    model: nn.Module, topology, plan: dict[str, str] = TP_PLAN, sequence_parallel: bool = False, overlap: bool = True
+    model: nn.Module, topology, plan: dict[str, str] = TP_PLAN, sequence_parallel: bool = False, overlap: bool = True,
+    ring_overlap: bool = False,
 ) -> nn.Module:
     """Make `model` (a GPT) tensor-parallel over topology.tp_group, in place; returns it.
 
@@ -435,7 +467,9 @@ def shard(
     (B, T/p, d): LayerNorms run on local tokens (SEQUENCE_PARALLEL_PLAN), the embedding output is
     scattered, and T must be a multiple of tp. overlap (parallel.overlap_communication): every
     column-parallel layer overlaps its input-gradient reduction with its weight-gradient product in
-    backward (ColumnParallelLinear), instead of reducing after the whole backward.
+    backward (ColumnParallelLinear), instead of reducing after the whole backward. ring_overlap
+    (parallel.tp_comm_overlap, with sequence parallelism): the column and row layers run their all-gathers
+    and reduce-scatters ring step by step behind their GEMMs' chunks (parallel/overlap.py).
     """
     if topology.tp_size == 1:
         return model
@@ -444,7 +478,7 @@ def shard(
     plan = full_plan(plan, sequence_parallel)
     check_plan(plan, [name for name, _ in model.named_modules()])
     group = topology.tp_group
-    swaps = [_replacements(layer, plan, group, sequence_parallel, overlap, f"layers.{i}")
+    swaps = [_replacements(layer, plan, group, sequence_parallel, overlap, f"layers.{i}", ring_overlap)
              for i, layer in enumerate(model.layers)]
     for index, layer in enumerate(model.layers):  # nothing is installed before every swap was built
         _install(layer, swaps[index], group, sequence_parallel, f"layers.{index}")
@@ -459,6 +493,7 @@ def shard_layer(
     sequence_parallel: bool = False,
     index: int | None = None,
     overlap: bool = True,
+    ring_overlap: bool = False,
 ) -> nn.Module:
     """Make one layer of the flat list (an Embedding, a Block, a Head) tensor-parallel, in place.
 
@@ -466,12 +501,12 @@ def shard_layer(
     match nothing in this layer are fine. `index` (the layer's place in the full list) names its
     modules as the whole model does ("layers.{index}.attn.qkv") for communication tags. With
     sequence_parallel the LayerNorms become sequence-parallel and an embedding scatters its output.
-    overlap as in `shard`. With tp = 1 the layer is returned unchanged.
+    overlap and ring_overlap as in `shard`. With tp = 1 the layer is returned unchanged.
     """
     if topology.tp_size > 1:
         prefix = "" if index is None else f"layers.{index}"
         plan = full_plan(plan, sequence_parallel)
-        swaps = _replacements(layer, plan, topology.tp_group, sequence_parallel, overlap, prefix)
+        swaps = _replacements(layer, plan, topology.tp_group, sequence_parallel, overlap, prefix, ring_overlap)
         _install(layer, swaps, topology.tp_group, sequence_parallel, prefix)
     return layer
 
@@ -516,7 +551,8 @@ def _matches(key: str, name: str) -> bool:
 
 
 def _replacements(
-    root: nn.Module, plan: dict[str, str], group, sequence_parallel: bool, overlap: bool, prefix: str = ""
+    root: nn.Module, plan: dict[str, str], group, sequence_parallel: bool, overlap: bool, prefix: str = "",
+    ring_overlap: bool = False,
 ) -> dict[str, nn.Module]:
     """Module name under root → its tensor-parallel replacement (built and checked, not yet installed).
     Plan keys are matched against, and tags taken from, the names with `prefix`."""
@@ -525,7 +561,7 @@ def _replacements(
         full = ".".join(part for part in (prefix, name) if part)
         style = plan_style(plan, full)
         if style is not None:
-            swaps[name] = _build(style, full, module, group, sequence_parallel, overlap)
+            swaps[name] = _build(style, full, module, group, sequence_parallel, overlap, ring_overlap)
     return swaps
 
 

@@ -62,9 +62,16 @@ def reference(request, precision: str) -> list[dict]:
                          "+deepspeed.zero_optimization={overlap_comm:true,contiguous_gradients:true,"
                          "reduce_bucket_size:20000,allgather_bucket_size:20000}"]),
         ("deepspeed", 2, ["parallel.pp=2", "parallel.activation_checkpointing=1"]),
+        # sequence parallelism's collectives in ring steps behind the GEMM chunks (parallel/overlap.py): with
+        # ZeRO-1 and selective recomputation, and with a pipeline whose blocks defer their weight gradients
+        ("ranks", 4, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.tp_comm_overlap=true",
+                      "parallel.zero_stage=1", "parallel.activation_checkpointing=selective"]),
+        ("ranks", 4, ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true",
+                      "parallel.tp_comm_overlap=true", "parallel.pipeline_schedule=zb-h1"]),
     ],
     ids=["tp2", "pp3", "tp2-pp2", "zero1-dp2", "zero2-dp2-deepspeed", "zero3-dp2", "offload-dp2",
-         "tp2-sp-dp2-zero2-selective-buckets", "pp2-ckpt-deepspeed"],
+         "tp2-sp-dp2-zero2-selective-buckets", "pp2-ckpt-deepspeed", "tp2-sp-ring-dp2-zero1-selective",
+         "tp2-sp-ring-pp2-zbh1"],
 )
 def test_layout_matches_one_process(request, tmp_path, corpus, kind, nproc, layout, precision):
     """The launcher named starts the fp32 case; the bf16 case of the same layout is forked ranks (a launcher
@@ -104,6 +111,9 @@ def test_3d_layout_on_8_processes_matches_one_process_and_resumes_exactly(tmp_pa
         (2, ["parallel.offload_optimizer=true"], "needs parallel.zero_stage ≥ 1"),
         (1, ["+deepspeed.train_batch_size=8"], "deepspeed.train_batch_size is set by gpt3d from train.global_batch_size"),
         (1, ["+deepspeed.zero_optimisation={}"], "did you mean ['zero_optimization'"),
+        (2, ["parallel.tp=2", "parallel.tp_comm_overlap=true"], "it needs parallel.sequence_parallel=true"),
+        (2, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.tp_comm_overlap=true",
+             "train.precision=fp8", "train.fp8_linears=all"], "parallel.tp_comm_overlap=true with train.precision=fp8"),
     ],
 )
 def test_impossible_layout_fails_before_any_model_is_built(tmp_path, corpus, world, overrides, message):

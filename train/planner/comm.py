@@ -39,6 +39,7 @@ from train.planner.counts import FP32, PERSISTENCE_THRESHOLD, ParamShape
 
 WEIGHT_GRADIENT = "column layer's weight-gradient GEMM"  # parallel.overlap_communication
 BACKWARD = "backward of the micro batch"  # DeepSpeed's zero_optimization.overlap_comm
+RING = "ring steps behind the layer's GEMM chunks"  # parallel.tp_comm_overlap (parallel/overlap.py)
 MAX_REUSE_DISTANCE = 1_000_000_000  # DeepSpeed's default stage3_max_reuse_distance (elements)
 RING_FACTOR = {"all_reduce": lambda g: 2 * (g - 1) / g, "all_gather": lambda g: (g - 1) / g,
                "reduce_scatter": lambda g: (g - 1) / g, "send": lambda g: 1.0}
@@ -71,9 +72,13 @@ class Transfer:
 def tensor_parallel(
     config: GPTConfig, shape: StageShape, tp: int, micro_batch: int, micro_batches: int, *,
     sequence_parallel: bool = False, autocast: bool = True, residual_bytes: int = FP32, fused_loss: bool = True,
+    ring: bool = False,
 ) -> list[Transfer]:
     """Tensor-parallel collectives of one step on a stage (module docstring). `act32` below is a
-    tensor of the residual stream (residual_bytes an element), `act_mm` a matmul output."""
+    tensor of the residual stream (residual_bytes an element), `act_mm` a matmul output. ring
+    (parallel.tp_comm_overlap, with sequence parallelism): the block linears run their four collectives in
+    ring steps behind their GEMMs (`RING`), the column layers' in the matmul dtype (each gathers its input
+    cast, and reduce-scatters its input gradient as computed)."""
     if tp == 1:
         return []
     n = micro_batch * config.seq_len
@@ -86,11 +91,12 @@ def tensor_parallel(
 
     out = []
     if sequence_parallel:
+        column, hidden = (act_mm, RING) if ring else (act32, "")
         out += [
-            t("all_gather", "forward", act32, 2 * blocks, "LayerNorm output to the column layers"),
-            t("reduce_scatter", "forward", act_mm, 2 * blocks, "row-parallel outputs"),
-            t("reduce_scatter", "backward", act32, 2 * blocks, "gradients of the LayerNorm outputs"),
-            t("all_gather", "backward", act_mm, 2 * blocks, "gradients of the row-parallel outputs"),
+            t("all_gather", "forward", column, 2 * blocks, "LayerNorm output to the column layers", hidden),
+            t("reduce_scatter", "forward", act_mm, 2 * blocks, "row-parallel outputs", hidden),
+            t("reduce_scatter", "backward", column, 2 * blocks, "gradients of the LayerNorm outputs", hidden),
+            t("all_gather", "backward", act_mm, 2 * blocks, "gradients of the row-parallel outputs", hidden),
             t("all_reduce", "backward", config.d_model * FP32, 6 * blocks, "LayerNorm and row-bias gradients"),
         ]
     else:

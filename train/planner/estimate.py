@@ -49,6 +49,9 @@ plus a fixed latency each. Only what the code overlaps is hidden:
     (the reduce-scatter of those gradients runs after the layer's backward) and neither does the plan;
     under zb-h1 and zb-v that GEMM is deferred to W and the all-reduce runs in B with nothing beside it
     (parallel/tensor.py): exposed whole;
+  - with `Implementation.ring_tp` (parallel.tp_comm_overlap, under sequence parallelism), each block linear's
+    all-gather and reduce-scatter runs as p − 1 ring exchanges, each behind 1/p of that layer's GEMM
+    (parallel/overlap.py): exposed (p − 1)·(max(exchange, (1 + s)·G/p) − G/p) (`_exposed_in_ring_steps`);
   - under gpt3d's own schedules (zb-h1, interleaved, zb-v) the pipeline's sends are asynchronous and
     their receives posted ahead (parallel/schedules/engine.py): each is exposed by max(0, send − the
     chunk's next pass, its forward or its B);
@@ -409,7 +412,8 @@ def _stage_ranks(model_cfg: GPTConfig, layout: Layout, impl: Implementation, hw:
         grad_bytes = lambda p: 2 if impl.autocast and p.linear and layout.zero_stage > 0 else FP32  # noqa: E731
     transfers = (
         plan_comm.tensor_parallel(model_cfg, shape, tp, layout.micro_batch, m, sequence_parallel=layout.sequence_parallel,
-                                  autocast=impl.autocast, residual_bytes=r, fused_loss=impl.fused_loss)
+                                  autocast=impl.autocast, residual_bytes=r, fused_loss=impl.fused_loss,
+                                  ring=impl.ring_tp and layout.sequence_parallel)
         + _pipeline_transfers(model_cfg, layout, stage, chunk_params, chunk_shapes, r)
         # bf16 at ZeRO 0: BF16_Optimizer partitions the optimizer and so, like ZeRO 1, all-gathers the
         # updated weights after its step
@@ -431,8 +435,10 @@ def _stage_ranks(model_cfg: GPTConfig, layout: Layout, impl: Implementation, hw:
     # under zb-h1 and zb-v the weight-gradient GEMM is deferred to W: nothing runs beside the input-gradient all-reduce
     overlap_tp = impl.overlap_tp and not layout.defers_weight_grads
     overlapped = [t for t in tp_transfers if overlap_tp and t.overlaps == plan_comm.WEIGHT_GRADIENT]
-    tp_s = _comm_time([t for t in tp_transfers if t not in overlapped], hw, inter_node) / m
+    ringed = [t for t in tp_transfers if t.overlaps == plan_comm.RING]
+    tp_s = _comm_time([t for t in tp_transfers if t not in overlapped and t not in ringed], hw, inter_node) / m
     tp_s += _exposed_behind_weight_gradients(model_cfg, layout, impl, hw, overlapped, inter_node) / m
+    tp_s += _exposed_in_ring_steps(model_cfg, layout, impl, hw, ringed, inter_node) / m
     sends = [t for t in transfers if t.group == "pp" and t.op == "send"]
     if layout.own_engine:  # asynchronous sends, their receives posted ahead: exposed past the chunk's next pass
         beside = {"forward": passes.forward / len(chunks), "backward": passes.input_grad / len(chunks)}
@@ -562,6 +568,35 @@ def _exposed_behind_weight_gradients(model_cfg: GPTConfig, layout: Layout, impl:
     for t in transfers:  # count: 2 per block and micro batch, one for each column layer
         each = _comm_time([t], hw, inter_node) / t.count
         exposed += t.count / 2 * sum(max(0.0, each - gemm) for gemm in gemms)
+    return exposed
+
+
+# the block GEMMs (n × k)·(k × m) each ring-decomposed collective hides behind, per (op, phase): (k, m) of the
+# attention's linear and the MLP's, with d = d_model, f = d_ff, p = tp (parallel/overlap.py)
+_RING_GEMMS = {
+    ("all_gather", "forward"): lambda d, f, p: ((d, 3 * d // p), (d, f // p)),  # qkv, fc forward
+    ("reduce_scatter", "backward"): lambda d, f, p: ((3 * d // p, d), (f // p, d)),  # their input gradients
+    ("reduce_scatter", "forward"): lambda d, f, p: ((d // p, d), (f // p, d)),  # attn.proj, mlp.proj forward
+    ("all_gather", "backward"): lambda d, f, p: ((d, d // p), (d, f // p)),  # their input gradients
+}
+
+
+def _exposed_in_ring_steps(model_cfg: GPTConfig, layout: Layout, impl: Implementation, hw: Hardware,
+                           transfers, inter_node: dict) -> float:
+    """Seconds per step of the ring-decomposed collectives (parallel.tp_comm_overlap) that their GEMMs do not
+    hide. A collective of a tensor of b bytes runs as p − 1 exchanges of b/p bytes (each at the link's bandwidth
+    plus the collective latency), each behind one of the layer's GEMM chunks of G/p (the GEMM G split along the
+    sequence), which runs `Implementation.ring_gemm_slowdown` slower beside it: the layer takes
+    G/p + (p − 1)·max(exchange, (1 + s)·G/p), so the exposed part is (p − 1)·(max(exchange, (1 + s)·G/p) − G/p).
+    Each transfer counts both block linears of its kind (attention, MLP)."""
+    p, n = layout.tp, layout.micro_batch * model_cfg.seq_len
+    d, f, bandwidth = model_cfg.d_model, model_cfg.d_ff, hw.link_bandwidth(inter_node["tp"])
+    exposed = 0.0
+    for t in transfers:  # count: 2 per block and micro batch, one for each linear
+        exchange = t.nbytes / p / bandwidth + COLLECTIVE_LATENCY_S
+        gemms = [_linear_time(hw, impl, n, k, m) for k, m in _RING_GEMMS[t.op, t.phase](d, f, p)]
+        slower = 1 + impl.ring_gemm_slowdown
+        exposed += t.count / 2 * sum((p - 1) * (max(exchange, slower * gemm / p) - gemm / p) for gemm in gemms)
     return exposed
 
 

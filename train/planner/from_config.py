@@ -67,11 +67,12 @@ def implementation_from_config(train: TrainConfig, parallel: ParallelConfig, com
                                fp8_linears=None) -> Implementation:
     """gpt3d's implementation under the run's train.precision (auto: what it is on a GPU, bf16; the
     planner always predicts for a GPU), train.fp8_recipe and train.fp8_linears (or `fp8_linears`, the names
-    a run resolved: train/run/spec.py), parallel.overlap_communication and train.fused_loss, and
+    a run resolved: train/run/spec.py), parallel.overlap_communication, parallel.tp_comm_overlap and train.fused_loss, and
     model.compile as the run takes it (`compiled`: train.runtime.precision.fp8_compile)."""
     precision = "bf16" if train.precision == "auto" else train.precision
     return for_precision(precision, bool(parallel.overlap_communication), train.fused_loss, train.fp8_recipe,
-                         compiled, train.fp8_linears if fp8_linears is None else tuple(fp8_linears))
+                         compiled, train.fp8_linears if fp8_linears is None else tuple(fp8_linears),
+                         bool(parallel.tp_comm_overlap))
 
 
 def hardware_from_config(plan_cfg: PlanConfig) -> Hardware:

@@ -83,6 +83,12 @@ class Implementation:
     fp32_weights: bool = True
     autocast: bool = True  # bf16 matmuls (with fp32_weights=False: the weights themselves are bf16)
     overlap_tp: bool = False  # the column layers' input-gradient collective runs during their weight-gradient GEMM
+    # parallel.tp_comm_overlap: under sequence parallelism the block linears' all-gathers and reduce-scatters run
+    # in tp − 1 ring exchanges, each behind a chunk of the layer's GEMM (parallel/overlap.py)
+    ring_tp: bool = False
+    # assumed, not measured: a GEMM chunk runs this much slower beside a ring exchange (NCCL's send and receive
+    # kernels take some of the SMs; Transformer Engine's copy-engine exchanges take fewer)
+    ring_gemm_slowdown: float = 0.1
     overlap_dp: bool = False  # ZeRO 1/2 reduce gradients in buckets during the backward (overlap_comm)
     fused_loss: bool = True  # train.fused_loss: the loss unembeds chunk by chunk, no (n, Vp/p) logits kept
     # measured on this project's H100 (README, "How the step time is modelled"):
@@ -116,18 +122,24 @@ PRECISIONS = ("fp32", "autocast", "bf16", "fp8")
 
 
 def for_precision(precision: str, overlap_communication: bool = True, fused_loss: bool = True,
-                  fp8_recipe: str = "tensorwise", compiled: bool = False, fp8_linears=FP8_ALL) -> Implementation:
+                  fp8_recipe: str = "tensorwise", compiled: bool = False, fp8_linears=FP8_ALL,
+                  tp_comm_overlap: bool = False) -> Implementation:
     """gpt3d under train.precision (auto resolved by the caller): fp32 everything; autocast (fp32
     weights, bf16 matmuls with per-micro-batch casts); bf16 (bf16 weights and gradients, fp32 master
     weights and moments in the optimizer); fp8 (bf16, and the blocks' linears in float8 by
     `fp8_recipe`, on the linears `fp8_linears` says: train.fp8_linears, or a run's resolved names).
     overlap_communication: parallel.overlap_communication, and DeepSpeed's overlap_comm set from the plan
-    (train/planner/zero_buckets.py); fused_loss: train.fused_loss; compiled: model.compile."""
+    (train/planner/zero_buckets.py); fused_loss: train.fused_loss; compiled: model.compile; tp_comm_overlap:
+    parallel.tp_comm_overlap (not with fp8, which the trainer refuses with it)."""
     if precision not in PRECISIONS:
         raise ValueError(f"train.precision={precision!r}: must be one of {['auto', *PRECISIONS]}")
+    if tp_comm_overlap and precision == "fp8":
+        raise ValueError("parallel.tp_comm_overlap=true with train.precision=fp8: the ring overlap computes its GEMM "
+                         "chunks in bf16; plan train.precision=bf16, or tp_comm_overlap=false")
     return Implementation(
         fp32_weights=precision in ("fp32", "autocast"), autocast=precision != "fp32",
         overlap_tp=overlap_communication, overlap_dp=overlap_communication, fused_loss=fused_loss,
         fp8=fp8_recipe if precision == "fp8" else None, compiled=compiled,
         fp8_linears=tuple(fp8_linears) if isinstance(fp8_linears, (list, tuple)) else fp8_linears,
+        ring_tp=tp_comm_overlap,
     )

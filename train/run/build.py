@@ -133,6 +133,8 @@ def build(spec: RunSpec) -> Trainer:
         sequence_parallel=settings.parallel.sequence_parallel,
         activation_checkpointing=settings.parallel.activation_checkpointing,
         overlap_communication=settings.parallel.overlap_communication,
+        # (parallel.layout=auto: where the layout it chooses has sequence parallelism)
+        tp_comm_overlap=settings.parallel.tp_comm_overlap and settings.parallel.sequence_parallel,
         fused_loss=settings.train.fused_loss,
         fp8=runtime.fp8,
         fp8_linears=frozenset(spec.fp8.linears) if spec.fp8 is not None else frozenset(),  # resolved once: spec.py

@@ -49,6 +49,10 @@ class ParallelConfig(Section):
            "only LayerNorm and GELU outputs (no GEMM or collective repeated)", RECOMPUTATION)
     overlap_communication: bool = setting(True, "with tp > 1: each input-gradient all-reduce runs while the "
                                                 "weight-gradient GEMM computes", BOOLEAN)
+    tp_comm_overlap: bool = setting(
+        False, "with tp > 1 and sequence_parallel: each block linear's all-gather and reduce-scatter run as tp − 1 ring "
+               "exchanges, each behind a chunk of the layer's GEMM, forward and backward (parallel/overlap.py; not "
+               "with train.precision=fp8)", BOOLEAN)
     pipeline_schedule: str = setting(
         ONE_F_ONE_B, "with pp > 1: `1f1b` (DeepSpeed's schedule), `zb-h1` (zero-bubble: the blocks' weight-gradient "
                      "GEMMs deferred into the pipeline bubble, at 1F1B's activation memory), `interleaved` "
@@ -80,6 +84,9 @@ class ParallelConfig(Section):
             if len(self.stage_layers) != stages:
                 raise ConfigError(f"parallel.stage_layers={list(self.stage_layers)}: {len(self.stage_layers)} counts for "
                                   f"{stages} virtual stages (pp={pp} × {stages // pp} chunks a rank); give one per stage")
+        if self.tp_comm_overlap and not self.sequence_parallel and self.layout == MANUAL:
+            raise ConfigError("parallel.tp_comm_overlap=true decomposes sequence parallelism's all-gathers and "
+                              "reduce-scatters: it needs parallel.sequence_parallel=true")
         if self.offload_optimizer and zero == 0:
             raise ConfigError("parallel.offload_optimizer=true needs parallel.zero_stage ≥ 1 (ZeRO-Offload moves "
                               "ZeRO's optimizer shards)")

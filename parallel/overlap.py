@@ -1,0 +1,191 @@
+"""Tensor-parallel communication hidden behind the GEMMs: sequence parallelism's all-gather and reduce-scatter
+decomposed into ring steps, each step's exchange issued before a GEMM chunk and waited on after it (the
+collective matmul of Wang et al. 2022, as Megatron/Transformer Engine's ring-exchange overlap and
+torchtitan's async TP run it).
+
+With p ranks in the tensor-parallel group, rank r holding the sequence piece x_r (B, T/p, k) and a product
+f applied to row blocks (a linear: f(x) = x Wᵀ (+ b) row by row):
+
+  gathered    y = f([x_0 | … | x_{p−1}]): p steps; at step s rank r applies f to the piece of rank (r − s) mod p,
+              which it holds, while sending it to rank r + 1 and receiving the next one from rank r − 1
+              (p − 1 exchanges). Returns y and the gathered input (the weight gradient's operand).
+  scattered   y_r = (Σ_q f_q(x))_r, x (B, T, k') whole on every rank, f_q rank q's product: the partial sum
+              of sequence piece c starts on rank c + 1 and travels the ring, each rank adding its own
+              f(x_c) and sending it on; it reaches rank c after p − 1 hops, complete. The next piece's GEMM
+              runs while the partial sum is in flight.
+
+"|" concatenates along the sequence (dim 1). A column-parallel layer's forward is `gathered` (its input
+arrives in sequence pieces) and its input gradient `scattered` (∂L/∂x = Σ_q g_q W_q, needed back in
+pieces); a row-parallel layer's forward is `scattered` (y = Σ_q x_q W_qᵀ) and its input gradient
+`gathered` (∂L/∂x_q = [g_0 | … | g_{p−1}] W_q), which also assembles the gathered output gradient for
+its weight gradient. The sums are the same as the collectives', added in ring order: equal to the
+undecomposed layers up to the rounding of that order (exact at p = 2).
+
+Every exchange is recorded (parallel/comm.py's record_overlap) as ("issue", tag), ("gemm start", tag),
+("gemm end", tag), ("wait", tag) with tag "<layer>:<pass> <step>/<p − 1>", and each decomposed collective
+once as a CommEvent (record_comm) of the bytes the undecomposed one moves: the ring sends exactly those.
+On CUDA the exchanges (batch_isend_irecv) run on NCCL's stream beside the GEMMs; on the CPU through gloo's
+asynchronous work.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from model.recompute import Grads, Recompute, autocast_dtype, parameter_grads
+from model.weight_grads import WeightGradStore
+from parallel.comm import record_collective, record_step
+
+SEQUENCE_DIM = 1
+
+
+class Ring:
+    """The tensor-parallel group as a ring: this rank sends to the next one and receives from the one before."""
+
+    def __init__(self, group, tag: str):
+        self.group, self.tag = group, tag
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
+        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
+
+    def _exchange(self, send: torch.Tensor, receive: torch.Tensor, label: str) -> list:
+        ops = [dist.P2POp(dist.isend, send, self.next, self.group), dist.P2POp(dist.irecv, receive, self.prev, self.group)]
+        works = dist.batch_isend_irecv(ops)
+        record_step("issue", label)
+        return works
+
+    def _wait(self, works: list, label: str) -> None:
+        for work in works:
+            work.wait()
+        record_step("wait", label)
+
+    def _gemm(self, product: Callable, rows: torch.Tensor, label: str) -> torch.Tensor:
+        record_step("gemm start", label)
+        out = product(rows)
+        record_step("gemm end", label)
+        return out
+
+    def gathered(self, piece: torch.Tensor, product: Callable, what: str, phase: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(product([x_0 | … | x_{p−1}]), [x_0 | … | x_{p−1}]) from this rank's piece x_r (B, T/p, k)."""
+        p, outs, pieces = self.size, [None] * self.size, [None] * self.size
+        current = piece.contiguous()
+        for s in range(p):
+            owner, label = (self.rank - s) % p, f"{self.tag}:{what} {s + 1}/{p - 1}"
+            pieces[owner] = current
+            works, received = None, None
+            if s < p - 1:
+                received = torch.empty_like(current)
+                works = self._exchange(current, received, label)
+            outs[owner] = self._gemm(product, current, label) if works else product(current)
+            if works:
+                self._wait(works, label)
+                current = received
+        gathered = torch.cat(pieces, dim=SEQUENCE_DIM)  # (B, T, k)
+        record_collective("all_gather", self.tag, phase, gathered.numel() * gathered.element_size())
+        return torch.cat(outs, dim=SEQUENCE_DIM), gathered  # (B, T, n), (B, T, k)
+
+    def scattered(self, whole: torch.Tensor, product: Callable, what: str, phase: str) -> torch.Tensor:
+        """(Σ_q product_q(x))_r (B, T/p, n) from x (B, T, k') whole on every rank."""
+        p = self.size
+        pieces = whole.chunk(p, dim=SEQUENCE_DIM)  # p × (B, T/p, k')
+        if whole.shape[SEQUENCE_DIM] % p:
+            raise ValueError(f"{self.tag}: a sequence of {whole.shape[SEQUENCE_DIM]} tokens does not split into "
+                             f"{p} tensor-parallel pieces")
+        partial = product(pieces[(self.rank - 1) % p]).contiguous()  # the partial sum this rank starts
+        for s in range(p - 1):
+            label = f"{self.tag}:{what} {s + 1}/{p - 1}"
+            received = torch.empty_like(partial)
+            works = self._exchange(partial, received, label)
+            own = self._gemm(product, pieces[(self.rank - 2 - s) % p], label)  # the piece whose sum arrives
+            self._wait(works, label)
+            partial = received + own
+        record_collective("reduce_scatter", self.tag, phase, partial.numel() * partial.element_size() * p)
+        return partial  # (B, T/p, n)
+
+
+class _GatheredLinear(torch.autograd.Function):
+    """A column-parallel linear whose input arrives in sequence pieces: y = [x_0 | … | x_{p−1}] W_rᵀ + b_r forward
+    (gathered), ∂L/∂x_r = (Σ_q g_q W_q)_r backward (scattered), ∂L/∂W_r = gᵀ x and ∂L/∂b_r = Σ_rows g after it
+    or deferred to the weight-gradient store."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, ring: Ring, weight_grads: WeightGradStore | None):
+        dtype = autocast_dtype(x)
+        x_cast, w_cast = x.to(dtype), weight.to(dtype)
+        b_cast = None if bias is None else bias.to(dtype)
+        y, gathered = ring.gathered(x_cast, lambda rows: F.linear(rows, w_cast, b_cast), "forward", "forward")
+        ctx.save_for_backward(w_cast, gathered)
+        ctx.ring, ctx.weight_grads, ctx.parameters, ctx.has_bias = ring, weight_grads, (weight, bias), bias is not None
+        ctx.input_dtype = x.dtype
+        return y  # (B, T, n/p)
+
+    @staticmethod
+    def backward(ctx, grad):  # grad (B, T, n/p)
+        w, gathered = ctx.saved_tensors
+        grad = grad.to(w.dtype)
+        grad_x = ctx.ring.scattered(grad, lambda rows: rows.matmul(w), "input grad", "backward")  # (B, T/p, k)
+        g, x = grad.reshape(-1, grad.shape[-1]), gathered.reshape(-1, gathered.shape[-1])  # (N, n/p), (N, k)
+        grad_w, grad_b = _weight_grads(ctx, g, x)
+        return grad_x.to(ctx.input_dtype), grad_w, grad_b, None, None
+
+
+class _ScatteredLinear(torch.autograd.Function):
+    """A row-parallel linear whose output leaves in sequence pieces: y_r = (Σ_q x_q W_qᵀ)_r forward (scattered),
+    ∂L/∂x_q = [g_0 | … | g_{p−1}] W_q backward (gathered, which also gathers g), ∂L/∂W_q = gᵀ x_q after it or
+    deferred. x is kept, or recomputed from `recompute`'s sources (selective recomputation)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, recompute: Recompute | None, ring: Ring, weight_grads: WeightGradStore | None):
+        dtype = autocast_dtype(x)
+        x_cast, w_cast = x.to(dtype), weight.to(dtype)
+        y = ring.scattered(x_cast, lambda rows: F.linear(rows, w_cast), "forward", "forward")
+        kept = recompute.sources if recompute is not None else (x_cast,)
+        ctx.save_for_backward(w_cast, *kept)
+        ctx.recompute, ctx.x_dtype, ctx.input_dtype = recompute, dtype, x.dtype
+        ctx.ring, ctx.weight_grads, ctx.parameters, ctx.has_bias = ring, weight_grads, (weight, None), False
+        return y  # (B, T/p, n)
+
+    @staticmethod
+    def backward(ctx, grad):  # grad (B, T/p, n)
+        w, *kept = ctx.saved_tensors
+        grad_x, gathered = ctx.ring.gathered(grad.to(w.dtype), lambda rows: rows.matmul(w), "input grad", "backward")
+        if ctx.recompute is not None:
+            with torch.no_grad():
+                kept = [ctx.recompute.fn(*kept).to(ctx.x_dtype)]
+        g, x = gathered.reshape(-1, gathered.shape[-1]), kept[0].reshape(-1, kept[0].shape[-1])  # (N, n), (N, k/p)
+        grad_w, _ = _weight_grads(ctx, g, x)
+        return grad_x.to(ctx.input_dtype), grad_w, None, None, None  # grad_x (B, T, k/p)
+
+
+def _weight_grads(ctx, g: torch.Tensor, x: torch.Tensor) -> tuple:
+    """gᵀ x and Σ_rows g now, or (None, None) with their products handed to the store (model/weight_grads.py)."""
+    if ctx.weight_grads is not None:
+        ctx.weight_grads.defer(*ctx.parameters, parameter_grads, Grads(g), x.detach(), g, ctx.has_bias)
+        return None, None
+    return parameter_grads(Grads(g), x, g, ctx.has_bias)
+
+
+def gathered_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ring: Ring,
+                    weight_grads: WeightGradStore | None = None) -> torch.Tensor:
+    """x (B, T/p, k), this rank's sequence piece → (B, T, n/p): the column-parallel layer (see _GatheredLinear)."""
+    return _eager(_GatheredLinear)(x, weight, bias, ring, weight_grads)
+
+
+def scattered_linear(x: torch.Tensor, weight: torch.Tensor, ring: Ring, recompute: Recompute | None = None,
+                     weight_grads: WeightGradStore | None = None) -> torch.Tensor:
+    """x (B, T, k/p) → (B, T/p, n), this rank's sequence piece of the sum: the row-parallel layer without its
+    bias (see _ScatteredLinear)."""
+    return _eager(_ScatteredLinear)(x, weight, recompute, ring, weight_grads)
+
+
+@functools.cache
+def _eager(function: type[torch.autograd.Function]) -> Callable:
+    """function.apply, which torch.compile does not trace (the ring's point-to-point exchanges break the graph;
+    the compiled pieces around it keep theirs); made on first use, as model/recompute.py's (importing
+    torch._dynamo imports Triton)."""
+    return torch.compiler.disable(function.apply)
