@@ -247,6 +247,8 @@ def _custom(full: str, name: str, args, site: str, moved: float, dtype: str) -> 
         flops = 2.5 * forward if name == "attention_backward" else forward
         detail = {"head_dim": head_dim, "backward": name == "attention_backward"}
         return Op(full, "attention", LAUNCHES[full], moved, flops, site, dtype=dtype, detail=detail)
+    if name == "float8_cast":  # model/float8.py: one elementwise kernel (the operand read, its float8 written)
+        return Op(full, "memory", 1, moved, 0.0, site, dtype=dtype)
     return Op(full, "loss", LAUNCHES.get(full, 1), moved, 0.0, site, dtype=dtype)
 
 

@@ -39,13 +39,16 @@ output gradient is gathered before its backward.
     column   W rows, g columns   W (fwd), g (bwd)           g and W in the input grad (K = n)
     row      W and x columns     x and W (fwd)              x and W in the forward (K = k)
 
-Which pieces are torchao's and which are ours: the recipes, the amax (tensor_to_amax), amax → scale
-(amax_to_scale, with its power-of-two rounding), the saturated cast (to_fp8_saturated) and the
-scaled product (addmm_float8_unwrapped: torch._scaled_mm with inverse scales, and its rowwise
-arrangement) are torchao's functions. Ours: the operand layouts _scaled_mm needs (A row-major, B
-column-major: torchao arranges them inside its tensor subclass's matmul, which has no functional form),
-and the amax reductions, which torchao makes over a DeviceMesh for DTensor tensor parallelism, where
-gpt3d's plain-tensor layers reduce over their own group, one recorded collective per product.
+Which pieces are torchao's and which are ours: the recipes, amax → scale (amax_to_scale, with its
+power-of-two rounding), the saturated cast (to_fp8_saturated) and the scaled product
+(addmm_float8_unwrapped: torch._scaled_mm with inverse scales, and its rowwise arrangement) are torchao's
+functions. Ours: the amax as one reduction (the infinity norm, the value torchao's tensor_to_amax gives), the
+operand layouts _scaled_mm needs (A row-major, B column-major: torchao arranges them inside its tensor
+subclass's matmul, which has no functional form), on a GPU the cast and the layout in one Triton kernel
+(model/float8_cast_triton.py: torchao's cast bit for bit, one read of the operand and one float8 write instead
+of seven passes; compiled blocks keep torchao's ops, which inductor fuses), and the amax reductions, which
+torchao makes over a DeviceMesh for DTensor tensor parallelism, where gpt3d's plain-tensor layers reduce over
+their own group, one recorded collective per product.
 """
 
 from __future__ import annotations
@@ -59,7 +62,6 @@ from model.float8_library import (
     ScalingGranularity,
     addmm_float8_unwrapped,
     amax_to_scale,
-    tensor_to_amax,
     to_fp8_saturated,
 )
 from model.modes import Float8
@@ -151,8 +153,8 @@ class Float8Matmuls:
         cast_a, cast_b, _ = configs
         scale_a = amax_to_scale(amaxes[0], cast_a.target_dtype, self.power_of_2)  # () or (M, 1)
         scale_b = amax_to_scale(amaxes[1], cast_b.target_dtype, self.power_of_2)  # () or (1, P)
-        a8 = quantize(a, scale_a, cast_a.target_dtype).contiguous()  # (M, K) row-major
-        b8 = quantize(b, scale_b, cast_b.target_dtype).t().contiguous().t()  # (K, P) column-major
+        a8 = cast_to_float8(a, scale_a, cast_a.target_dtype, transposed=False)  # (M, K) row-major
+        b8 = cast_to_float8(b, scale_b, cast_b.target_dtype, transposed=True).t()  # (K, P) column-major
         return a8, scale_a, b8, scale_b
 
 
@@ -219,10 +221,40 @@ def quantize(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.
     return to_fp8_saturated(t.float() * scale, dtype)
 
 
+def cast_to_float8(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transposed: bool) -> torch.Tensor:
+    """quantize(t, scale, dtype) for t (M, N), contiguous: (M, N), or with `transposed` its transpose (N, M). Eager,
+    one fused kernel (float8_cast, below); compiled (model.compile), torchao's ops, which inductor fuses with the
+    amax and the layers around them."""
+    if torch.compiler.is_compiling():
+        q = quantize(t, scale, dtype)
+        return q.t().contiguous() if transposed else q.contiguous()
+    return float8_cast(t, scale, dtype, transposed)
+
+
+@torch.library.custom_op("gpt3d::float8_cast", mutates_args=())
+def float8_cast(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transposed: bool) -> torch.Tensor:
+    """cast_to_float8's eager form: on CUDA one Triton kernel reads t once and writes the float8 values in the layout
+    asked for (model/float8_cast_triton.py, equal to torchao's cast bit for bit); elsewhere torchao's ops."""
+    if t.is_cuda:
+        from model import float8_cast_triton  # triton is imported only when the kernel runs
+
+        return float8_cast_triton.quantize(t, scale, dtype, transposed)
+    q = quantize(t, scale, dtype)
+    return q.t().contiguous() if transposed else q.contiguous()
+
+
+@float8_cast.register_fake
+def _(t, scale, dtype, transposed):
+    rows, cols = t.shape
+    return t.new_empty((cols, rows) if transposed else (rows, cols), dtype=dtype)
+
+
 def _amax(t: torch.Tensor, dim: int | None) -> torch.Tensor:
-    """max |t| over all of t (dim None: a 0-dim tensor) or along dim (kept as size 1), in fp32."""
-    granularity = ScalingGranularity.TENSORWISE if dim is None else ScalingGranularity.AXISWISE
-    return tensor_to_amax(t, scaling_granularity=granularity, axiswise_dim=dim).float()
+    """max |t| over all of t (dim None: a 0-dim tensor) or along dim (kept as size 1), in fp32: one reduction
+    (the infinity norm; torchao's tensor_to_amax takes |t| first, a pass more), the same value exactly."""
+    if dim is None:
+        return torch.linalg.vector_norm(t, ord=float("inf")).float()
+    return torch.linalg.vector_norm(t, ord=float("inf"), dim=dim, keepdim=True).float()
 
 
 def _spread(split: int | None, dim: int | None) -> bool:

@@ -29,9 +29,8 @@ def _quiet_import():
 with _quiet_import():
     from torchao.float8.config import Float8LinearConfig, ScalingGranularity
     from torchao.float8.float8_ops import addmm_float8_unwrapped
-    from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax, to_fp8_saturated
+    from torchao.float8.float8_utils import amax_to_scale, to_fp8_saturated
 
 __all__ = [
-    "Float8LinearConfig", "ScalingGranularity", "addmm_float8_unwrapped", "amax_to_scale", "tensor_to_amax",
-    "to_fp8_saturated",
+    "Float8LinearConfig", "ScalingGranularity", "addmm_float8_unwrapped", "amax_to_scale", "to_fp8_saturated",
 ]

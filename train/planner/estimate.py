@@ -135,11 +135,12 @@ FP8_CAST_BYTES = {"tensorwise": 10, "rowwise": 12}
 # tensorwise, a column layer's W (forward) and g (backward), a row layer's x and W (forward, one call): 2 and 1;
 # rowwise, a column layer's input grad and a row layer's forward: 1 each. (Column, row) per recipe.
 FP8_AMAX_REDUCTIONS = {"tensorwise": (2, 1), "rowwise": (1, 1)}
-# Kernels one block linear adds in float8, forward and backward, eager: amaxes, scales, casts, layout copies,
-# the scaled products (aten operations other than views, counted on one linear: 78 tensorwise and 113 rowwise,
-# against the plain linear's 6). At 30 µs of host time each they bound a large model's micro batch unless
+# Kernels one block linear adds in float8, forward and backward, eager: amaxes (one reduction each), scales, the
+# casts (one fused kernel each, model/float8.py's float8_cast), the scaled products (kernels counted on one linear
+# by bench/op_ledger.py: 55 tensorwise and 87 rowwise, against the plain linear's 6; most of what remains is the
+# scale arithmetic on single numbers). At 30 µs of host time each they bound a large model's micro batch unless
 # model.compile fuses them (Implementation.compiled: none added; their memory traffic is still counted).
-FP8_KERNELS_PER_LINEAR = {"tensorwise": 72, "rowwise": 107}
+FP8_KERNELS_PER_LINEAR = {"tensorwise": 49, "rowwise": 81}
 
 
 @lru_cache(maxsize=64)
@@ -455,6 +456,9 @@ def _stage_ranks(model_cfg: GPTConfig, layout: Layout, impl: Implementation, hw:
     hidden = [t for t in exposed if overlap_dp and t.overlaps == plan_comm.BACKWARD]
     backward_s = 2 / 3 * compute_s  # one micro batch's backward (module docstring)
     dp_s = _comm_time([t for t in exposed if t not in hidden], hw, inter_node)
+    if impl.chunked_dp_overlap:  # the last chunk's reduction and the first chunk's gather stay on the path
+        dp_group = [t for t in exposed if t not in hidden and t.group == "dp"]
+        dp_s -= (1 - 1 / placement.virtual) * _comm_time(dp_group, hw, inter_node)
     for t in hidden:  # ZeRO 2: each micro batch's reduction behind its backward; ZeRO 1: the last one's
         dp_s += t.count * max(0.0, _comm_time([t], hw, inter_node) / t.count - backward_s)
     micro_batch_s = compute_s + gather_s + tp_s + pp_s

@@ -89,6 +89,11 @@ class Implementation:
     # assumed, not measured: a GEMM chunk runs this much slower beside a ring exchange (NCCL's send and receive
     # kernels take some of the SMs; Transformer Engine's copy-engine exchanges take fewer)
     ring_gemm_slowdown: float = 0.1
+    # Megatron-Core's distributed optimizer (overlap_grad_reduce, overlap_param_gather), for published runs only
+    # (gpt3d reduces through DeepSpeed's engine, after the last backward): under the interleaved schedule each
+    # chunk's gradients reduce while later chunks run backward and its weights gather while earlier ones run
+    # forward, so 1/V of the data-parallel communication stays exposed (all of it at V = 1)
+    chunked_dp_overlap: bool = False
     overlap_dp: bool = False  # ZeRO 1/2 reduce gradients in buckets during the backward (overlap_comm)
     fused_loss: bool = True  # train.fused_loss: the loss unembeds chunk by chunk, no (n, Vp/p) logits kept
     # measured on this project's H100 (README, "How the step time is modelled"):

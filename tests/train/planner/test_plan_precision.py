@@ -91,7 +91,7 @@ def test_fp8_runs_the_block_gemms_at_twice_the_rate_and_adds_the_casts_traffic(r
     """Compiled (no launch bound): per block and micro batch, the four linears' three products each take
     half their bf16 time (compute-bound at these shapes), and their casts move cast_bytes per element of
     x, W and g at HBM bandwidth; nothing else changes. Eager, the casts' kernels bound the micro batch:
-    30 µs of host time for each of the block's 100 kernels and 4 × 72 (tensorwise) more, and for the
+    30 µs of host time for each of the block's 100 kernels and 4 × 49 (tensorwise) more, and for the
     two kernels a parameter tensor of BF16_Optimizer's per-micro-batch update (fp8 keeps bf16's weights;
     ZeRO 0: 292 tensors, 24 blocks of 12, the two embeddings and the final LayerNorm's two)."""
     cfg = GPTConfig(name="1.3b", n_layer=24, n_head=16, d_model=2048, seq_len=2048)
@@ -107,7 +107,7 @@ def test_fp8_runs_the_block_gemms_at_twice_the_rate_and_adds_the_casts_traffic(r
     if recipe == "tensorwise":
         eager = build_plan(cfg, layout, hw, implementation=for_precision("fp8"))
         tensors = 24 * 12 + 2 + 2
-        assert eager.ranks[0].time["compute_s"] == pytest.approx((24 * (100 + 4 * 72) + 2 * tensors) * 30e-6, rel=1e-9)
+        assert eager.ranks[0].time["compute_s"] == pytest.approx((24 * (100 + 4 * 49) + 2 * tensors) * 30e-6, rel=1e-9)
 
 
 def test_fused_loss_from_the_config():
@@ -149,3 +149,28 @@ def test_the_one_gpu_launch_list_counts_a_block_as_the_bill_does():
     assert sum(launch.kernels for launch in launches[10:]) == 20
     assert [launch.kernels for launch in launches if launch.kind == "attention"] == [1, 3]
     assert sum(launch.flops for launch in launches if launch.kind == "gemm") == 3 * 2 * 8 * 2048 * 12 * 768 * 768
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_the_kernels_an_fp8_linear_adds_are_the_ones_its_code_launches(recipe):
+    """bench/op_ledger.py counts the kernels one bf16 linear of 256 → 512 launches on CUDA (fake tensors), forward
+    and backward, with its products in float8 (the fused casts, model/float8.py) and without: the planner's
+    FP8_KERNELS_PER_LINEAR is the difference."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from bench.op_ledger import OpLedger
+    from model.modes import Float8
+    from model.recompute import Linear
+    from train.planner.estimate import FP8_KERNELS_PER_LINEAR
+
+    def kernels(fp8) -> int:
+        linear, ledger = Linear(256, 512, fp8=fp8).to(torch.bfloat16), OpLedger()
+        with FakeTensorMode(allow_non_fake_inputs=True) as fake:
+            x = fake.from_tensor(torch.randn(2, 64, 256, dtype=torch.bfloat16)).requires_grad_()
+            with ledger:
+                ledger.recording = True
+                linear(x).sum().backward()
+        return sum(op.kernels for op in ledger.ops)
+
+    assert kernels(Float8(recipe=recipe)) - kernels(None) == FP8_KERNELS_PER_LINEAR[recipe]

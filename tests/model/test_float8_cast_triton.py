@@ -1,0 +1,58 @@
+"""The fused float8 cast (model/float8_cast_triton.py), the kernel CUDA runs, on the CPU through TRITON_INTERPRET=1,
+against torchao's saturated cast (model/float8.py's quantize) bit for bit: both float8 formats, one scale for the
+tensor or one per row or per column, bf16 and fp32 operands, strided ones (a transposed view, as gᵀ enters the
+weight gradient), shapes that leave ragged tiles, values past f_max (saturated), ties and values that round up
+into the next binade, subnormals and zeros; row-major and transposed outputs."""
+
+import os
+import sys
+
+# As tests/model/test_attention_triton.py: triton reads TRITON_INTERPRET when it is first imported.
+if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+    raise RuntimeError("triton was imported before tests/model/test_float8_cast_triton.py could set "
+                       "TRITON_INTERPRET=1; run this file in a pytest process of its own")
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from model import float8_cast_triton  # noqa: E402
+from model.float8 import quantize  # noqa: E402
+
+FORMATS = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+def _operand(dtype: torch.dtype, f_max: float, seed: int) -> torch.Tensor:
+    """(37, 53): normal values over many binades, some past f_max, exact ties, values just under a binade's top
+    (which round into the next one), subnormals and zeros."""
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(37, 53, generator=g) * torch.exp2(torch.randint(-12, 12, (37, 53), generator=g).float())
+    t[0, :10] = torch.tensor([0.0, -0.0, f_max * 1.5, -f_max * 3, f_max, 127.9, -127.8, 2.0**-9, 2.0**-17, 1.0625])
+    t[1, :4] = torch.tensor([104.0, 112.0, 3 * 2.0**-10, 5 * 2.0**-18])  # ties between float8 neighbours
+    return t.to(dtype)
+
+
+def _scales(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"tensor": torch.tensor(1.0), "tensor-odd": torch.tensor(0.37), "rows": torch.rand(37, 1, generator=g) * 4,
+            "columns": torch.rand(1, 53, generator=g) * 4}
+
+
+@pytest.mark.parametrize("fp8", list(FORMATS), ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("transposed", [False, True], ids=["row-major", "transposed"])
+def test_the_kernel_equals_torchaos_cast_bit_for_bit(fp8, dtype, transposed):
+    assert float8_cast_triton.INTERPRET and 37 % float8_cast_triton.BLOCK and 53 % float8_cast_triton.BLOCK
+    t = _operand(dtype, FORMATS[fp8], seed=1)
+    for operand in (t, t.t().contiguous().t()):  # row-major, and a strided view of the same values
+        for name, scale in _scales(seed=2).items():
+            got = float8_cast_triton.quantize(operand, scale, fp8, transposed)
+            want = quantize(operand, scale, fp8)
+            want = want.t().contiguous() if transposed else want
+            assert got.is_contiguous() and got.shape == want.shape, name
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (name, operand.stride())
+
+
+def test_an_unknown_format_is_refused():
+    with pytest.raises(ValueError, match="float8 cast to torch.float16: must be one of"):
+        float8_cast_triton.quantize(torch.ones(2, 2), torch.tensor(1.0), torch.float16, False)
