@@ -11,7 +11,7 @@ import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 BLOCK_V = 64 if INTERPRET else 2048  # columns a program reads at a time
-LOG2E: tl.constexpr = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)  # a global a kernel reads must be a tl.constexpr object
 
 
 @triton.jit
