@@ -212,8 +212,21 @@ def run_stages(measure_case, pp: int, cases: list[tuple[int, str]], prepare=None
     Both benchmarks of the pipeline (this one and bench.pipeline_memory) measure through it."""
     results = mp.get_context("fork").SimpleQueue()
     args = (pp, _free_port(), cases, measure_case, prepare, results)
-    mp.start_processes(_stage_main, args=args, nprocs=pp, start_method="fork")
-    return dict(results.get() for _ in cases)
+    ranks = mp.start_processes(_stage_main, args=args, nprocs=pp, start_method="fork", join=False)
+    # read as the ranks write: a case's records can outgrow the pipe's buffer (pp=4, m=8: its passes), and rank 0
+    # would block in put while the others wait for it in the next case, if the results were read only at the end
+    measured, ended = {}, False
+    while len(measured) < len(cases):
+        if not results.empty():
+            key, records = results.get()
+            measured[key] = records
+        elif ended:
+            raise RuntimeError(f"the {pp} ranks ended with {len(measured)} of {len(cases)} cases measured")
+        else:
+            ended = ranks.join(timeout=0.1)  # True once every rank has ended; a rank's exception is raised here
+    while not ranks.join():
+        pass
+    return measured
 
 
 def _stage_main(rank, pp, port, cases, measure_case, prepare, results):
