@@ -92,10 +92,10 @@ class Ring:
     def scattered(self, whole: torch.Tensor, product: Callable, what: str, phase: str) -> torch.Tensor:
         """(Σ_q product_q(x))_r (B, T/p, n) from x (B, T, k') whole on every rank."""
         p = self.size
-        pieces = whole.chunk(p, dim=SEQUENCE_DIM)  # p × (B, T/p, k')
         if whole.shape[SEQUENCE_DIM] % p:
             raise ValueError(f"{self.tag}: a sequence of {whole.shape[SEQUENCE_DIM]} tokens does not split into "
                              f"{p} tensor-parallel pieces")
+        pieces = whole.chunk(p, dim=SEQUENCE_DIM)  # p × (B, T/p, k')
         partial = product(pieces[(self.rank - 1) % p]).contiguous()  # the partial sum this rank starts
         for s in range(p - 1):
             label = f"{self.tag}:{what} {s + 1}/{p - 1}"
