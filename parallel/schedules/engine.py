@@ -100,6 +100,7 @@ class ScheduleEngine(PipelineEngine):
         engine._own_stages = placement.stages_of(engine.stage_id)
         engine._stage = None  # the virtual stage of the pass under way
         engine._template = None  # [(shape, dtype)] of what goes between stages, this step
+        engine._template_code = torch.zeros(_TEMPLATE_SIZE, dtype=torch.long, device=engine.device)  # its broadcast
         engine._held_posts = []  # receives posted before the template was known (the rank of stage 0)
         engine._recvs, engine._sends, engine._losses = {}, [], {}
         engine._input_grads_out = {}  # buffer → ∂L/∂(its chunk's input), made by B, until sent or handed off
@@ -157,7 +158,9 @@ class ScheduleEngine(PipelineEngine):
     def _exchange_template(self, outputs) -> list[tuple[torch.Size, torch.dtype]]:
         """Broadcast from the rank of virtual stage 0 the shapes and dtypes of its first output (`outputs`
         there, None elsewhere) over this pipeline's ranks."""
-        coded = torch.zeros(_TEMPLATE_SIZE, dtype=torch.long, device=self.device)
+        # one buffer for every step's broadcast: gloo's thread may hold the one it sent a while, and a fresh one
+        # each step would be freed at a moment of its choosing (seen in bench.pipeline_memory's end-of-passes check)
+        coded = self._template_code.zero_()
         if outputs is not None:
             tensors = outputs if isinstance(outputs, tuple) else (outputs,)
             values = [len(tensors)]
