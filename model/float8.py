@@ -226,8 +226,7 @@ def cast_to_float8(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, tra
     one fused kernel (float8_cast, below); compiled (model.compile), torchao's ops, which inductor fuses with the
     amax and the layers around them."""
     if torch.compiler.is_compiling():
-        q = quantize(t, scale, dtype)
-        return q.t().contiguous() if transposed else q.contiguous()
+        return _cast_in_torch(t, scale, dtype, transposed)
     return float8_cast(t, scale, dtype, transposed)
 
 
@@ -239,7 +238,11 @@ def float8_cast(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transp
         from model import float8_cast_triton  # triton is imported only when the kernel runs
 
         return float8_cast_triton.quantize(t, scale, dtype, transposed)
-    q = quantize(t, scale, dtype)
+    return _cast_in_torch(t, scale, dtype, transposed)
+
+
+def _cast_in_torch(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transposed: bool) -> torch.Tensor:
+    q = quantize(t, scale, dtype)  # (M, N)
     return q.t().contiguous() if transposed else q.contiguous()
 
 

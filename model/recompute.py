@@ -111,9 +111,7 @@ class _Linear(torch.autograd.Function):
         if ctx.weight_grads is not None:  # W later (model/weight_grads.py); the reduction of ∂L/∂x stays here
             if ctx.reduce_input_grad is not None:
                 grad_x, _ = ctx.reduce_input_grad(grad_x, lambda: None)
-            # x detached: as unpacked it carries the graph behind it (grad_fn) down to the stage's input, an
-            # autograd leaf its AccumulateGrad node holds, which W has no use for and would keep alive until it runs
-            ctx.weight_grads.defer(*ctx.parameters, parameter_grads, products, x.detach(), g, ctx.has_bias)
+            ctx.weight_grads.defer(*ctx.parameters, parameter_grads, products, x, g, ctx.has_bias)
             return grad_x, None, None, None, None, None, None, None
         if ctx.reduce_input_grad is None:
             grad_w, grad_b = parameter_grads(products, x, g, ctx.has_bias)
@@ -157,14 +155,14 @@ def _deferring_linear(*args) -> torch.Tensor:
     breaks here, the compiled pieces before and after it keep their own backward, and this layer's backward
     hands its store the products to run later, which no compiled graph may trace (model/weight_grads.py
     compiles that later pass on its own)."""
-    return _eager_apply()(*args)
+    return eager_apply(_Linear)(*args)
 
 
 @functools.cache
-def _eager_apply():
-    """_Linear.apply that torch.compile does not trace (torch.compiler.disable), made on first use: disabling
-    imports torch._dynamo, and with it Triton, which importing this module must not."""
-    return torch.compiler.disable(_Linear.apply)
+def eager_apply(function: type[torch.autograd.Function]) -> Callable:
+    """function.apply that torch.compile does not trace (torch.compiler.disable), made on first use: disabling
+    imports torch._dynamo, and with it Triton, which importing a module must not."""
+    return torch.compiler.disable(function.apply)
 
 
 def autocast_dtype(x: torch.Tensor) -> torch.dtype:

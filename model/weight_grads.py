@@ -41,8 +41,12 @@ class WeightGradStore:
         self._compiled: dict[Callable, Callable] = {}  # function → its compiled form
 
     def defer(self, weight: torch.Tensor, bias: torch.Tensor | None, grads: Callable, *args) -> None:
-        """Called by a layer's backward: grads(*args) → (∂L/∂W, ∂L/∂b or None), to be run by `run_oldest`."""
-        self._open.append(((weight, bias), grads, args))
+        """Called by a layer's backward: grads(*args) → (∂L/∂W, ∂L/∂b or None), to be run by `run_oldest`. Tensor
+        arguments are kept detached: one unpacked in a backward carries the graph behind it (grad_fn) down to the
+        stage's input, an autograd leaf its AccumulateGrad node holds, which W has no use for and would keep alive
+        until it runs."""
+        kept = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+        self._open.append(((weight, bias), grads, kept))
 
     def compile(self) -> None:
         """Run the deferred products compiled from now on (model.compile): each function handed to `defer`

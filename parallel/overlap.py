@@ -30,14 +30,13 @@ asynchronous work.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from model.recompute import Grads, Recompute, autocast_dtype, parameter_grads
+from model.recompute import Grads, Recompute, autocast_dtype, eager_apply, parameter_grads
 from model.weight_grads import WeightGradStore
 from parallel.comm import record_collective, record_step
 
@@ -74,17 +73,15 @@ class Ring:
         """(product([x_0 | … | x_{p−1}]), [x_0 | … | x_{p−1}]) from this rank's piece x_r (B, T/p, k)."""
         p, outs, pieces = self.size, [None] * self.size, [None] * self.size
         current = piece.contiguous()
-        for s in range(p):
+        for s in range(p - 1):
             owner, label = (self.rank - s) % p, f"{self.tag}:{what} {s + 1}/{p - 1}"
-            pieces[owner] = current
-            works, received = None, None
-            if s < p - 1:
-                received = torch.empty_like(current)
-                works = self._exchange(current, received, label)
-            outs[owner] = self._gemm(product, current, label) if works else product(current)
-            if works:
-                self._wait(works, label)
-                current = received
+            pieces[owner], received = current, torch.empty_like(current)
+            works = self._exchange(current, received, label)
+            outs[owner] = self._gemm(product, current, label)
+            self._wait(works, label)
+            current = received
+        last = (self.rank + 1) % p  # the piece that arrived last, with nothing left to receive behind it
+        pieces[last], outs[last] = current, product(current)
         gathered = torch.cat(pieces, dim=SEQUENCE_DIM)  # (B, T, k)
         record_collective("all_gather", self.tag, phase, gathered.numel() * gathered.element_size())
         return torch.cat(outs, dim=SEQUENCE_DIM), gathered  # (B, T, n), (B, T, k)
@@ -165,7 +162,7 @@ class _ScatteredLinear(torch.autograd.Function):
 def _weight_grads(ctx, g: torch.Tensor, x: torch.Tensor) -> tuple:
     """gᵀ x and Σ_rows g now, or (None, None) with their products handed to the store (model/weight_grads.py)."""
     if ctx.weight_grads is not None:
-        ctx.weight_grads.defer(*ctx.parameters, parameter_grads, Grads(g), x.detach(), g, ctx.has_bias)
+        ctx.weight_grads.defer(*ctx.parameters, parameter_grads, Grads(g), x, g, ctx.has_bias)
         return None, None
     return parameter_grads(Grads(g), x, g, ctx.has_bias)
 
@@ -173,19 +170,11 @@ def _weight_grads(ctx, g: torch.Tensor, x: torch.Tensor) -> tuple:
 def gathered_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ring: Ring,
                     weight_grads: WeightGradStore | None = None) -> torch.Tensor:
     """x (B, T/p, k), this rank's sequence piece → (B, T, n/p): the column-parallel layer (see _GatheredLinear)."""
-    return _eager(_GatheredLinear)(x, weight, bias, ring, weight_grads)
+    return eager_apply(_GatheredLinear)(x, weight, bias, ring, weight_grads)  # the exchanges break a compiled graph
 
 
 def scattered_linear(x: torch.Tensor, weight: torch.Tensor, ring: Ring, recompute: Recompute | None = None,
                      weight_grads: WeightGradStore | None = None) -> torch.Tensor:
     """x (B, T, k/p) → (B, T/p, n), this rank's sequence piece of the sum: the row-parallel layer without its
     bias (see _ScatteredLinear)."""
-    return _eager(_ScatteredLinear)(x, weight, recompute, ring, weight_grads)
-
-
-@functools.cache
-def _eager(function: type[torch.autograd.Function]) -> Callable:
-    """function.apply, which torch.compile does not trace (the ring's point-to-point exchanges break the graph;
-    the compiled pieces around it keep theirs); made on first use, as model/recompute.py's (importing
-    torch._dynamo imports Triton)."""
-    return torch.compiler.disable(function.apply)
+    return eager_apply(_ScatteredLinear)(x, weight, recompute, ring, weight_grads)

@@ -156,7 +156,8 @@ class ColumnParallelLinear(nn.Module):
         self.reduce_input_grad = None
         if overlap and not ring_overlap:
             self.reduce_input_grad = overlapped_reduction(group, tag, sequence_dim=1 if sequence_parallel else None)
-        self.gather_input = sequence_gather(group, tag, dim=1) if sequence_parallel and overlap else None
+        gathers = sequence_parallel and overlap and not ring_overlap  # (the ring gathers its input itself)
+        self.gather_input = sequence_gather(group, tag, dim=1) if gathers else None
 
     def forward(self, x: torch.Tensor, recompute: Recompute | None = None) -> torch.Tensor:
         """x (B, T, k) replicated, or this rank's (B, T/p, k) when the layer gathers it; recompute: how

@@ -378,11 +378,11 @@ def _memory(layout: Layout, impl: Implementation, params, state: StateBytes, act
 
 def _stage_ranks(model_cfg: GPTConfig, layout: Layout, impl: Implementation, hw: Hardware, stages: list[int],
                  inter_node: dict, order_costs: Costs | None = None) -> list[RankPlan]:
-    """The plans of pipeline ranks `stages`, alike. order_costs: the F, B and W shares zb-v's engine orders every
-    rank's passes by (RunSpec.pass_costs: the plan's slowest rank's); None: these ranks' own."""
     """The RankPlans of pipeline ranks `stages`, which hold alike chunks (`_rank_key`): their state, activations,
     communication and time are one rank's, computed once from its chunks (its virtual stages, one under 1f1b
-    and zb-h1); what each holds at its peak depends on the rank (held_at_peak, chunks_held_at_peak)."""
+    and zb-h1); what each holds at its peak depends on the rank (held_at_peak, chunks_held_at_peak).
+    order_costs: the F, B and W shares zb-v's engine orders every rank's passes by (RunSpec.pass_costs: the
+    plan's slowest rank's); None: these ranks' own."""
     tp, pp, dp, m = layout.tp, layout.pp, layout.dp, layout.micro_batches
     placement, spec = layout.placement, layout.stage_layers
     stage, virtual = stages[0], placement.stages
