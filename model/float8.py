@@ -86,6 +86,7 @@ class Float8Matmuls:
         if split not in SPLITS or (split is None) != (reduce_max is None):
             raise ValueError(f"split={split!r} with reduce_max={reduce_max!r}: a split needs its reduction and only it")
         self.reduce_max = reduce_max
+        self.emulate, self.weight_casts = mode.emulate, mode.weight_casts
         self.multiply = emulated_mm if mode.emulate else scaled_mm
         config = Float8LinearConfig.from_recipe_name(mode.recipe)
         # (A's cast, B's cast, the product's settings) of each of the three products
@@ -202,6 +203,17 @@ def scaled_mm(a8, scale_a, b8, scale_b, dtype: torch.dtype, fast_accumulation: b
     return addmm_float8_unwrapped(a8, scale_a, b8, scale_b, dtype, use_fast_accum=fast_accumulation)
 
 
+def inverse_scaled_mm(a8, inverse_a, b8, inverse_b, dtype: torch.dtype, fast_accumulation: bool,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    """(Â·s_A⁻¹)(B̂·s_B⁻¹) (+ bias) by torch._scaled_mm, tensorwise, its inverse scales given (made once for the many
+    products of one operand: parallel/ring_operands.py), the bias added in the product's epilogue."""
+    if dtype == torch.float32 and bias is not None:  # _scaled_mm takes no bias with an fp32 output
+        return torch._scaled_mm(a8, b8, scale_a=inverse_a, scale_b=inverse_b, out_dtype=dtype,
+                                use_fast_accum=fast_accumulation) + bias
+    return torch._scaled_mm(a8, b8, scale_a=inverse_a, scale_b=inverse_b, bias=bias, out_dtype=dtype,
+                            use_fast_accum=fast_accumulation)
+
+
 def emulated_mm(a8, scale_a, b8, scale_b, dtype: torch.dtype, fast_accumulation: bool) -> torch.Tensor:
     """(Â/s_A)(B̂/s_B) as torchao emulates it: the float8 values (exact in fp32) divided by their scales,
     multiplied in fp32 (also under autocast, as generation runs), rounded to `dtype`
@@ -256,8 +268,8 @@ def _amax(t: torch.Tensor, dim: int | None) -> torch.Tensor:
     """max |t| over all of t (dim None: a 0-dim tensor) or along dim (kept as size 1), in fp32: one reduction
     (the infinity norm; torchao's tensor_to_amax takes |t| first, a pass more), the same value exactly."""
     if dim is None:
-        return torch.linalg.vector_norm(t, ord=float("inf")).float()
-    return torch.linalg.vector_norm(t, ord=float("inf"), dim=dim, keepdim=True).float()
+        return torch.linalg.vector_norm(t, ord=float("inf"), dtype=torch.float32)
+    return torch.linalg.vector_norm(t, ord=float("inf"), dim=dim, keepdim=True, dtype=torch.float32)
 
 
 def _spread(split: int | None, dim: int | None) -> bool:

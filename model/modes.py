@@ -26,7 +26,7 @@ tensor-parallel ones):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 SELECTIVE = "selective"  # the activation_checkpointing mode that recomputes LayerNorm and GELU outputs only
 # A block's linear layers, by their names inside the block: the fused QKV projection and the attention's output
@@ -39,10 +39,13 @@ class Float8:
     """How a linear layer's float8 products run (model/float8.py): `recipe` "tensorwise" or "rowwise";
     `emulate`: the product of the float8 operands as an fp32 matrix multiply of their exact values
     (torchao's emulation) instead of torch._scaled_mm, whose CPU kernel is about a thousand times slower
-    than an fp32 one; the same quantized operands, the sums rounded in another order."""
+    than an fp32 one; the same quantized operands, the sums rounded in another order. `weight_casts`: a
+    model.float8_weights.WeightCasts (this rank's own object, not part of the mode's value) that keeps each
+    weight's float8 casts through a training step (None: every micro batch casts them again)."""
 
     recipe: str = "tensorwise"
     emulate: bool = False
+    weight_casts: object | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

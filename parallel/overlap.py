@@ -34,11 +34,11 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from model.recompute import Grads, Recompute, autocast_dtype, eager_apply, parameter_grads
+from model.recompute import Recompute, eager_apply, parameter_grads
 from model.weight_grads import WeightGradStore
 from parallel.comm import record_collective, record_step
+from parallel.ring_operands import PLAIN
 
 SEQUENCE_DIM = 1
 
@@ -53,6 +53,7 @@ class Ring:
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
 
     def _exchange(self, send: torch.Tensor, receive: torch.Tensor, label: str) -> list:
+        send, receive = _as_bytes(send), _as_bytes(receive)
         ops = [dist.P2POp(dist.isend, send, self.next, self.group), dist.P2POp(dist.irecv, receive, self.prev, self.group)]
         works = dist.batch_isend_irecv(ops)
         record_step("issue", label)
@@ -105,76 +106,86 @@ class Ring:
         return partial  # (B, T/p, n)
 
 
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A float8 tensor as its bytes (gloo has no float8 type; NCCL moves the same bytes), others as they are."""
+    return t.view(torch.uint8) if t.dtype.itemsize == 1 and t.dtype.is_floating_point else t
+
+
 class _GatheredLinear(torch.autograd.Function):
     """A column-parallel linear whose input arrives in sequence pieces: y = [x_0 | … | x_{p−1}] W_rᵀ + b_r forward
     (gathered), ∂L/∂x_r = (Σ_q g_q W_q)_r backward (scattered), ∂L/∂W_r = gᵀ x and ∂L/∂b_r = Σ_rows g after it
-    or deferred to the weight-gradient store."""
+    or deferred to the weight-gradient store. `ops` (parallel/ring_operands.py): what travels and multiplies, the
+    compute dtype's operands or float8 ones."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, ring: Ring, weight_grads: WeightGradStore | None):
-        dtype = autocast_dtype(x)
-        x_cast, w_cast = x.to(dtype), weight.to(dtype)
-        b_cast = None if bias is None else bias.to(dtype)
-        y, gathered = ring.gathered(x_cast, lambda rows: F.linear(rows, w_cast, b_cast), "forward", "forward")
-        ctx.save_for_backward(w_cast, gathered)
+    def forward(ctx, x, weight, bias, ring: Ring, weight_grads: WeightGradStore | None, ops):
+        sent, product, state = ops.forward(x, weight, bias)
+        y, gathered = ring.gathered(sent, product, "forward", "forward")
+        ctx.save_for_backward(*state, gathered)
         ctx.ring, ctx.weight_grads, ctx.parameters, ctx.has_bias = ring, weight_grads, (weight, bias), bias is not None
-        ctx.input_dtype = x.dtype
+        ctx.ops, ctx.input_dtype = ops, x.dtype
         return y  # (B, T, n/p)
 
     @staticmethod
     def backward(ctx, grad):  # grad (B, T, n/p)
-        w, gathered = ctx.saved_tensors
-        grad = grad.to(w.dtype)
-        grad_x = ctx.ring.scattered(grad, lambda rows: rows.matmul(w), "input grad", "backward")  # (B, T/p, k)
+        *state, gathered = ctx.saved_tensors
+        sent, product, grad_scale = ctx.ops.backward(grad, state)
+        grad_x = ctx.ring.scattered(sent, product, "input grad", "backward")  # (B, T/p, k)
+        products = ctx.ops.weight_products(sent.reshape(-1, sent.shape[-1]), state, grad_scale)
         g, x = grad.reshape(-1, grad.shape[-1]), gathered.reshape(-1, gathered.shape[-1])  # (N, n/p), (N, k)
-        grad_w, grad_b = _weight_grads(ctx, g, x)
-        return grad_x.to(ctx.input_dtype), grad_w, grad_b, None, None
+        grad_w, grad_b = _weight_grads(ctx, products, g.to(state[0].dtype), x)  # g in the weight state's dtype
+        return grad_x.to(ctx.input_dtype), grad_w, grad_b, None, None, None
 
 
 class _ScatteredLinear(torch.autograd.Function):
     """A row-parallel linear whose output leaves in sequence pieces: y_r = (Σ_q x_q W_qᵀ)_r forward (scattered),
     ∂L/∂x_q = [g_0 | … | g_{p−1}] W_q backward (gathered, which also gathers g), ∂L/∂W_q = gᵀ x_q after it or
-    deferred. x is kept, or recomputed from `recompute`'s sources (selective recomputation)."""
+    deferred. x is kept as forward multiplied it, or recomputed from `recompute`'s sources (selective
+    recomputation); `ops` as in _GatheredLinear."""
 
     @staticmethod
-    def forward(ctx, x, weight, recompute: Recompute | None, ring: Ring, weight_grads: WeightGradStore | None):
-        dtype = autocast_dtype(x)
-        x_cast, w_cast = x.to(dtype), weight.to(dtype)
-        y = ring.scattered(x_cast, lambda rows: F.linear(rows, w_cast), "forward", "forward")
-        kept = recompute.sources if recompute is not None else (x_cast,)
-        ctx.save_for_backward(w_cast, *kept)
-        ctx.recompute, ctx.x_dtype, ctx.input_dtype = recompute, dtype, x.dtype
+    def forward(ctx, x, weight, recompute: Recompute | None, ring: Ring, weight_grads: WeightGradStore | None, ops):
+        sent, product, state = ops.forward(x, weight, None)
+        y = ring.scattered(sent, product, "forward", "forward")
+        kept = recompute.sources if recompute is not None else (sent,)
+        ctx.save_for_backward(*state, *kept)
+        ctx.recompute, ctx.state_size, ctx.ops, ctx.input_dtype = recompute, len(state), ops, x.dtype
         ctx.ring, ctx.weight_grads, ctx.parameters, ctx.has_bias = ring, weight_grads, (weight, None), False
         return y  # (B, T/p, n)
 
     @staticmethod
     def backward(ctx, grad):  # grad (B, T/p, n)
-        w, *kept = ctx.saved_tensors
-        grad_x, gathered = ctx.ring.gathered(grad.to(w.dtype), lambda rows: rows.matmul(w), "input grad", "backward")
+        saved = ctx.saved_tensors
+        state, kept = saved[: ctx.state_size], saved[ctx.state_size :]
+        sent, product, grad_scale = ctx.ops.backward(grad, state)
+        grad_x, gathered = ctx.ring.gathered(sent, product, "input grad", "backward")
         if ctx.recompute is not None:
             with torch.no_grad():
-                kept = [ctx.recompute.fn(*kept).to(ctx.x_dtype)]
-        g, x = gathered.reshape(-1, gathered.shape[-1]), kept[0].reshape(-1, kept[0].shape[-1])  # (N, n), (N, k/p)
-        grad_w, _ = _weight_grads(ctx, g, x)
-        return grad_x.to(ctx.input_dtype), grad_w, None, None, None  # grad_x (B, T, k/p)
+                kept = [ctx.ops.recast(ctx.recompute.fn(*kept), state)]
+        products = ctx.ops.weight_products(gathered.reshape(-1, gathered.shape[-1]), state, grad_scale)  # (N, n)
+        x = kept[0].reshape(-1, kept[0].shape[-1])  # (N, k/p)
+        grad_w, _ = _weight_grads(ctx, products, None, x)
+        return grad_x.to(ctx.input_dtype), grad_w, None, None, None, None  # grad_x (B, T, k/p)
 
 
-def _weight_grads(ctx, g: torch.Tensor, x: torch.Tensor) -> tuple:
-    """gᵀ x and Σ_rows g now, or (None, None) with their products handed to the store (model/weight_grads.py)."""
+def _weight_grads(ctx, products, g: torch.Tensor | None, x: torch.Tensor) -> tuple:
+    """products.weight_grad(x) = gᵀ x and Σ_rows g (g (N, n), with a bias) now, or (None, None) with their products
+    handed to the store (model/weight_grads.py)."""
     if ctx.weight_grads is not None:
-        ctx.weight_grads.defer(*ctx.parameters, parameter_grads, Grads(g), x, g, ctx.has_bias)
+        ctx.weight_grads.defer(*ctx.parameters, parameter_grads, products, x, g, ctx.has_bias)
         return None, None
-    return parameter_grads(Grads(g), x, g, ctx.has_bias)
+    return parameter_grads(products, x, g, ctx.has_bias)
 
 
 def gathered_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ring: Ring,
-                    weight_grads: WeightGradStore | None = None) -> torch.Tensor:
-    """x (B, T/p, k), this rank's sequence piece → (B, T, n/p): the column-parallel layer (see _GatheredLinear)."""
-    return eager_apply(_GatheredLinear)(x, weight, bias, ring, weight_grads)  # the exchanges break a compiled graph
+                    weight_grads: WeightGradStore | None = None, ops=PLAIN) -> torch.Tensor:
+    """x (B, T/p, k), this rank's sequence piece → (B, T, n/p): the column-parallel layer (see _GatheredLinear),
+    its operands `ops` (parallel/ring_operands.py: the layer's ring_operands)."""
+    return eager_apply(_GatheredLinear)(x, weight, bias, ring, weight_grads, ops)  # the exchanges break a compiled graph
 
 
 def scattered_linear(x: torch.Tensor, weight: torch.Tensor, ring: Ring, recompute: Recompute | None = None,
-                     weight_grads: WeightGradStore | None = None) -> torch.Tensor:
+                     weight_grads: WeightGradStore | None = None, ops=PLAIN) -> torch.Tensor:
     """x (B, T, k/p) → (B, T/p, n), this rank's sequence piece of the sum: the row-parallel layer without its
-    bias (see _ScatteredLinear)."""
-    return eager_apply(_ScatteredLinear)(x, weight, recompute, ring, weight_grads)
+    bias (see _ScatteredLinear), its operands `ops` as in gathered_linear."""
+    return eager_apply(_ScatteredLinear)(x, weight, recompute, ring, weight_grads, ops)

@@ -52,6 +52,7 @@ from parallel.comm import (
     sequence_gather,
 )
 from parallel.overlap import Ring, gathered_linear, scattered_linear
+from parallel.ring_operands import ring_operands
 from parallel.topology import check_layout
 
 TP_PLAN = {
@@ -125,7 +126,8 @@ class ColumnParallelLinear(nn.Module):
     the input gradient's reduction stays in the backward, then with nothing to overlap.
     Built with `ring_overlap` (parallel.tp_comm_overlap, sequence parallelism only) the layer gathers its input
     ring step by step behind the GEMM's chunks and reduce-scatters its input gradient the same way
-    (parallel/overlap.py): every collective of the layer is hidden, also when W is deferred.
+    (parallel/overlap.py): every collective of the layer is hidden, also when W is deferred. In float8 the
+    input's pieces travel quantized, with the scale of the whole (parallel/ring_operands.py).
     """
 
     sequence_parallel = Fixed()
@@ -143,8 +145,9 @@ class ColumnParallelLinear(nn.Module):
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         self.group, self.tag = group, tag
         self.sequence_parallel, self.overlap, self.weight_grads = sequence_parallel, overlap, weight_grads
-        self.ring_overlap, self.ring = ring_overlap, _ring(ring_overlap, sequence_parallel, fp8, group, tag)
         self.fp8, self.matmuls = fp8, matmuls_for(fp8, "out", _reduce_max(group, tag))
+        self.ring_overlap, self.ring = ring_overlap, _ring(ring_overlap, sequence_parallel, group, tag)
+        self.ring_ops = ring_operands(self.matmuls) if self.ring is not None else None
         local = _local(out_features, size, f"{tag or 'column-parallel'} out_features")
         self.weight = nn.Parameter(torch.empty(local, in_features, device=device, dtype=dtype))
         _mark(self.weight, (out_features, in_features), SPLIT_DIMS["column"]["weight"], rank, size)
@@ -164,7 +167,7 @@ class ColumnParallelLinear(nn.Module):
         backward gets x back instead of keeping it (model/recompute.py)."""
         if self.ring is not None:  # x (B, T/p, k): under sequence parallelism the LayerNorm before recomputes nothing
             weight_grads = self.weight_grads if torch.is_grad_enabled() else None
-            return gathered_linear(x, self.weight, self.bias, self.ring, weight_grads)  # (B, T, n/p)
+            return gathered_linear(x, self.weight, self.bias, self.ring, weight_grads, self.ring_ops)  # (B, T, n/p)
         if self.copy_input:
             x = copy_to_tp_region(x, self.group, self.tag)
         grad = torch.is_grad_enabled()
@@ -185,7 +188,8 @@ class RowParallelLinear(nn.Module):
     Built with `weight_grads` (model/weight_grads.py) the weight-gradient product is deferred to that store
     (b's gradient, taken after the sum, is not).
     Built with `ring_overlap` (parallel.tp_comm_overlap, sequence parallelism only) the sum is reduce-scattered
-    ring step by step behind the GEMM's chunks, and backward gathers ∂L/∂y the same way (parallel/overlap.py).
+    ring step by step behind the GEMM's chunks, and backward gathers ∂L/∂y the same way (parallel/overlap.py);
+    in float8, ∂L/∂y's pieces travel quantized (parallel/ring_operands.py).
     """
 
     sequence_parallel = Fixed()
@@ -202,8 +206,9 @@ class RowParallelLinear(nn.Module):
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         self.group, self.sequence_parallel, self.tag = group, sequence_parallel, tag
         self.weight_grads = weight_grads
-        self.ring_overlap, self.ring = ring_overlap, _ring(ring_overlap, sequence_parallel, fp8, group, tag)
         self.fp8, self.matmuls = fp8, matmuls_for(fp8, "in", _reduce_max(group, tag))
+        self.ring_overlap, self.ring = ring_overlap, _ring(ring_overlap, sequence_parallel, group, tag)
+        self.ring_ops = ring_operands(self.matmuls) if self.ring is not None else None
         local = _local(in_features, size, f"{tag or 'row-parallel'} in_features")
         self.weight = nn.Parameter(torch.empty(out_features, local, device=device, dtype=dtype))
         _mark(self.weight, (out_features, in_features), SPLIT_DIMS["row"]["weight"], rank, size)
@@ -213,7 +218,7 @@ class RowParallelLinear(nn.Module):
         """recompute: how backward gets x back instead of keeping it (model/recompute.py)."""
         weight_grads = self.weight_grads if torch.is_grad_enabled() else None
         if self.ring is not None:
-            y = scattered_linear(x, self.weight, self.ring, recompute, weight_grads)  # (B, T/p, n)
+            y = scattered_linear(x, self.weight, self.ring, recompute, weight_grads, self.ring_ops)  # (B, T/p, n)
             return y if self.bias is None else y + copy_to_tp_region(self.bias, self.group, self.tag)
         partial_sum = linear(x, self.weight, None, recompute, matmuls=self.matmuls,
                              weight_grads=weight_grads)  # (B, T, n), this rank's term of Σ_i
@@ -393,16 +398,13 @@ class FullLogits(nn.Module):
         return logits
 
 
-def _ring(ring_overlap: bool, sequence_parallel: bool, fp8, group, tag: str) -> Ring | None:
+def _ring(ring_overlap: bool, sequence_parallel: bool, group, tag: str) -> Ring | None:
     """The layer's Ring when it overlaps its collectives ring step by step (parallel.tp_comm_overlap), else None."""
     if not ring_overlap:
         return None
     if not sequence_parallel:
         raise ValueError(f"{tag}: parallel.tp_comm_overlap decomposes sequence parallelism's all-gather and "
                          "reduce-scatter; it needs parallel.sequence_parallel=true")
-    if fp8 is not None:
-        raise ValueError(f"{tag}: parallel.tp_comm_overlap runs the products in bf16 or fp32 (float8's per-tensor "
-                         "scales would need the whole gathered operand first); use train.precision=bf16 with it")
     return Ring(group, tag)
 
 

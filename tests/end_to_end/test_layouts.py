@@ -113,7 +113,8 @@ def test_3d_layout_on_8_processes_matches_one_process_and_resumes_exactly(tmp_pa
         (1, ["+deepspeed.zero_optimisation={}"], "did you mean ['zero_optimization'"),
         (2, ["parallel.tp=2", "parallel.tp_comm_overlap=true"], "it needs parallel.sequence_parallel=true"),
         (2, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.tp_comm_overlap=true",
-             "train.precision=fp8", "train.fp8_linears=all"], "parallel.tp_comm_overlap=true with train.precision=fp8"),
+             "train.precision=fp8", "train.fp8_recipe=rowwise", "train.fp8_linears=all"],
+         "parallel.tp_comm_overlap=true with train.fp8_recipe=rowwise"),
     ],
 )
 def test_impossible_layout_fails_before_any_model_is_built(tmp_path, corpus, world, overrides, message):

@@ -114,16 +114,23 @@ class ActivationBytes:
 
 
 def block_bytes_per_token(
-    config: GPTConfig, tp: int, sequence_parallel: bool, a: int, r: int = FP32, selective: bool = False
+    config: GPTConfig, tp: int, sequence_parallel: bool, a: int, r: int = FP32, selective: bool = False,
+    ring_float8: tuple = (),
 ) -> float:
-    """Saved bytes a token costs in one transformer block (module docstring's sum)."""
+    """Saved bytes a token costs in one transformer block (module docstring's sum). ring_float8: the block
+    linears that keep their input in float8 (a byte an element) under the ring overlap."""
     d, f, h = config.d_model, config.d_ff, config.n_head
     sigma = tp if sequence_parallel else 1
     layer_norms = 2 * (r * d + 2 * FP32) / sigma
-    matmul_inputs = 0 if selective and not sequence_parallel else 2 * a * d
-    attention = 4 * a * d / tp + FP32 * h / tp
+    matmul_inputs = 0 if selective and not sequence_parallel else sum(
+        (1 if name in ring_float8 else a) * d for name in ("attn.qkv", "mlp.fc"))
+    attention = 4 * a * d / tp + FP32 * h / tp + (d / tp if "attn.proj" in ring_float8 else 0)
     gelu = config.activation == "gelu"
-    mlp = (2 if gelu and not selective else 1) * a * f / tp
+    mlp = a * f / tp  # GELU's input (ReLU's output)
+    if not selective and "mlp.proj" in ring_float8:
+        mlp += f / tp  # mlp.proj's float8 input, instead of GELU's output
+    elif gelu and not selective:
+        mlp += a * f / tp  # GELU's output, mlp.proj's input
     return layer_norms + matmul_inputs + attention + mlp
 
 
@@ -192,12 +199,21 @@ def loss_transient(config: GPTConfig, tp: int, n: int, a: int, r: int, fused_los
 
 
 def deferred_weight_grad_bytes(config: GPTConfig, tp: int, pp: int, stage: int, micro_batch: int, a: int,
-                               blocks: tuple[int, ...] | None = None) -> int:
+                               blocks: tuple[int, ...] | None = None, ring_float8: tuple = ()) -> int:
     """Bytes one micro batch's deferred W pass holds on `stage` under ZB-H1: every block linear's input and
     output gradient, a·(4d + (4d + 2f)/p) a token of each block (module docstring); a: the matmul dtype's
-    bytes. Whatever fp8's products keep of their own is not counted."""
+    bytes. Under the ring overlap the linears of ring_float8 hold their input, and a row layer its gathered
+    output gradient, in float8 (a byte), and a column layer its output gradient in float8 beside the one its
+    bias gradient sums. What fp8's products keep of their own beyond these (amaxes, scales) is not counted."""
     d, f, n = config.d_model, config.d_ff, micro_batch * config.seq_len
-    per_token = a * (4 * d + (4 * d + 2 * f) // tp)
+    shapes = {"attn.qkv": (d, 3 * d // tp, True), "mlp.fc": (d, f // tp, True),
+              "attn.proj": (d // tp, d, False), "mlp.proj": (f // tp, d, False)}  # (input, output, column)
+    per_token = 0
+    for name, (k, m, column) in shapes.items():
+        if name not in ring_float8:
+            per_token += a * (k + m)
+        else:
+            per_token += k + ((a + 1) * m if column else m)
     return StageShape.of(config, pp, stage, blocks).blocks * n * per_token
 
 
@@ -221,19 +237,20 @@ def received_activation_bytes(config: GPTConfig, tp: int, sequence_parallel: boo
 def micro_batch_activations(
     config: GPTConfig, tp: int, pp: int, stage: int, micro_batch: int, *, sequence_parallel: bool = False,
     checkpoint_every: int = 0, autocast: bool = True, bf16_weights: bool = False, selective: bool = False,
-    fused_loss: bool = True, blocks: tuple[int, ...] | None = None,
+    fused_loss: bool = True, blocks: tuple[int, ...] | None = None, ring_float8: tuple = (),
 ) -> ActivationBytes:
     """Activation bytes of one micro batch of `micro_batch` sequences on `stage` (module docstring).
 
     autocast: matmuls in bf16 (a = 2); bf16_weights: the parameters themselves are bf16 (r = 2, no
     weight casts; implies bf16 matmuls); selective: selective recomputation in every block;
     fused_loss: train.fused_loss (the loss unembeds chunk by chunk) or the plain loss. (pp, stage, blocks):
-    a virtual stage as counts.stage_layers takes it."""
+    a virtual stage as counts.stage_layers takes it. ring_float8: the block linears in float8 under the ring
+    overlap (block_bytes_per_token)."""
     a = 2 if autocast or bf16_weights else FP32
     r = 2 if bf16_weights else FP32
     n = micro_batch * config.seq_len
     shape = StageShape.of(config, pp, stage, blocks)
-    per_block = block_bytes_per_token(config, tp, sequence_parallel, a, r, selective) * n
+    per_block = block_bytes_per_token(config, tp, sequence_parallel, a, r, selective, ring_float8) * n
     ckpt_blocks = checkpointed_blocks(shape, checkpoint_every)
     segments = checkpointed_segments(shape, checkpoint_every)
     sigma = tp if sequence_parallel else 1

@@ -40,6 +40,14 @@ from train.planner.counts import FP32, PERSISTENCE_THRESHOLD, ParamShape
 WEIGHT_GRADIENT = "column layer's weight-gradient GEMM"  # parallel.overlap_communication
 BACKWARD = "backward of the micro batch"  # DeepSpeed's zero_optimization.overlap_comm
 RING = "ring steps behind the layer's GEMM chunks"  # parallel.tp_comm_overlap (parallel/overlap.py)
+# the ring's collectives of a block (parallel/overlap.py), one pair of linears each: (attention's linear, the MLP's,
+# op, phase, what); a gather carries the linear's input (forward) or its output gradient (backward)
+RING_COLLECTIVES = (
+    ("attn.qkv", "mlp.fc", "all_gather", "forward", "LayerNorm output gathered"),
+    ("attn.proj", "mlp.proj", "reduce_scatter", "forward", "row-parallel output"),
+    ("attn.qkv", "mlp.fc", "reduce_scatter", "backward", "input gradient"),
+    ("attn.proj", "mlp.proj", "all_gather", "backward", "output gradient gathered"),
+)
 MAX_REUSE_DISTANCE = 1_000_000_000  # DeepSpeed's default stage3_max_reuse_distance (elements)
 RING_FACTOR = {"all_reduce": lambda g: 2 * (g - 1) / g, "all_gather": lambda g: (g - 1) / g,
                "reduce_scatter": lambda g: (g - 1) / g, "send": lambda g: 1.0}
@@ -57,6 +65,7 @@ class Transfer:
     group_size: int
     what: str
     overlaps: str = ""  # the computation it may run alongside when the layout overlaps it ("" none)
+    linear: str = ""  # under RING: the block linear (a name of BLOCK_LINEARS) whose GEMM chunks it runs behind
 
     @property
     def total(self) -> int:
@@ -72,13 +81,15 @@ class Transfer:
 def tensor_parallel(
     config: GPTConfig, shape: StageShape, tp: int, micro_batch: int, micro_batches: int, *,
     sequence_parallel: bool = False, autocast: bool = True, residual_bytes: int = FP32, fused_loss: bool = True,
-    ring: bool = False,
+    ring: bool = False, float8_linears: frozenset = frozenset(),
 ) -> list[Transfer]:
     """Tensor-parallel collectives of one step on a stage (module docstring). `act32` below is a
     tensor of the residual stream (residual_bytes an element), `act_mm` a matmul output. ring
-    (parallel.tp_comm_overlap, with sequence parallelism): the block linears run their four collectives in
-    ring steps behind their GEMMs (`RING`), the column layers' in the matmul dtype (each gathers its input
-    cast, and reduce-scatters its input gradient as computed)."""
+    (parallel.tp_comm_overlap, with sequence parallelism): each block linear runs its two collectives in
+    ring steps behind its GEMM (`RING`, one Transfer per linear), the column layers' in the matmul dtype (each
+    gathers its input cast, and reduce-scatters its input gradient as computed); the gathers of the linears in
+    `float8_linears` (train.precision=fp8, tensorwise) travel quantized, a byte an element
+    (parallel/ring_operands.py)."""
     if tp == 1:
         return []
     n = micro_batch * config.seq_len
@@ -90,13 +101,19 @@ def tensor_parallel(
         return Transfer("tp", op, phase, nbytes, per_mb * m, tp, what, overlaps)
 
     out = []
-    if sequence_parallel:
-        column, hidden = (act_mm, RING) if ring else (act32, "")
+    if sequence_parallel and ring:
+        for attention, mlp, op, phase, what in RING_COLLECTIVES:
+            for name in (attention, mlp):
+                quantized = op == "all_gather" and name in float8_linears
+                out.append(Transfer("tp", op, phase, n * config.d_model if quantized else act_mm, blocks * m, tp,
+                                    f"{what} ({name})", RING, name))
+        out.append(t("all_reduce", "backward", config.d_model * FP32, 6 * blocks, "LayerNorm and row-bias gradients"))
+    elif sequence_parallel:
         out += [
-            t("all_gather", "forward", column, 2 * blocks, "LayerNorm output to the column layers", hidden),
-            t("reduce_scatter", "forward", act_mm, 2 * blocks, "row-parallel outputs", hidden),
-            t("reduce_scatter", "backward", column, 2 * blocks, "gradients of the LayerNorm outputs", hidden),
-            t("all_gather", "backward", act_mm, 2 * blocks, "gradients of the row-parallel outputs", hidden),
+            t("all_gather", "forward", act32, 2 * blocks, "LayerNorm output to the column layers"),
+            t("reduce_scatter", "forward", act_mm, 2 * blocks, "row-parallel outputs"),
+            t("reduce_scatter", "backward", act32, 2 * blocks, "gradients of the LayerNorm outputs"),
+            t("all_gather", "backward", act_mm, 2 * blocks, "gradients of the row-parallel outputs"),
             t("all_reduce", "backward", config.d_model * FP32, 6 * blocks, "LayerNorm and row-bias gradients"),
         ]
     else:

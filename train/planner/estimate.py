@@ -126,21 +126,33 @@ BF16_OPTIMIZER_UPDATE_BYTES = 18
 
 
 # Bytes of memory traffic per element of x, W and g of a linear layer, per micro batch, for its float8 casts
-# (model/float8.py, eager): each cast reads its bf16 operand for the amax (2) unless the amax is known,
-# then again to scale it and writes float8 (3); the input grad's W and the weight grad's gᵀ and x are copied
-# once more into the layout _scaled_mm takes (read and write a float8 byte, 2). Tensorwise: x 5 + 5,
-# W 5 + 5, g 5 + 5 (the weight grad reuses the amaxes); rowwise: every cast has its own amax, 12 each.
-FP8_CAST_BYTES = {"tensorwise": 10, "rowwise": 12}
+# (model/float8.py, each cast one pass writing the layout _scaled_mm takes: model/float8_cast_triton.py eager,
+# inductor's fusion compiled): each cast reads its bf16 operand for the amax (2) unless the amax is known, then
+# again to scale it and writes float8 (3). Tensorwise: each operand's amax once, its two casts (one per product
+# it enters) 3 each: x, W, g 8 each; rowwise: every cast has its own amax, 10 each.
+FP8_CAST_BYTES = {"tensorwise": 8, "rowwise": 10}
+
+
+def ring_fp8_cast_bytes(column: bool, tp: int) -> tuple[float, float, float]:
+    """FP8_CAST_BYTES under parallel.tp_comm_overlap (parallel/ring_operands.py, tensorwise only), per element of
+    the whole operand, (x, W, g) of a column layer (column) or a row layer: x and g cast once (the amax 2, the cast
+    3) and copied into their other layout for the weight gradient (a float8 byte read and written, 2), the pieces
+    that travel cast before the ring (1/p of the whole on each rank); W as without the ring (8)."""
+    piece = 5 / tp + 2
+    return (piece, 8, 7) if column else (7, 8, piece)
+
+
 # All-reduces of amaxes per float8 linear and micro batch under tensor parallelism (model/float8.py's table):
 # tensorwise, a column layer's W (forward) and g (backward), a row layer's x and W (forward, one call): 2 and 1;
 # rowwise, a column layer's input grad and a row layer's forward: 1 each. (Column, row) per recipe.
 FP8_AMAX_REDUCTIONS = {"tensorwise": (2, 1), "rowwise": (1, 1)}
+RING_FP8_AMAX_REDUCTIONS = (2, 2)  # under the ring: x and W forward (one call), g backward, in either layer
 # Kernels one block linear adds in float8, forward and backward, eager: amaxes (one reduction each), scales, the
 # casts (one fused kernel each, model/float8.py's float8_cast), the scaled products (kernels counted on one linear
-# by bench/op_ledger.py: 55 tensorwise and 87 rowwise, against the plain linear's 6; most of what remains is the
+# by bench/op_ledger.py: 52 tensorwise and 81 rowwise, against the plain linear's 6; most of what remains is the
 # scale arithmetic on single numbers). At 30 µs of host time each they bound a large model's micro batch unless
 # model.compile fuses them (Implementation.compiled: none added; their memory traffic is still counted).
-FP8_KERNELS_PER_LINEAR = {"tensorwise": 49, "rowwise": 81}
+FP8_KERNELS_PER_LINEAR = {"tensorwise": 46, "rowwise": 75}
 
 
 @lru_cache(maxsize=64)
@@ -170,12 +182,15 @@ def _fp8_gemm_time(hw: Hardware, n: int, k: int, m: int) -> float:
     return max(2 * n * k * m / (2 * hw.flops), (n * k + k * m + 2 * n * m) / hw.memory_bandwidth)
 
 
-def _linear_time(hw: Hardware, impl: Implementation, n: int, k: int, m: int, fp8: bool = True) -> float:
+def _linear_time(hw: Hardware, impl: Implementation, n: int, k: int, m: int, fp8: bool = True,
+                 cast_bytes: tuple | None = None) -> float:
     """One block linear's product (n×k)·(k×m): in the compute dtype, or (fp8, under train.precision=fp8) in
-    float8 with its share of the casts (a third of the layer's: FP8_CAST_BYTES covers its three products)."""
+    float8 with its share of the casts (a third of the layer's: cast_bytes, per element of x, W and g, covers its
+    three products; None: FP8_CAST_BYTES of each)."""
     if impl.fp8 is None or not fp8:
         return _gemm_time(hw, impl, n, k, m, _matmul_bytes(impl))
-    casts = FP8_CAST_BYTES[impl.fp8] * (n * k + k * m + n * m) / 3
+    x, w, g = cast_bytes or (FP8_CAST_BYTES[impl.fp8],) * 3
+    casts = (x * n * k + w * k * m + g * n * m) / 3
     return _fp8_gemm_time(hw, n, k, m) + casts / hw.memory_bandwidth
 
 
@@ -195,7 +210,10 @@ def _blocks_compute(model_cfg: GPTConfig, layout: Layout, impl: Implementation, 
     bandwidth = hw.memory_bandwidth
     gemms = [(n, d, 3 * d // tp), (n, d // tp, d), (n, d, f // tp), (n, f // tp, d)]  # in BLOCK_LINEARS' order
     in_fp8 = linears_at(model_cfg, layout, impl, hw)  # the block linears in float8 (none without fp8)
-    fwd_gemm_t = sum(_linear_time(hw, impl, *g, fp8=name in in_fp8) for name, g in zip(BLOCK_LINEARS, gemms))
+    ring = impl.ring_tp and layout.sequence_parallel and tp > 1  # float8 operands cast once (ring_fp8_cast_bytes)
+    casts = {name: ring_fp8_cast_bytes(name in COLUMN_PARALLEL, tp) if ring else None for name in BLOCK_LINEARS}
+    fwd_gemm_t = sum(_linear_time(hw, impl, *g, fp8=name in in_fp8, cast_bytes=casts[name])
+                     for name, g in zip(BLOCK_LINEARS, gemms))
     fwd_gemm_f = sum(2 * x * y * z for x, y, z in gemms)
     attn_f = [4 * n * d / tp * _visible_keys(model_cfg, i) for i in blocks]  # QKᵀ and PV
     attn_rate = hw.peak_tflops * 1e12 * impl.attention_efficiency
@@ -216,7 +234,7 @@ def _blocks_compute(model_cfg: GPTConfig, layout: Layout, impl: Implementation, 
         if not impl.compiled:
             kernels += len(in_fp8) * FP8_KERNELS_PER_LINEAR[impl.fp8] * (len(blocks) + recomputed)
         if tp > 1:
-            column, row = FP8_AMAX_REDUCTIONS[impl.fp8]
+            column, row = RING_FP8_AMAX_REDUCTIONS if ring else FP8_AMAX_REDUCTIONS[impl.fp8]
             reductions = sum(column if name in COLUMN_PARALLEL else row for name in in_fp8)
             input_grad += len(blocks) * reductions * COLLECTIVE_LATENCY_S
     flops = len(blocks) * 3 * fwd_gemm_f + sum(3.5 * x for x in attn_f) + recomputed * fwd_gemm_f + attn_recomputed
@@ -398,10 +416,11 @@ def _stage_ranks(model_cfg: GPTConfig, layout: Layout, impl: Implementation, hw:
     bucket = bucket_elements(model_cfg, tp)  # what train/planner/zero_buckets.py sets
     state = state_bytes(params, layout.zero_stage, dp, 0, layout.offload_optimizer, comm_dtypes,
                         bf16_weights=bf16_weights, reduce_bucket_size=bucket)
-    chunk_acts = [_chunk_activations(model_cfg, layout, impl, _alike_stage(model_cfg, layout, v)) for v in chunks]
+    chunk_acts = [_chunk_activations(model_cfg, layout, impl, hw, _alike_stage(model_cfg, layout, v)) for v in chunks]
     acts = _through_all(chunk_acts)
     a = _matmul_bytes(impl)
-    chunk_deferred = [deferred_weight_grad_bytes(model_cfg, tp, virtual, v, layout.micro_batch, a, spec)
+    chunk_deferred = [deferred_weight_grad_bytes(model_cfg, tp, virtual, v, layout.micro_batch, a, spec,
+                                                 ring_float8(model_cfg, layout, impl, hw))
                       if layout.defers_weight_grads else 0 for v in chunks]
     deferred_bytes = sum(chunk_deferred)
 
@@ -414,7 +433,8 @@ def _stage_ranks(model_cfg: GPTConfig, layout: Layout, impl: Implementation, hw:
     transfers = (
         plan_comm.tensor_parallel(model_cfg, shape, tp, layout.micro_batch, m, sequence_parallel=layout.sequence_parallel,
                                   autocast=impl.autocast, residual_bytes=r, fused_loss=impl.fused_loss,
-                                  ring=impl.ring_tp and layout.sequence_parallel)
+                                  ring=impl.ring_tp and layout.sequence_parallel,
+                                  float8_linears=linears_at(model_cfg, layout, impl, hw))
         + _pipeline_transfers(model_cfg, layout, stage, chunk_params, chunk_shapes, r)
         # bf16 at ZeRO 0: BF16_Optimizer partitions the optimizer and so, like ZeRO 1, all-gathers the
         # updated weights after its step
@@ -510,13 +530,22 @@ def _alike_stage(model_cfg: GPTConfig, layout: Layout, stage: int) -> int:
 
 
 @lru_cache(maxsize=4096)
-def _chunk_activations(model_cfg: GPTConfig, layout: Layout, impl: Implementation, stage: int) -> ActivationBytes:
+def _chunk_activations(model_cfg: GPTConfig, layout: Layout, impl: Implementation, hw: Hardware,
+                       stage: int) -> ActivationBytes:
     """Activation bytes of one micro batch on virtual stage `stage` (activations.micro_batch_activations)."""
     return micro_batch_activations(
         model_cfg, layout.tp, layout.placement.stages, stage, layout.micro_batch,
         sequence_parallel=layout.sequence_parallel, checkpoint_every=layout.checkpoint_every, autocast=impl.autocast,
         bf16_weights=impl.bf16_weights, selective=layout.selective_recompute, fused_loss=impl.fused_loss,
-        blocks=layout.stage_layers)
+        blocks=layout.stage_layers, ring_float8=ring_float8(model_cfg, layout, impl, hw))
+
+
+def ring_float8(model_cfg: GPTConfig, layout: Layout, impl: Implementation, hw: Hardware) -> tuple[str, ...]:
+    """The block linears whose operands the ring overlap quantizes (parallel/ring_operands.py): those in float8
+    when the ring runs (parallel.tp_comm_overlap under sequence parallelism, tp > 1), else none."""
+    if not (impl.ring_tp and layout.sequence_parallel and layout.tp > 1):
+        return ()
+    return linears_at(model_cfg, layout, impl, hw)
 
 
 def _through_all(chunk_acts: list[ActivationBytes]) -> ActivationBytes:
@@ -575,13 +604,13 @@ def _exposed_behind_weight_gradients(model_cfg: GPTConfig, layout: Layout, impl:
     return exposed
 
 
-# the block GEMMs (n × k)·(k × m) each ring-decomposed collective hides behind, per (op, phase): (k, m) of the
-# attention's linear and the MLP's, with d = d_model, f = d_ff, p = tp (parallel/overlap.py)
+# the block GEMM (n × k)·(k × m) each ring-decomposed collective hides behind, per (op, phase, linear): (k, m), with
+# d = d_model, f = d_ff, p = tp (parallel/overlap.py)
 _RING_GEMMS = {
-    ("all_gather", "forward"): lambda d, f, p: ((d, 3 * d // p), (d, f // p)),  # qkv, fc forward
-    ("reduce_scatter", "backward"): lambda d, f, p: ((3 * d // p, d), (f // p, d)),  # their input gradients
-    ("reduce_scatter", "forward"): lambda d, f, p: ((d // p, d), (f // p, d)),  # attn.proj, mlp.proj forward
-    ("all_gather", "backward"): lambda d, f, p: ((d, d // p), (d, f // p)),  # their input gradients
+    ("all_gather", "forward"): {"attn.qkv": lambda d, f, p: (d, 3 * d // p), "mlp.fc": lambda d, f, p: (d, f // p)},
+    ("reduce_scatter", "backward"): {"attn.qkv": lambda d, f, p: (3 * d // p, d), "mlp.fc": lambda d, f, p: (f // p, d)},
+    ("reduce_scatter", "forward"): {"attn.proj": lambda d, f, p: (d // p, d), "mlp.proj": lambda d, f, p: (f // p, d)},
+    ("all_gather", "backward"): {"attn.proj": lambda d, f, p: (d, d // p), "mlp.proj": lambda d, f, p: (d, f // p)},
 }
 
 
@@ -590,17 +619,19 @@ def _exposed_in_ring_steps(model_cfg: GPTConfig, layout: Layout, impl: Implement
     """Seconds per step of the ring-decomposed collectives (parallel.tp_comm_overlap) that their GEMMs do not
     hide. A collective of a tensor of b bytes runs as p − 1 exchanges of b/p bytes (each at the link's bandwidth
     plus the collective latency), each behind one of the layer's GEMM chunks of G/p (the GEMM G split along the
-    sequence), which runs `Implementation.ring_gemm_slowdown` slower beside it: the layer takes
-    G/p + (p − 1)·max(exchange, (1 + s)·G/p), so the exposed part is (p − 1)·(max(exchange, (1 + s)·G/p) − G/p).
-    Each transfer counts both block linears of its kind (attention, MLP)."""
+    sequence; in float8 the product alone, its operands cast before the ring), which runs
+    `Implementation.ring_gemm_slowdown` slower beside it: the layer takes G/p + (p − 1)·max(exchange, (1 + s)·G/p),
+    so the exposed part is (p − 1)·(max(exchange, (1 + s)·G/p) − G/p). One transfer per block linear."""
     p, n = layout.tp, layout.micro_batch * model_cfg.seq_len
     d, f, bandwidth = model_cfg.d_model, model_cfg.d_ff, hw.link_bandwidth(inter_node["tp"])
+    in_fp8 = linears_at(model_cfg, layout, impl, hw)
     exposed = 0.0
-    for t in transfers:  # count: 2 per block and micro batch, one for each linear
+    for t in transfers:  # count: one per block and micro batch
         exchange = t.nbytes / p / bandwidth + COLLECTIVE_LATENCY_S
-        gemms = [_linear_time(hw, impl, n, k, m) for k, m in _RING_GEMMS[t.op, t.phase](d, f, p)]
+        k, m = _RING_GEMMS[t.op, t.phase][t.linear](d, f, p)
+        gemm = _fp8_gemm_time(hw, n, k, m) if t.linear in in_fp8 else _gemm_time(hw, impl, n, k, m, _matmul_bytes(impl))
         slower = 1 + impl.ring_gemm_slowdown
-        exposed += t.count / 2 * sum((p - 1) * (max(exchange, slower * gemm / p) - gemm / p) for gemm in gemms)
+        exposed += t.count * (p - 1) * (max(exchange, slower * gemm / p) - gemm / p)
     return exposed
 
 

@@ -135,12 +135,13 @@ def for_precision(precision: str, overlap_communication: bool = True, fused_loss
     `fp8_recipe`, on the linears `fp8_linears` says: train.fp8_linears, or a run's resolved names).
     overlap_communication: parallel.overlap_communication, and DeepSpeed's overlap_comm set from the plan
     (train/planner/zero_buckets.py); fused_loss: train.fused_loss; compiled: model.compile; tp_comm_overlap:
-    parallel.tp_comm_overlap (not with fp8, which the trainer refuses with it)."""
+    parallel.tp_comm_overlap (with fp8, the tensorwise recipe only, as the trainer takes it)."""
     if precision not in PRECISIONS:
         raise ValueError(f"train.precision={precision!r}: must be one of {['auto', *PRECISIONS]}")
-    if tp_comm_overlap and precision == "fp8":
-        raise ValueError("parallel.tp_comm_overlap=true with train.precision=fp8: the ring overlap computes its GEMM "
-                         "chunks in bf16; plan train.precision=bf16, or tp_comm_overlap=false")
+    if tp_comm_overlap and precision == "fp8" and fp8_recipe != "tensorwise":
+        raise ValueError(f"parallel.tp_comm_overlap=true with train.fp8_recipe={fp8_recipe}: the ring sends each "
+                         "operand quantized once, which only the tensorwise recipe allows; plan tensorwise, or "
+                         "tp_comm_overlap=false")
     return Implementation(
         fp32_weights=precision in ("fp32", "autocast"), autocast=precision != "fp32",
         overlap_tp=overlap_communication, overlap_dp=overlap_communication, fused_loss=fused_loss,

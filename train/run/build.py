@@ -11,7 +11,7 @@ schedule in DeepSpeed's engine (train/run/engine.py), opens its data stream and 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -110,6 +110,7 @@ def build(spec: RunSpec) -> Trainer:
     checkpointer with the parts its checkpoints hold."""
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 
+    from model.float8_weights import WeightCasts
     from model.weight_grads import WeightGradStore
     from parallel.build import BuildOptions, build_model
     from parallel.topology import Topology
@@ -128,6 +129,8 @@ def build(spec: RunSpec) -> Trainer:
     par = settings.parallel
     schedule_name = par.pipeline_schedule if pipelined else ONE_F_ONE_B
     weight_grads = WeightGradStore() if par.defers_weight_grads else None  # filled by the linears, drained by the engine
+    # the float8 layers' weight casts, kept through each step (model/float8_weights.py; TrainStep opens the step)
+    fp8 = replace(runtime.fp8, weight_casts=WeightCasts()) if runtime.fp8 is not None else None
     split = stage_split(par)  # the schedule's virtual stages and parallel.stage_layers
     options = BuildOptions(
         sequence_parallel=settings.parallel.sequence_parallel,
@@ -136,7 +139,7 @@ def build(spec: RunSpec) -> Trainer:
         # (parallel.layout=auto: where the layout it chooses has sequence parallelism)
         tp_comm_overlap=settings.parallel.tp_comm_overlap and settings.parallel.sequence_parallel,
         fused_loss=settings.train.fused_loss,
-        fp8=runtime.fp8,
+        fp8=fp8,
         fp8_linears=frozenset(spec.fp8.linears) if spec.fp8 is not None else frozenset(),  # resolved once: spec.py
         weight_grads=weight_grads,
         stages=split,
@@ -177,7 +180,8 @@ def build(spec: RunSpec) -> Trainer:
     if train.eval_interval > 0 and train.eval_batches > 0:
         val_batches = data.validation_batches(spec.data, model_cfg.seq_len, train.global_batch_size, train.eval_batches, *dp)
     step = TrainStep(engine, train.micro_batch_size, device, autocast=runtime.autocast,
-                     skips_on_device=optimizer if on_device else None)
+                     skips_on_device=optimizer if on_device else None,
+                     weight_casts=fp8.weight_casts if fp8 is not None else None)
     progress = Progress()
     checkpointer = Checkpointer(CheckpointSettings.from_config(train, spec.run_dir, device, spec.resume),
                                 checkpoint_parts(progress, batches, lr, engine, spec.schedule.state),

@@ -119,10 +119,11 @@ def resolve(cfg: DictConfig, run_dir: Path, overrides: tuple[str, ...] | list[st
     dp = checks.check_parallel(sections.parallel, model_cfg, sections.deepspeed)
     checks.check_batches(sections.train, dp, sections.parallel)
     model_cfg, fp8, fp8_blocks = _fp8(sections, model_cfg, runtime, set_keys)
-    if sections.parallel.tp_comm_overlap and sections.parallel.tp > 1 and fp8 is not None and fp8.linears:
-        raise ConfigError("parallel.tp_comm_overlap=true with train.precision=fp8: the ring overlap computes its GEMM "
-                          "chunks in bf16 (float8's per-tensor scales need the whole gathered operand); use "
-                          "train.precision=bf16, or tp_comm_overlap=false")
+    if (sections.parallel.tp_comm_overlap and sections.parallel.tp > 1 and fp8 is not None and fp8.linears
+            and sections.train.fp8_recipe != "tensorwise"):
+        raise ConfigError(f"parallel.tp_comm_overlap=true with train.fp8_recipe={sections.train.fp8_recipe}: the ring "
+                          "sends each operand quantized once, with one scale for both of its products, which only "
+                          "train.fp8_recipe=tensorwise has; use tensorwise, or tp_comm_overlap=false")
     data = checks.check_data(sections.data, sections.train, model_cfg.seq_len, dp,
                              streams_set="data.streams" in set_keys)
     sections = sections.replaced({"data.streams": data.streams})

@@ -31,6 +31,7 @@ update (train/guard/nonfinite.py).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -56,20 +57,23 @@ class TrainStep:
     """Runs training and evaluation steps on a DeepSpeed engine (pipelined or not)."""
 
     def __init__(self, engine, micro_batch_size: int, device: torch.device, autocast: bool = False,
-                 skips_on_device=None):
+                 skips_on_device=None, weight_casts=None):
         """skips_on_device: the optimizer (train/run/optimizer.py: ClippingAdamW) whose `skipped` flag holds each
-        step's skip, decided on the device; None when DeepSpeed decides it on the host."""
+        step's skip, decided on the device; None when DeepSpeed decides it on the host. weight_casts: the float8
+        layers' model.float8_weights.WeightCasts (train.precision=fp8), each step run inside its `step()`."""
         from deepspeed.runtime.pipe.engine import PipelineEngine
 
         self.engine, self.micro_batch_size, self.device = engine, micro_batch_size, device
         self.autocast = autocast  # train.precision=autocast: evaluation under bf16 autocast too
         self.skips_on_device = skips_on_device
+        self.weight_casts = weight_casts
         self.pipelined = isinstance(engine, PipelineEngine)
 
     def __call__(self, windows: torch.Tensor) -> StepResult:
         """One optimizer step on this rank's windows (n, T + 1) of the global batch, marked as a
         `train_step` range for torch.profiler (bench/profile.py)."""
-        with torch.profiler.record_function("train_step"):
+        casts = self.weight_casts.step() if self.weight_casts is not None else contextlib.nullcontext()
+        with torch.profiler.record_function("train_step"), casts:  # the weights change only at the step's end
             return self._step(windows)
 
     def _step(self, windows: torch.Tensor) -> StepResult:

@@ -86,12 +86,12 @@ def test_precision_from_the_config():
         load([*base, "++train.precision=fp16"])
 
 
-@pytest.mark.parametrize("recipe, cast_bytes", [("tensorwise", 10), ("rowwise", 12)])
+@pytest.mark.parametrize("recipe, cast_bytes", [("tensorwise", 8), ("rowwise", 10)])
 def test_fp8_runs_the_block_gemms_at_twice_the_rate_and_adds_the_casts_traffic(recipe, cast_bytes):
     """Compiled (no launch bound): per block and micro batch, the four linears' three products each take
     half their bf16 time (compute-bound at these shapes), and their casts move cast_bytes per element of
     x, W and g at HBM bandwidth; nothing else changes. Eager, the casts' kernels bound the micro batch:
-    30 µs of host time for each of the block's 100 kernels and 4 × 49 (tensorwise) more, and for the
+    30 µs of host time for each of the block's 100 kernels and 4 × 46 (tensorwise) more, and for the
     two kernels a parameter tensor of BF16_Optimizer's per-micro-batch update (fp8 keeps bf16's weights;
     ZeRO 0: 292 tensors, 24 blocks of 12, the two embeddings and the final LayerNorm's two)."""
     cfg = GPTConfig(name="1.3b", n_layer=24, n_head=16, d_model=2048, seq_len=2048)
@@ -107,7 +107,7 @@ def test_fp8_runs_the_block_gemms_at_twice_the_rate_and_adds_the_casts_traffic(r
     if recipe == "tensorwise":
         eager = build_plan(cfg, layout, hw, implementation=for_precision("fp8"))
         tensors = 24 * 12 + 2 + 2
-        assert eager.ranks[0].time["compute_s"] == pytest.approx((24 * (100 + 4 * 49) + 2 * tensors) * 30e-6, rel=1e-9)
+        assert eager.ranks[0].time["compute_s"] == pytest.approx((24 * (100 + 4 * 46) + 2 * tensors) * 30e-6, rel=1e-9)
 
 
 def test_fused_loss_from_the_config():

@@ -65,10 +65,50 @@ def test_ring_overlap_hides_what_the_hand_count_says_and_changes_nothing_else(sl
     assert (with_ring.step_time_s < without.step_time_s) == (_hand_tp_seconds_saved(slowdown) > 0)
 
 
-def test_ring_overlap_needs_sequence_parallelism_and_is_not_planned_with_fp8():
+def test_ring_overlap_needs_sequence_parallelism_and_float8_tensorwise():
     no_sp = dataclasses.replace(LAYOUT, sequence_parallel=False)
     plain, ring = for_precision("bf16"), for_precision("bf16", tp_comm_overlap=True)
     assert build_plan(CFG, no_sp, H100, implementation=ring).step_time_s == build_plan(
         CFG, no_sp, H100, implementation=plain).step_time_s
-    with pytest.raises(ValueError, match="parallel.tp_comm_overlap=true with train.precision=fp8"):
-        for_precision("fp8", tp_comm_overlap=True)
+    with pytest.raises(ValueError, match="tp_comm_overlap=true with train.fp8_recipe=rowwise"):
+        for_precision("fp8", fp8_recipe="rowwise", tp_comm_overlap=True)
+
+
+def test_float8_under_the_ring_gathers_a_byte_an_element_casts_once_and_keeps_float8_inputs():
+    """fp8 (tensorwise, compiled) with the ring against the same without it, by hand (parallel/ring_operands.py):
+    - the gathers of the block linears move n·d bytes (a byte an element) where the plain path's LayerNorms
+      gather bf16 (2·n·d); the reduce-scatters stay bf16;
+    - the casts: per element of x, W and g, 8 bytes each without the ring; with it a column layer's x
+      5/p + 2 (its piece cast, its gathered float8 copied into the weight gradient's layout) and g 7, a row
+      layer's x 7 and g 5/p + 2, W 8; and a row layer reduces one more amax (its g's) in the backward;
+    - memory: each block keeps its two column inputs in float8 (d a token instead of 2d each, gathered),
+      attn.proj its input in float8 beside the attention's bf16 output (d/p more a token), and mlp.proj its input
+      in float8 instead of GELU's bf16 output (f/p less a token).
+    Micro batches of 8 sequences: the GPU's time, not the launches' (bf16 weights launch two kernels a parameter
+    for the optimizer's accumulation each micro batch)."""
+    micro = 8
+    layout = Layout(TP, 1, 1, 2 * micro, micro, sequence_parallel=True)
+    n, d, f, p = micro * CFG.seq_len, CFG.d_model, 4 * CFG.d_model, TP
+    x_w_g = {"attn.qkv": (d, 3 * d // p, True), "attn.proj": (d // p, d, False),
+             "mlp.fc": (d, f // p, True), "mlp.proj": (f // p, d, False)}
+    plain = build_plan(CFG, layout, H100, implementation=for_precision("fp8", compiled=True))
+    ring = build_plan(CFG, layout, H100, implementation=for_precision("fp8", compiled=True, tp_comm_overlap=True))
+    (a,), (b,) = plain.ranks, ring.ranks
+
+    def gathered(rank):  # bytes per step
+        return sum(t.total for t in rank.transfers if t.group == "tp" and t.op == "all_gather")
+
+    ringed = {(t.linear, t.op): t.nbytes for t in b.transfers if t.linear}
+    assert ringed == {(name, op): n * d * (1 if op == "all_gather" else 2) for name in x_w_g
+                      for op in ("all_gather", "reduce_scatter")}
+    micro_batches = 2  # a block's four gathers a micro batch (two forward, two backward): 2·n·d bytes, or n·d
+    assert gathered(a) - gathered(b) == CFG.n_layer * micro_batches * 4 * (2 * n * d - n * d)
+    saved = 0.0
+    for k, m, column in x_w_g.values():
+        cx, cg = (5 / p + 2, 7) if column else (7, 5 / p + 2)
+        saved += ((8 - cx) * n * k + (8 - cg) * n * m) / H100.memory_bandwidth
+    extra_reductions = 2 * COLLECTIVE_LATENCY_S  # one per row layer
+    per_micro_batch = CFG.n_layer * (saved - extra_reductions)
+    assert a.time["compute_s"] - b.time["compute_s"] == pytest.approx(per_micro_batch, rel=1e-9)
+    kept = CFG.n_layer * n * (2 * d - d / p + f / p)  # bytes a micro batch saves less
+    assert a.activations.saved - b.activations.saved == pytest.approx(kept, abs=CFG.n_layer)
