@@ -133,13 +133,23 @@ BF16_OPTIMIZER_UPDATE_BYTES = 18
 FP8_CAST_BYTES = {"tensorwise": 8, "rowwise": 10}
 
 
-def ring_fp8_cast_bytes(column: bool, tp: int) -> tuple[float, float, float]:
+def ring_fp8_cast_bytes(column: bool, tp: int, micro_batches: int) -> tuple[float, float, float]:
     """FP8_CAST_BYTES under parallel.tp_comm_overlap (parallel/ring_operands.py, tensorwise only), per element of
-    the whole operand, (x, W, g) of a column layer (column) or a row layer: x and g cast once (the amax 2, the cast
-    3) and copied into their other layout for the weight gradient (a float8 byte read and written, 2), the pieces
-    that travel cast before the ring (1/p of the whole on each rank); W as without the ring (8)."""
+    the whole operand and micro batch, (x, W, g) of a column layer (column) or a row layer: x and g cast once (the
+    amax 2, the cast 3) and copied into their other layout for the weight gradient (a float8 byte read and
+    written, 2), the pieces that travel cast before the ring (1/p of the whole on each rank); W's amax and two
+    casts (8) made once a step and kept (model/float8_weights.py): 8 over the step's micro batches."""
     piece = 5 / tp + 2
-    return (piece, 8, 7) if column else (7, 8, piece)
+    return (piece, 8 / micro_batches, 7) if column else (7, 8 / micro_batches, piece)
+
+
+# Launches a block linear under parallel.tp_comm_overlap adds, per micro batch (forward and backward), to the same
+# linear under plain sequence parallelism: a + b·p at tp = p, by (float8, column layer). Counted by
+# bench/op_ledger.py on the layers themselves at p = 2 and 4 (tests/train/planner/test_plan_ring_launches.py):
+# each ring step's exchange (a send and a receive), GEMM chunk and partial-sum addition, the gathers' joins; in
+# float8 also the layer's amaxes, scales and casts, outside any compiled graph (the ring layers run eager),
+# counted with the weight cast every micro batch (a step's later micro batches skip a few).
+RING_LAUNCHES = {(False, True): (-5, 10), (False, False): (-12, 11), (True, True): (30, 9), (True, False): (24, 8.5)}
 
 
 # All-reduces of amaxes per float8 linear and micro batch under tensor parallelism (model/float8.py's table):
@@ -211,7 +221,8 @@ def _blocks_compute(model_cfg: GPTConfig, layout: Layout, impl: Implementation, 
     gemms = [(n, d, 3 * d // tp), (n, d // tp, d), (n, d, f // tp), (n, f // tp, d)]  # in BLOCK_LINEARS' order
     in_fp8 = linears_at(model_cfg, layout, impl, hw)  # the block linears in float8 (none without fp8)
     ring = impl.ring_tp and layout.sequence_parallel and tp > 1  # float8 operands cast once (ring_fp8_cast_bytes)
-    casts = {name: ring_fp8_cast_bytes(name in COLUMN_PARALLEL, tp) if ring else None for name in BLOCK_LINEARS}
+    casts = {name: ring_fp8_cast_bytes(name in COLUMN_PARALLEL, tp, layout.micro_batches) if ring else None
+             for name in BLOCK_LINEARS}
     fwd_gemm_t = sum(_linear_time(hw, impl, *g, fp8=name in in_fp8, cast_bytes=casts[name])
                      for name, g in zip(BLOCK_LINEARS, gemms))
     fwd_gemm_f = sum(2 * x * y * z for x, y, z in gemms)
@@ -230,8 +241,11 @@ def _blocks_compute(model_cfg: GPTConfig, layout: Layout, impl: Implementation, 
         kept = len(blocks) - recomputed
         input_grad += kept * _selective_recompute_per_token(d, f, tp, layout.sequence_parallel, impl) * n / bandwidth
         kernels += SELECTIVE_KERNELS * kept
+    if ring and impl.ring_launches:  # the ring layers run eager, compiled blocks or not
+        added = (RING_LAUNCHES[name in in_fp8, name in COLUMN_PARALLEL] for name in BLOCK_LINEARS)
+        kernels += len(blocks) * sum(a + b * tp for a, b in added)
     if impl.fp8 is not None:
-        if not impl.compiled:
+        if not impl.compiled and not (ring and impl.ring_launches):
             kernels += len(in_fp8) * FP8_KERNELS_PER_LINEAR[impl.fp8] * (len(blocks) + recomputed)
         if tp > 1:
             column, row = RING_FP8_AMAX_REDUCTIONS if ring else FP8_AMAX_REDUCTIONS[impl.fp8]
@@ -366,14 +380,16 @@ def _sizes(params: tuple) -> tuple[int, int]:
 
 
 def _memory(layout: Layout, impl: Implementation, params, state: StateBytes, acts: ActivationBytes,
-            held: tuple[int, int, int], reduce_bucket: int) -> dict:
+            held: tuple[int, int, int], reduce_bucket: int, weight_casts: int = 0) -> dict:
     """Bytes by kind at the rank's peak: the larger of the backward phase (`held`: the activations and weight
     copies of the micro batches in flight and the deferred W passes' inputs, at their peak; gradients as they
     accumulate) and the optimizer step (gradients as ZeRO hands them over, AdamW's foreach temporaries,
-    DeepSpeed's flattened buffers)."""
+    DeepSpeed's flattened buffers); in both the float8 weight casts kept through the step (`weight_casts`)."""
     dp, zero = layout.dp, layout.zero_stage
     n_local, decayed = _sizes(params)
     common = {"weights": state.weights, "master": state.master, "moments": state.moments, "buffers": state.buffers}
+    if weight_casts:
+        common["float8_weight_casts"] = weight_casts
     g = 2 if impl.bf16_weights else FP32  # a gradient element
     bf16_optimizer = uses_bf16_optimizer(zero, impl)  # its gradients are all there from the start
     grads_backward = {0: state.gradients, 1: state.gradients if bf16_optimizer else g * n_local,
@@ -423,6 +439,7 @@ def _stage_ranks(model_cfg: GPTConfig, layout: Layout, impl: Implementation, hw:
                                                  ring_float8(model_cfg, layout, impl, hw))
                       if layout.defers_weight_grads else 0 for v in chunks]
     deferred_bytes = sum(chunk_deferred)
+    weight_casts = kept_weight_cast_bytes(model_cfg, tp, shape.blocks, ring_float8(model_cfg, layout, impl, hw))
 
     if impl.grad_reduce_bytes is not None:
         grad_bytes = lambda p: impl.grad_reduce_bytes  # noqa: E731
@@ -508,7 +525,7 @@ def _stage_ranks(model_cfg: GPTConfig, layout: Layout, impl: Implementation, hw:
                 layout.schedule, placement, m, s, saved, dict(zip(own, chunk_deferred)) if deferred_bytes else {},
                 order_costs or Costs(*passes.shares()))
             held = (activations, copies, w_bytes)
-        memory = _memory(layout, impl, params, state, acts, held, bucket)
+        memory = _memory(layout, impl, params, state, acts, held, bucket, weight_casts)
         ranks.append(RankPlan(s, parameters, state, acts, in_flight, deferred, deferred_bytes, held, memory,
                               sum(memory.values()), flops * m, transfers, time, placement.stages_of(s),
                               tuple(p.total for p, _ in computed)))
@@ -538,6 +555,15 @@ def _chunk_activations(model_cfg: GPTConfig, layout: Layout, impl: Implementatio
         sequence_parallel=layout.sequence_parallel, checkpoint_every=layout.checkpoint_every, autocast=impl.autocast,
         bf16_weights=impl.bf16_weights, selective=layout.selective_recompute, fused_loss=impl.fused_loss,
         blocks=layout.stage_layers, ring_float8=ring_float8(model_cfg, layout, impl, hw))
+
+
+def kept_weight_cast_bytes(model_cfg: GPTConfig, tp: int, blocks: int, ring_float8: tuple) -> int:
+    """Bytes of the float8 weight casts a rank keeps through a step (model/float8_weights.py): both layouts, a byte
+    an element, of the weights of its `blocks` blocks' linears in `ring_float8` (parallel/ring_operands.py keeps
+    them; (k, m) of each weight on a tensor-parallel rank)."""
+    d, f = model_cfg.d_model, model_cfg.d_ff
+    elements = {"attn.qkv": 3 * d * d // tp, "attn.proj": d * d // tp, "mlp.fc": d * f // tp, "mlp.proj": f * d // tp}
+    return 2 * blocks * sum(elements[name] for name in ring_float8)
 
 
 def ring_float8(model_cfg: GPTConfig, layout: Layout, impl: Implementation, hw: Hardware) -> tuple[str, ...]:

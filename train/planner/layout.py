@@ -89,6 +89,9 @@ class Implementation:
     # assumed, not measured: a GEMM chunk runs this much slower beside a ring exchange (NCCL's send and receive
     # kernels take some of the SMs; Transformer Engine's copy-engine exchanges take fewer)
     ring_gemm_slowdown: float = 0.1
+    # the ring layers' kernels launched one by one from Python (gpt3d's parallel/overlap.py: RING_LAUNCHES); False
+    # for a ring run from C++ (Transformer Engine's userbuffers), whose launches the block's count covers
+    ring_launches: bool = True
     # Megatron-Core's distributed optimizer (overlap_grad_reduce, overlap_param_gather), for published runs only
     # (gpt3d reduces through DeepSpeed's engine, after the last backward): under the interleaved schedule each
     # chunk's gradients reduce while later chunks run backward and its weights gather while earlier ones run

@@ -142,6 +142,9 @@ def _overlaps(plan: Plan) -> str:
     lay = plan.layout
     if impl.overlap_tp and lay.tp > 1 and not lay.sequence_parallel and not lay.defers_weight_grads:
         parts.append("tensor-parallel input gradients behind weight gradients")
+    if impl.ring_tp and lay.tp > 1 and lay.sequence_parallel:
+        parts.append("tensor-parallel gathers and reduce-scatters in ring steps behind the GEMM chunks"
+                     + (" (the gathers in float8)" if impl.fp8 == "tensorwise" else ""))
     if impl.overlap_dp and lay.dp > 1 and lay.pp == 1 and zero_optimizer_reduces(lay.zero_stage, impl) and lay.zero_stage < 3:
         parts.append("ZeRO gradient reduction behind the backward")
     return ", ".join(parts)

@@ -119,9 +119,11 @@ def test_predictions_match_measured_steps_on_an_h100(shape, micro, micro_batches
 # batch 2048, micro batch 2, sequence 2048, 842–895 model TFLOP/s per GPU. What the planner assumes of NeMo's
 # kernels (Transformer Engine under Megatron-Core), none of it measured here: tensorwise float8 products at the
 # float8 rate of the H100 preset with their casts fused (as gpt3d's compiled casts), the tensor-parallel collectives
-# in ring steps behind the GEMMs in float8 too (TE's userbuffers), the distributed optimizer's gradient reduction
+# in ring steps behind the GEMMs in float8 too (TE's userbuffers, driven from C++: none of gpt3d's Python ring launches),
+# the distributed optimizer's gradient reduction
 # and weight gathering overlapped chunk by chunk, attention at half of peak, bf16 parameters, the plain loss.
-NEMO_FP8 = dataclasses.replace(MEGATRON, fp8="tensorwise", compiled=True, ring_tp=True, chunked_dp_overlap=True)
+NEMO_FP8 = dataclasses.replace(MEGATRON, fp8="tensorwise", compiled=True, ring_tp=True, ring_launches=False,
+                               chunked_dp_overlap=True)
 
 
 def test_nemo_fp8_gpt3_175b_is_reproduced_within_15_percent():
@@ -132,6 +134,11 @@ def test_nemo_fp8_gpt3_175b_is_reproduced_within_15_percent():
     plan = build_plan(cfg, layout, preset("h100-80g"), implementation=NEMO_FP8)
     predicted = plan.model_flops_per_step / plan.step_time_s / layout.gpus / 1e12
     assert predicted == pytest.approx((842 + 895) / 2, rel=0.15), predicted
-    # each assumption carries weight: without the chunked data-parallel overlap it is more than 15% short
-    plain_dp = build_plan(cfg, layout, preset("h100-80g"), implementation=dataclasses.replace(NEMO_FP8, chunked_dp_overlap=False))
-    assert plain_dp.model_flops_per_step / plain_dp.step_time_s / layout.gpus / 1e12 < 0.85 * (842 + 895) / 2
+    # the overlaps carry weight: without the chunked data-parallel overlap the prediction falls below the published
+    # range, and without the ring overlap more than 15% below its middle
+    def without(**change) -> float:
+        plan = build_plan(cfg, layout, preset("h100-80g"), implementation=dataclasses.replace(NEMO_FP8, **change))
+        return plan.model_flops_per_step / plan.step_time_s / layout.gpus / 1e12
+
+    assert without(chunked_dp_overlap=False) < 842
+    assert without(ring_tp=False) < 0.85 * (842 + 895) / 2

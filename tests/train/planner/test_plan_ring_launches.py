@@ -1,0 +1,58 @@
+"""The planner's RING_LAUNCHES (train/planner/estimate.py): the kernels a block linear under
+parallel.tp_comm_overlap launches a micro batch beyond the same linear under plain sequence parallelism, counted by
+bench/op_ledger.py on the layers themselves (forward and backward, bf16 weights) at tp = 2 and 4 on gloo: a + b·p
+for a column and a row layer, in bf16 and in float8 (torch._scaled_mm and the fused cast as on a GPU, one kernel
+each), each layer's second call (its first may do one-time work). Within one launch: the plain row layer's
+count has been seen to differ by one between runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distributed import run_distributed
+from train.planner.estimate import RING_LAUNCHES
+
+IN, OUT, BATCH = 64, 64, 2
+
+
+def _launches(layer, x) -> int:
+    from bench.op_ledger import OpLedger
+
+    ledger = OpLedger()
+    with ledger:
+        ledger.recording = True
+        layer(x).float().sum().backward()
+    return sum(op.kernels for op in ledger.ops)
+
+
+def count_worker(tp: int) -> dict:
+    from model.modes import Float8
+    from parallel.tensor import ColumnParallelLinear, RowParallelLinear
+    from parallel.topology import Topology
+
+    group, tokens = Topology.create(tp=tp).tp_group, 16 * tp
+    counts = {}
+    for fp8 in (False, True):
+        mode = Float8() if fp8 else None
+        for column in (True, False):
+            kind = ColumnParallelLinear if column else RowParallelLinear
+            for ring in (False, True):
+                layer = kind(IN, OUT, group, sequence_parallel=True, dtype=torch.bfloat16, ring_overlap=ring,
+                             fp8=mode if ring else None)  # against the plain bf16 linear of the same place
+                torch.nn.init.normal_(layer.weight)
+                if column:  # the ring's column layer gathers its piece; the plain one takes the LayerNorm's gather
+                    shape = (BATCH, tokens // tp if ring else tokens, IN)
+                else:
+                    shape = (BATCH, tokens, IN // tp)
+                x = torch.randn(*shape, dtype=torch.bfloat16, requires_grad=True)
+                _launches(layer, x)  # a first call's one-time work left out
+                counts[fp8, column, ring] = _launches(layer, x)
+    return {key: counts[key + (True,)] - counts[key + (False,)] for key in RING_LAUNCHES}
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_ring_launches_are_the_layers_own(tp):
+    added = run_distributed(count_worker, tp, tp)[0]
+    for (fp8, column), (a, b) in RING_LAUNCHES.items():
+        assert abs(added[fp8, column] - (a + b * tp)) <= 1, ((fp8, column), added[fp8, column], a + b * tp)
