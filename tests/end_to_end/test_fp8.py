@@ -13,7 +13,9 @@ are shared by every case here:
   layouts  tp=2, pp=2 and tp=2·pp=2 fp8 runs on gloo ranks reproduce the one-process fp8 run's first
            steps within bf16's tolerance (cli.TOLERANCES["bf16"]): every amax of a split operand is
            reduced over the tensor-parallel ranks, so each layout quantizes as one process does, the
-           bf16 linears beside the float8 ones alike
+           bf16 linears beside the float8 ones alike; also tp=2 with the ring overlap, whose float8 pieces
+           travel quantized and whose weight casts are kept through each step (a cast kept past the
+           optimizer's update would part from the one-process run at the second step)
   resume   the fp8 run's checkpoint resumes at bf16 at tp=2, and the bf16 run's resumes at fp8 (rowwise),
            each continuing its run within 2% (the same weights, another precision of the products)
 """
@@ -64,8 +66,9 @@ def test_fp8_trains_like_bf16(fp8_run, bf16_run):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "nproc, layout",
-    [(2, ["parallel.tp=2"]), (2, ["parallel.pp=2"]), (4, ["parallel.tp=2", "parallel.pp=2"])],
-    ids=["tp2", "pp2", "tp2-pp2"],
+    [(2, ["parallel.tp=2"]), (2, ["parallel.pp=2"]), (4, ["parallel.tp=2", "parallel.pp=2"]),
+     (2, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.tp_comm_overlap=true"])],
+    ids=["tp2", "pp2", "tp2-pp2", "tp2-sp-ring"],
 )
 def test_fp8_layout_matches_one_process(tmp_path, corpus, fp8_run, nproc, layout):
     train(tmp_path, corpus, "logging.wandb.mode=disabled", f"train.max_steps={LAYOUT_STEPS}", "train.eval_interval=0",

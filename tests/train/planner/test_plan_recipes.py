@@ -13,21 +13,24 @@ from train.plan import load
 from train.planner.dry_run import dry_run
 from train.planner.from_config import plan_from_config, preflight, stage_split
 
-RECIPES = {  # recipe: (GPUs, the model it sets, layout it must hold, blocks for the dry run)
+RECIPES = {  # recipe: (GPUs, the model it sets, layout it must hold, blocks for the dry run, precision)
     # the whole 96 blocks: 12 chunks of one block on each of the 8 ranks
     "gpt3-175b-h100x1024": (1024, "gpt3-175b", "tp=8 pp=8 dp=16 zero=1 micro=3 ckpt=selective sp interleaved V=12",
-                            None),
-    "gpt3-13b-h100x64": (64, "gpt3-13b", "tp=2 pp=1 dp=32 zero=2 micro=8 ckpt=selective", None),
+                            None, "bf16"),
+    # 6 chunks of one block on each of the 16 ranks
+    "gpt3-175b-h100x1024-fp8": (1024, "gpt3-175b",
+                                "tp=4 pp=16 dp=16 zero=1 micro=2 ckpt=selective sp interleaved V=6", None, "fp8"),
+    "gpt3-13b-h100x64": (64, "gpt3-13b", "tp=2 pp=1 dp=32 zero=2 micro=8 ckpt=selective", None, "bf16"),
 }
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_fits_passes_preflight_and_its_shards_cover_the_model(recipe):
-    gpus, model, layout, blocks = RECIPES[recipe]
+    gpus, model, layout, blocks, precision = RECIPES[recipe]
     sections, plan_cfg, model_cfg = load([f"+recipe={recipe}", f"plan.gpus={gpus}"])
     plan = plan_from_config(sections, plan_cfg, model_cfg)
     assert plan.model.name == model and plan.layout.describe() == layout
-    assert plan.implementation.precision == "bf16" and plan.fits
+    assert plan.implementation.precision == precision and plan.fits
     assert plan.peak_memory_gib + 2 <= plan.hardware.memory_gib  # the headroom pre-flight leaves
     preflight(plan)  # raises ConfigError when the layout does not fit
     assert plan.predicted_mfu >= 0.40

@@ -51,8 +51,8 @@ class ParallelConfig(Section):
                                                 "weight-gradient GEMM computes", BOOLEAN)
     tp_comm_overlap: bool = setting(
         False, "with tp > 1 and sequence_parallel: each block linear's all-gather and reduce-scatter run as tp − 1 ring "
-               "exchanges, each behind a chunk of the layer's GEMM, forward and backward (parallel/overlap.py; not "
-               "with train.precision=fp8)", BOOLEAN)
+               "exchanges, each behind a chunk of the layer's GEMM, forward and backward (parallel/overlap.py); with "
+               "train.precision=fp8 the gathers travel in float8 (train.fp8_recipe=tensorwise only)", BOOLEAN)
     pipeline_schedule: str = setting(
         ONE_F_ONE_B, "with pp > 1: `1f1b` (DeepSpeed's schedule), `zb-h1` (zero-bubble: the blocks' weight-gradient "
                      "GEMMs deferred into the pipeline bubble, at 1F1B's activation memory), `interleaved` "
