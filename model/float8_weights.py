@@ -5,7 +5,9 @@ column-major as torch._scaled_mm takes its second operand), with s_W = f_max / a
 when the optimizer steps, so within a step every micro batch would cast the same W to the same Ŵ: the amax (a
 pass over W, and under tensor parallelism an all-reduce), the scale, and two casts. `WeightCasts` keeps them
 from a weight's first use in the step to the step's end: the trainer runs each step inside `step()`, the
-layers look their weight up (`kept`) and keep what they made (`keep`). Outside a step (evaluation, generation,
+layers look their weight up (`kept`) and keep what they made (`keep`). The ring layers do
+(parallel/ring_operands.py, parallel.tp_comm_overlap); the other float8 layers (model/float8.py) still cast
+every micro batch. Outside a step (evaluation, generation,
 benchmarks) nothing is kept and every call casts again. Kept: one byte an element of each float8 layout, per
 float8 weight of the rank, until the step ends; the values are those a fresh cast gives (the cast is
 deterministic), so keeping changes no number.
