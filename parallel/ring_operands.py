@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from model.float8 import ALIGN, Float8Matmuls, _amax, _tensorwise, cast_to_float8, inverse_scaled_mm
+from model.float8 import Float8Matmuls, _amax, _padded, _tensorwise, cast_to_float8, inverse_scaled_mm
 from model.float8_library import amax_to_scale
 from model.recompute import MATMULS, Grads, autocast_dtype
 
@@ -73,7 +73,7 @@ class Float8Operands:
     def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
         """x (…, k) this rank's part of the input (a sequence piece, or its k/p features), W (n, k): x̂ (…, k) and
         the product of its rows, x̂_rows Ŵᵀ + b. W's amax, scale and casts are kept through the step."""
-        kept = self.m.weight_casts.kept(weight) if self.m.weight_casts is not None else None
+        kept = self._kept(weight)
         if kept is None:  # x's and W's amaxes in one reduction, their scales in one computation
             amaxes = self.m.reduce_max(torch.stack([_amax(x, None), _amax(weight, None)]), "forward")  # (2,)
             scales = amax_to_scale(amaxes, self.x_dtype, self.m.power_of_2)  # (2,)
@@ -114,7 +114,7 @@ class Float8Operands:
     def _weight_for_input_grad(self, weight: torch.Tensor) -> dict:
         """W's operands with its input-gradient layout, Ŵ (n, k) column-major: kept from this step's forward, or
         (outside a step, or a forward in no step) made again from W's amax, reduced over the ranks."""
-        kept = self.m.weight_casts.kept(weight) if self.m.weight_casts is not None else None
+        kept = self._kept(weight)
         if kept is None:
             scale_w = amax_to_scale(self.m.reduce_max(_amax(weight, None).reshape(1), "backward")[0], self.x_dtype,
                                     self.m.power_of_2)
@@ -122,6 +122,10 @@ class Float8Operands:
         if "backward" not in kept:
             kept["backward"] = cast_to_float8(weight, kept["scale"], self.x_dtype, transposed=True).t()
         return kept
+
+    def _kept(self, weight: torch.Tensor) -> dict | None:
+        """W's operands kept in this step (model/float8_weights.py), or None."""
+        return self.m.weight_casts.kept(weight) if self.m.weight_casts is not None else None
 
     def weight_products(self, g8: torch.Tensor, state: tuple, scale_g: torch.Tensor) -> "_Float8WeightGrad":
         """g8 (N, n) the whole ĝ, scale_g its scale (backward's third value)."""
@@ -138,7 +142,7 @@ class Float8Operands:
         ALIGN where they are not (no product changes): (M, P) in `dtype`. On the GPU by the inverse scales made
         once per operand (one kernel a product), emulated as the layer's own products are."""
         rows, cols = a8.shape[0], b8.shape[1]
-        a8, b8 = _padded8(a8), _padded8(b8.t()).t()
+        a8, b8 = _padded(a8), _padded(b8.t()).t()
         if self.m.emulate:
             out = self.m.multiply(a8, scale_a, b8, scale_b, dtype, fast)
             out = out if out.shape == (rows, cols) else out[:rows, :cols]
@@ -166,16 +170,6 @@ def _padded_bias(bias: torch.Tensor | None, columns: int) -> torch.Tensor | None
     if bias is None or bias.shape[0] == columns:
         return bias
     return torch.nn.functional.pad(bias, (0, columns - bias.shape[0]))
-
-
-def _padded8(t: torch.Tensor) -> torch.Tensor:
-    """A float8 matrix (R, C) with zero rows and columns up to multiples of ALIGN (t itself when aligned)."""
-    rows, cols = -t.shape[0] % ALIGN, -t.shape[1] % ALIGN
-    if not rows and not cols:
-        return t
-    padded = t.new_zeros((t.shape[0] + rows, t.shape[1] + cols))
-    padded[: t.shape[0], : t.shape[1]] = t
-    return padded
 
 
 PLAIN = PlainOperands()  # holds nothing: one for every layer

@@ -104,7 +104,7 @@ from train.planner.counts import (
     stage_blocks,
     state_bytes,
 )
-from train.planner.fp8_rule import COLUMN_PARALLEL, linears_at
+from train.planner.fp8_rule import COLUMN_PARALLEL, linear_shapes, linears_at
 from train.planner.hardware import Hardware
 from train.planner.layout import PRECISIONS, Implementation, Layout, for_precision
 from train.planner.one_gpu import one_gpu_step
@@ -220,7 +220,7 @@ def _blocks_compute(model_cfg: GPTConfig, layout: Layout, impl: Implementation, 
     bandwidth = hw.memory_bandwidth
     gemms = [(n, d, 3 * d // tp), (n, d // tp, d), (n, d, f // tp), (n, f // tp, d)]  # in BLOCK_LINEARS' order
     in_fp8 = linears_at(model_cfg, layout, impl, hw)  # the block linears in float8 (none without fp8)
-    ring = impl.ring_tp and layout.sequence_parallel and tp > 1  # float8 operands cast once (ring_fp8_cast_bytes)
+    ring = ring_runs(layout, impl)  # float8 operands cast once (ring_fp8_cast_bytes)
     casts = {name: ring_fp8_cast_bytes(name in COLUMN_PARALLEL, tp, layout.micro_batches) if ring else None
              for name in BLOCK_LINEARS}
     fwd_gemm_t = sum(_linear_time(hw, impl, *g, fp8=name in in_fp8, cast_bytes=casts[name])
@@ -435,11 +435,11 @@ def _stage_ranks(model_cfg: GPTConfig, layout: Layout, impl: Implementation, hw:
     chunk_acts = [_chunk_activations(model_cfg, layout, impl, hw, _alike_stage(model_cfg, layout, v)) for v in chunks]
     acts = _through_all(chunk_acts)
     a = _matmul_bytes(impl)
-    chunk_deferred = [deferred_weight_grad_bytes(model_cfg, tp, virtual, v, layout.micro_batch, a, spec,
-                                                 ring_float8(model_cfg, layout, impl, hw))
+    ring8 = ring_float8(model_cfg, layout, impl, hw)
+    chunk_deferred = [deferred_weight_grad_bytes(model_cfg, tp, virtual, v, layout.micro_batch, a, spec, ring8)
                       if layout.defers_weight_grads else 0 for v in chunks]
     deferred_bytes = sum(chunk_deferred)
-    weight_casts = kept_weight_cast_bytes(model_cfg, tp, shape.blocks, ring_float8(model_cfg, layout, impl, hw))
+    weight_casts = kept_weight_cast_bytes(model_cfg, tp, shape.blocks, ring8)
 
     if impl.grad_reduce_bytes is not None:
         grad_bytes = lambda p: impl.grad_reduce_bytes  # noqa: E731
@@ -450,7 +450,7 @@ def _stage_ranks(model_cfg: GPTConfig, layout: Layout, impl: Implementation, hw:
     transfers = (
         plan_comm.tensor_parallel(model_cfg, shape, tp, layout.micro_batch, m, sequence_parallel=layout.sequence_parallel,
                                   autocast=impl.autocast, residual_bytes=r, fused_loss=impl.fused_loss,
-                                  ring=impl.ring_tp and layout.sequence_parallel,
+                                  ring=ring_runs(layout, impl),
                                   float8_linears=linears_at(model_cfg, layout, impl, hw))
         + _pipeline_transfers(model_cfg, layout, stage, chunk_params, chunk_shapes, r)
         # bf16 at ZeRO 0: BF16_Optimizer partitions the optimizer and so, like ZeRO 1, all-gathers the
@@ -561,17 +561,20 @@ def kept_weight_cast_bytes(model_cfg: GPTConfig, tp: int, blocks: int, ring_floa
     """Bytes of the float8 weight casts a rank keeps through a step (model/float8_weights.py): both layouts, a byte
     an element, of the weights of its `blocks` blocks' linears in `ring_float8` (parallel/ring_operands.py keeps
     them; (k, m) of each weight on a tensor-parallel rank)."""
-    d, f = model_cfg.d_model, model_cfg.d_ff
-    elements = {"attn.qkv": 3 * d * d // tp, "attn.proj": d * d // tp, "mlp.fc": d * f // tp, "mlp.proj": f * d // tp}
-    return 2 * blocks * sum(elements[name] for name in ring_float8)
+    shapes = linear_shapes(model_cfg, tp)
+    return 2 * blocks * sum(shapes[name][0] * shapes[name][1] for name in ring_float8)
 
 
 def ring_float8(model_cfg: GPTConfig, layout: Layout, impl: Implementation, hw: Hardware) -> tuple[str, ...]:
     """The block linears whose operands the ring overlap quantizes (parallel/ring_operands.py): those in float8
     when the ring runs (parallel.tp_comm_overlap under sequence parallelism, tp > 1), else none."""
-    if not (impl.ring_tp and layout.sequence_parallel and layout.tp > 1):
-        return ()
-    return linears_at(model_cfg, layout, impl, hw)
+    return linears_at(model_cfg, layout, impl, hw) if ring_runs(layout, impl) else ()
+
+
+def ring_runs(layout: Layout, impl: Implementation) -> bool:
+    """Whether the block linears run their collectives in ring steps: parallel.tp_comm_overlap under sequence
+    parallelism, tp > 1."""
+    return impl.ring_tp and layout.sequence_parallel and layout.tp > 1
 
 
 def _through_all(chunk_acts: list[ActivationBytes]) -> ActivationBytes:
@@ -630,16 +633,6 @@ def _exposed_behind_weight_gradients(model_cfg: GPTConfig, layout: Layout, impl:
     return exposed
 
 
-# the block GEMM (n × k)·(k × m) each ring-decomposed collective hides behind, per (op, phase, linear): (k, m), with
-# d = d_model, f = d_ff, p = tp (parallel/overlap.py)
-_RING_GEMMS = {
-    ("all_gather", "forward"): {"attn.qkv": lambda d, f, p: (d, 3 * d // p), "mlp.fc": lambda d, f, p: (d, f // p)},
-    ("reduce_scatter", "backward"): {"attn.qkv": lambda d, f, p: (3 * d // p, d), "mlp.fc": lambda d, f, p: (f // p, d)},
-    ("reduce_scatter", "forward"): {"attn.proj": lambda d, f, p: (d // p, d), "mlp.proj": lambda d, f, p: (f // p, d)},
-    ("all_gather", "backward"): {"attn.proj": lambda d, f, p: (d, d // p), "mlp.proj": lambda d, f, p: (d, f // p)},
-}
-
-
 def _exposed_in_ring_steps(model_cfg: GPTConfig, layout: Layout, impl: Implementation, hw: Hardware,
                            transfers, inter_node: dict) -> float:
     """Seconds per step of the ring-decomposed collectives (parallel.tp_comm_overlap) that their GEMMs do not
@@ -648,13 +641,14 @@ def _exposed_in_ring_steps(model_cfg: GPTConfig, layout: Layout, impl: Implement
     sequence; in float8 the product alone, its operands cast before the ring), which runs
     `Implementation.ring_gemm_slowdown` slower beside it: the layer takes G/p + (p − 1)·max(exchange, (1 + s)·G/p),
     so the exposed part is (p − 1)·(max(exchange, (1 + s)·G/p) − G/p). One transfer per block linear."""
-    p, n = layout.tp, layout.micro_batch * model_cfg.seq_len
-    d, f, bandwidth = model_cfg.d_model, model_cfg.d_ff, hw.link_bandwidth(inter_node["tp"])
-    in_fp8 = linears_at(model_cfg, layout, impl, hw)
+    p, n, bandwidth = layout.tp, layout.micro_batch * model_cfg.seq_len, hw.link_bandwidth(inter_node["tp"])
+    in_fp8, shapes = linears_at(model_cfg, layout, impl, hw), linear_shapes(model_cfg, p)
     exposed = 0.0
     for t in transfers:  # count: one per block and micro batch
         exchange = t.nbytes / p / bandwidth + COLLECTIVE_LATENCY_S
-        k, m = _RING_GEMMS[t.op, t.phase][t.linear](d, f, p)
+        k, m = shapes[t.linear]  # the GEMM (n × k)·(k × m) it hides behind: the linear's forward,
+        if t.phase == "backward":  # or its input gradient's (n × m)·(m × k)
+            k, m = m, k
         gemm = _fp8_gemm_time(hw, n, k, m) if t.linear in in_fp8 else _gemm_time(hw, impl, n, k, m, _matmul_bytes(impl))
         slower = 1 + impl.ring_gemm_slowdown
         exposed += t.count * (p - 1) * (max(exchange, slower * gemm / p) - gemm / p)
