@@ -32,6 +32,9 @@ What the engine adds:
   HandOff*                 the same message between two stages of this rank, in memory
   PostRecv*                irecv into fresh buffers, waited on by the pass that uses them
   WaitSends                every send done, every W run, before ReduceTiedGrads, ReduceGrads, OptimizerStep
+  ReduceGrads              with `reduce_chunks` (interleaved, DeepSpeed's bf16 optimizer, dp > 1) each chunk's
+                           data-parallel reduction was issued after its last B (parallel/schedules/grad_reduction.py):
+                           it waits for those and reduces the rest as DeepSpeed does; else DeepSpeed's, all at once
 
 The shapes of what goes between stages (every stage's output has the same: hidden states and targets,
 or their tensor-parallel partition) are broadcast over the pipeline group once per step by the rank of
@@ -48,10 +51,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe import schedule as ds
-from deepspeed.runtime.pipe.engine import PipelineEngine
+from deepspeed.runtime.pipe.engine import MEMORY_OPT_ALLREDUCE_SIZE, PipelineEngine
 from deepspeed.runtime.utils import PartitionedTensor
 
 from model.weight_grads import WeightGradStore
+from parallel.schedules.grad_reduction import ChunkReductions
 from parallel.schedules.orders import SPLIT_BACKWARD, Costs, placement_of
 from parallel.schedules.program import (
     Forward,
@@ -76,9 +80,12 @@ class ScheduleEngine(PipelineEngine):
 
     @classmethod
     def adopt(cls, engine: PipelineEngine, schedule: str, virtual_stages: int = 1, store: WeightGradStore | None = None,
-              costs: Costs = Costs()) -> "ScheduleEngine":
+              costs: Costs = Costs(), reduce_chunks: bool = False) -> "ScheduleEngine":
         """Make `engine` (what deepspeed.initialize built for a PipelineStages whose block linears defer their
-        weight gradients to `store` where `schedule` splits W off, else None) run `schedule`; returns it."""
+        weight gradients to `store` where `schedule` splits W off, else None) run `schedule`; returns it.
+        reduce_chunks (parallel.overlap_communication): each chunk's data-parallel gradient reduction issued after
+        its last B, where there is one to issue (several chunks and no split W, DeepSpeed's bf16 optimizer, other
+        data-parallel ranks: `ChunkReductions`)."""
         if type(engine) is not PipelineEngine:
             raise TypeError(f"{schedule} runs on DeepSpeed's PipelineEngine, not {type(engine).__name__}")
         if (store is not None) != (schedule in SPLIT_BACKWARD):
@@ -109,7 +116,22 @@ class ScheduleEngine(PipelineEngine):
             engine._fp32_index = {p: (i, j) for i, group in enumerate(engine.optimizer.bf16_groups)
                                   for j, p in enumerate(group)}
         engine._bf16_params = list(engine._fp32_index)
+        engine.chunk_reductions = engine._chunk_reductions() if reduce_chunks else None
         return engine
+
+    def _chunk_reductions(self) -> ChunkReductions | None:
+        """ChunkReductions over this rank's chunks (the tied embedding left to ReduceGrads), or None where nothing
+        would be reduced early: one chunk, W split off (a chunk's gradients are final only after its W passes),
+        no bf16 optimizer, or no other data-parallel rank."""
+        if (self.placement.virtual == 1 or self.schedule in SPLIT_BACKWARD or not self.using_bf16_optimizer
+                or not self.pipeline_enable_backward_allreduce or self.has_moe_layers
+                or dist.get_world_size(self.mpu.get_data_parallel_group()) == 1):
+            return None
+        tied = {id(weight) for weight, _ in self.module.get_tied_weights_and_groups()}
+        chunk_params = {stage: [p for layer in self.module._chunks[self.placement.chunk_of(stage)]
+                                for p in layer.parameters() if id(p) not in tied and p in self._fp32_index]
+                        for stage in self._own_stages}
+        return ChunkReductions(self, chunk_params)
 
     def _train_schedule(self):
         return PipelineProgram(self.schedule, self.placement, self.micro_batches, self.stage_id, self.zb_costs)
@@ -136,6 +158,8 @@ class ScheduleEngine(PipelineEngine):
         self._program_micro_batches = pipe_schedule.micro_batches
         self.fwd_outputs = []
         self._template = None
+        if self.chunk_reductions is not None:
+            self.chunk_reductions.start_step()
         if 0 not in self._own_stages:
             self._template = self._exchange_template(None)
         for step in pipe_schedule:
@@ -291,6 +315,8 @@ class ScheduleEngine(PipelineEngine):
                 param.grad = None
         if self.weight_grads is not None:
             self.weight_grads.seal()
+        if self.chunk_reductions is not None:
+            self.chunk_reductions.after_backward(stage, self._program_micro_batches)
 
     def _run_pass(self, stage: int, run, buffer_id: int) -> None:
         """DeepSpeed's forward or backward of `stage`'s chunk, answering for that virtual stage meanwhile."""
@@ -321,6 +347,20 @@ class ScheduleEngine(PipelineEngine):
             self.optimizer._update_hp_grad(param, *self._fp32_index[param], clear_lp_grads=False)
             param.grad = None
 
+    def _exec_reduce_grads(self) -> None:
+        """DeepSpeed's ReduceGrads, or with chunk reductions: wait for them, then reduce the gradients they left
+        (as DeepSpeed reduces its bf16 optimizer's, the same operations)."""
+        if self.chunk_reductions is None:
+            return PipelineEngine._exec_reduce_grads(self)
+        self._force_grad_boundary = True
+        try:
+            reduced = self.chunk_reductions.finish()
+            rest = [g for group in self.optimizer.fp32_groups_gradients for g in group if id(g) not in reduced]
+            if rest:
+                self.buffered_allreduce_fallback(grads=rest, elements_per_buffer=MEMORY_OPT_ALLREDUCE_SIZE)
+        finally:
+            self._force_grad_boundary = False
+
     _INSTRUCTIONS = {
         ds.LoadMicroBatch: _exec_load_micro_batch,
         PostRecvActivation: _exec_post_recv_activation,
@@ -333,4 +373,5 @@ class ScheduleEngine(PipelineEngine):
         InputGradPass: _exec_input_grad_pass,
         WeightGradPass: _exec_weight_grad_pass,
         WaitSends: _exec_wait_sends,
+        ds.ReduceGrads: _exec_reduce_grads,
     }

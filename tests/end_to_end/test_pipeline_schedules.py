@@ -66,15 +66,15 @@ def test_schedule_matches_one_process(tmp_path, corpus, one_process, layout, wor
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_checkpoints_resume_across_schedules_and_layouts(tmp_path, corpus, one_process, precision):
-    """Steps 1–2 interleaved (V=2) at pp=2, 3–4 zb-v at pp=2, 5–6 zb-h1 at pp=4, 7–8 DeepSpeed's 1f1b at pp=2,
-    each leg ending in an evaluation (gpt3d's schedules run their forward-only programs for it): one curve,
+    """Steps 1–2 interleaved (V=2) at pp=2 × dp=2 (in bf16 each chunk's data-parallel reduction issued after its
+    last B: parallel/schedules/grad_reduction.py), 3–4 zb-v at pp=2, 5–6 zb-h1 at pp=4, 7–8 DeepSpeed's 1f1b at
+    pp=2, each leg ending in an evaluation (gpt3d's schedules run their forward-only programs for it): one curve,
     the one-process run's, its training and validation losses alike."""
     run = [*BASE, EVAL, f"train.precision={precision}"]
-    legs = ((2, [*interleaved(2), "parallel.pp=2"]), (4, [ZB_V, "parallel.pp=2"]), (6, [ZB_H1, "parallel.pp=4"]),
-            (8, ["parallel.pp=2"]))
-    for last, layout in legs:
-        proc = train(tmp_path, corpus, *run, f"train.max_steps={last}", *layout, kind="ranks",
-                     nproc=4 if "parallel.pp=4" in layout else 2)
+    legs = ((2, [*interleaved(2), "parallel.pp=2"], 4), (4, [ZB_V, "parallel.pp=2"], 2),
+            (6, [ZB_H1, "parallel.pp=4"], 4), (8, ["parallel.pp=2"], 2))
+    for last, layout, ranks in legs:
+        proc = train(tmp_path, corpus, *run, f"train.max_steps={last}", *layout, kind="ranks", nproc=ranks)
         assert last == 2 or "resumed from" in proc.stdout
     got, want = metrics(tmp_path), one_process[precision]
     assert_same_losses(got, want, precision)

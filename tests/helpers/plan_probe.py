@@ -57,29 +57,32 @@ def _state(engine, stage: int) -> dict:
     }
 
 
-def probe(model: dict, tp: int, pp: int, zero_stages: list[int], global_batch: int, micro_batch: int) -> list[dict]:
-    """For each ZeRO stage: this rank's coordinates, state bytes and one step's communication."""
+def probe(model: dict, tp: int, pp: int, zero_stages: list[int], global_batch: int, micro_batch: int,
+          precision: str = "fp32") -> list[dict]:
+    """For each ZeRO stage: this rank's coordinates, state bytes and one step's communication, under `precision`
+    (fp32, or bf16: bf16 weights, DeepSpeed's bf16 optimizer at ZeRO ≤ 1)."""
     os.environ["DS_ACCELERATOR"] = "cpu"
     from deepspeed.comm import comm as ds_comm
 
     from parallel.build import BuildOptions, build_model
     from parallel.comm import record_comm
     from parallel.topology import Topology
+    from train.run import bf16_optimizer
     from train.run import engine as engines
-    from train.run.optimizer import TokenLR, make_optimizer, make_schedule
+    from train.run.optimizer import GIVEN_NORM, TokenLR, make_optimizer, make_schedule
     from train.run.step import pipeline_inputs
     from train.runtime.process_group import init_distributed
     from train.runtime.resolve import Runtime
 
     init_distributed(torch.device("cpu"))
-    fp32 = Runtime(torch.device("cpu"), "fp32")
+    runtime = Runtime(torch.device("cpu"), precision)
     topology = Topology.create(tp, pp)
     cfg_model = GPTConfig(**model)
     results = []
     for stage in zero_stages:
         cfg = OmegaConf.create({
             "train": {"seed": 1, "global_batch_size": global_batch, "micro_batch_size": micro_batch,
-                      "precision": "fp32"},
+                      "precision": precision},
             "parallel": {"tp": tp, "pp": pp, "zero_stage": stage, "offload_optimizer": False,
                          "sequence_parallel": False, "activation_checkpointing": 0},
             "optim": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "grad_clip": 1.0,
@@ -90,11 +93,13 @@ def probe(model: dict, tp: int, pp: int, zero_stages: list[int], global_batch: i
         model_obj = build_model(cfg_model, topology, cfg.train.seed, torch.device("cpu"), options)
         pipelined = pp > 1
         mpu = model_obj.mpu() if pipelined else topology.mpu
-        optimizer = make_optimizer(model_obj, cfg.optim, 1e-3, clip=engines.clipping(cfg.parallel, fp32), mpu=mpu)
+        optimizer = make_optimizer(model_obj, cfg.optim, 1e-3, clip=engines.clipping(cfg.parallel, runtime), mpu=mpu)
         scheduler = TokenLR(optimizer, make_schedule(cfg.optim, "probe", 64 * 10), 64)
         ds_config = engines.deepspeed_config(cfg.train, cfg.parallel, cfg.optim, OmegaConf.to_container(cfg.deepspeed),
-                                              topology.dp_size, fp32)
+                                              topology.dp_size, runtime)
         engine = engines.create_engine(model_obj, optimizer, scheduler, ds_config, mpu=None if pipelined else mpu)
+        if engines.clipping(cfg.parallel, runtime) == GIVEN_NORM:  # DeepSpeed's bf16 optimizer, as train/run/build.py
+            optimizer.take_norm_from(bf16_optimizer.adopt(engine.optimizer))
         captured = {}
         zero = engine.optimizer
         original_step = zero.step

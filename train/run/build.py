@@ -165,7 +165,8 @@ def build(spec: RunSpec) -> Trainer:
     )
     if schedule_name != ONE_F_ONE_B:  # gpt3d's own schedules (parallel/schedules/); 1f1b is DeepSpeed's
         costs = spec.pass_costs if schedule_name == ZB_V else Costs()  # zb-h1's step is its equal-pass order's
-        engine = ScheduleEngine.adopt(engine, schedule_name, par.virtual_stages, weight_grads, costs)
+        engine = ScheduleEngine.adopt(engine, schedule_name, par.virtual_stages, weight_grads, costs,
+                                      reduce_chunks=par.overlap_communication)
     on_device = clip == OWN_NORM  # the step's skip decided on the device, and reported so (train/run/step.py)
     if clip == GIVEN_NORM:  # the optimizer DeepSpeed wraps ours in computes the norm
         holder = engine.optimizer

@@ -1,0 +1,109 @@
+"""The data-parallel gradient reduction chunk by chunk, while the backward goes on (parallel.overlap_communication,
+the interleaved schedule, DeepSpeed's bf16 optimizer).
+
+DeepSpeed's pipeline engine reduces the gradients once, after the step's last backward (ReduceGrads): for its bf16
+optimizer it flattens the fp32 gradients, casts them to the communication dtype (bf16 unless
+`communication_data_type` says otherwise), all-reduces them over the data-parallel group, scales by 1/dp and
+copies them back. Under the interleaved schedule a rank's chunks finish their backward one after another: once
+chunk c has run B for all m micro batches of the step, its gradients are final, and the other chunks still have
+backward passes to run. `ChunkReductions` then issues chunk c's reduction (asynchronous: NCCL's stream on CUDA,
+gloo's thread on the CPU), the same operations on the same values as DeepSpeed's, so the result is the same
+bit for bit; the engine's ReduceGrads waits for them and reduces only what is left: the tied embedding's
+gradient (its pipeline all-reduce comes first, in ReduceTiedGrads) and the chunk that finished last.
+
+Per chunk, in issue order ("dp grads <virtual stage>" in parallel/comm.py's record_overlap):
+  issue    b = cast(g_c) (one copy a run of adjacent gradients in the flat fp32 buffers), b ·= 1/predivide,
+           all-reduce(b) without waiting; a chunk's earlier reduction is finished first, so at most two
+           chunks' buffers are held (2 bytes a parameter of the chunk in bf16)
+  finish   wait, b ·= predivide/dp, g_c ← b (cast back into the fp32 gradients)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from parallel.comm import record_step
+
+
+class ChunkReductions:
+    """Issues each chunk's data-parallel gradient reduction when its last B of the step has run (module docstring).
+
+    engine: the ScheduleEngine (its optimizer is DeepSpeed's bf16 optimizer, its data-parallel group has other
+    ranks); chunk_params: {virtual stage: the chunk's bf16 parameters}, the tied ones left out."""
+
+    def __init__(self, engine, chunk_params: dict[int, list[torch.nn.Parameter]]):
+        optimizer = engine.optimizer
+        index = {p: (i, j) for i, group in enumerate(optimizer.bf16_groups) for j, p in enumerate(group)}
+        self.runs = {stage: _runs(optimizer, [index[p] for p in params]) for stage, params in chunk_params.items() if params}
+        self.group = engine.mpu.get_data_parallel_group()
+        self.dp = dist.get_world_size(self.group)
+        self.dtype = engine.communication_data_type
+        self.average, self.postscale = engine.gradient_average, engine.postscale_gradients()
+        self.predivide = engine.gradient_predivide_factor()
+        self.reduced: set[int] = set()  # id() of the fp32 gradients reduced this step
+        self._backwards: dict[int, int] = {}
+        self._pending: list[tuple[int, list, torch.Tensor, object]] = []
+
+    def start_step(self) -> None:
+        """A step begins: no B has run, nothing is reduced."""
+        if self._pending:
+            raise RuntimeError(f"data-parallel reductions of stages {[p[0] for p in self._pending]} never finished")
+        self._backwards, self.reduced = {}, set()
+
+    def after_backward(self, stage: int, micro_batches: int) -> None:
+        """Virtual stage `stage` ran a B; after its `micro_batches`-th this step its gradients are reduced."""
+        self._backwards[stage] = self._backwards.get(stage, 0) + 1
+        if self._backwards[stage] == micro_batches and stage in self.runs:
+            self._finish_pending()
+            self._issue(stage)
+
+    def finish(self) -> set[int]:
+        """Wait for every reduction issued this step and write the results into the fp32 gradients; returns the
+        id() of every gradient reduced (ReduceGrads reduces the others)."""
+        self._finish_pending()
+        return self.reduced
+
+    def _issue(self, stage: int) -> None:
+        runs = self.runs[stage]
+        total = sum(run.numel() for run, _ in runs)
+        buffer = torch.empty(total, dtype=self.dtype, device=runs[0][0].device)  # (Σ chunk elements,)
+        offset = 0
+        for run, _ in runs:
+            buffer[offset : offset + run.numel()].copy_(run)
+            offset += run.numel()
+        if self.average and self.postscale and self.predivide != 1.0:
+            buffer.mul_(1.0 / self.predivide)
+        elif self.average and not self.postscale:
+            buffer.mul_(1.0 / self.dp)
+        work = dist.all_reduce(buffer, group=self.group, async_op=True)
+        record_step("issue", f"dp grads {stage}")
+        self._pending.append((stage, runs, buffer, work))
+
+    def _finish_pending(self) -> None:
+        for stage, runs, buffer, work in self._pending:
+            work.wait()
+            record_step("wait", f"dp grads {stage}")
+            if self.average and self.postscale and self.predivide != self.dp:
+                buffer.mul_(self.predivide / self.dp)
+            offset = 0
+            for run, members in runs:
+                run.copy_(buffer[offset : offset + run.numel()])
+                offset += run.numel()
+                self.reduced.update(id(g) for g in members)
+        self._pending = []
+
+
+def _runs(optimizer, placed: list[tuple[int, int]]) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+    """The fp32 gradients of the parameters at `placed` ((group, index) in the bf16 optimizer) as the fewest 1-d
+    views of its flat gradient buffers, each spanning gradients adjacent there: [(view, the gradients it spans)]."""
+    runs: list[tuple[int, int, int, list]] = []  # (group, start, end, members), offsets in the group's flat buffer
+    for i, j in sorted(placed, key=lambda at: (at[0], optimizer.fp32_groups_gradients[at[0]][at[1]].storage_offset())):
+        flat, grad = optimizer.fp32_groups_gradients_flat[i], optimizer.fp32_groups_gradients[i][j]
+        start = grad.storage_offset() - flat.storage_offset()
+        if runs and runs[-1][0] == i and runs[-1][2] == start:
+            runs[-1] = (i, runs[-1][1], start + grad.numel(), runs[-1][3] + [grad])
+        else:
+            runs.append((i, start, start + grad.numel(), [grad]))
+    return [(optimizer.fp32_groups_gradients_flat[i].narrow(0, start, end - start), members)
+            for i, start, end, members in runs]
