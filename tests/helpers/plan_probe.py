@@ -39,7 +39,10 @@ def _state(engine, stage: int) -> dict:
     zero = engine.optimizer if stage > 0 else None
     inner = zero.optimizer if zero is not None else engine.optimizer
     moments = [v for state in inner.state.values() for k, v in state.items() if k in ("exp_avg", "exp_avg_sq")]
-    if stage == 0:
+    if hasattr(zero, "bf16_groups_flat"):  # DeepSpeed's bf16 optimizer (bf16 at ZeRO ≤ 1): its bf16 gradients
+        weights, grads = zero.bf16_groups_flat, zero.fp32_groups_gradients_flat  # are dropped as they are added
+        master, buffers = zero.fp32_groups_flat_partition, []
+    elif stage == 0:
         weights, grads, master, buffers = module_params, [p.grad for p in module_params], [], []
     elif stage in (1, 2):
         weights = zero.bit16_groups_flat
@@ -130,7 +133,7 @@ def probe(model: dict, tp: int, pp: int, zero_stages: list[int], global_batch: i
         deepspeed_log = {op: {size: record[0] for size, record in sizes.items()}
                          for op, sizes in ds_comm.comms_logger.comms_dict.items()}
         results.append({
-            "zero_stage": stage, "coords": (topology.pp_rank, topology.dp_rank, topology.tp_rank),
+            "zero_stage": stage, "precision": precision, "coords": (topology.pp_rank, topology.dp_rank, topology.tp_rank),
             "state": captured, "tp_events": [(e.op, e.phase, e.nbytes) for e in events], "deepspeed": deepspeed_log,
         })
         del engine, model_obj, optimizer

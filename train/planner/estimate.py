@@ -78,11 +78,11 @@ issues; F, B and W keep their shares of the FLOP-and-bytes model.
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import lru_cache, partial
 
 from model import GPTConfig, flops_per_token
 from model.modes import BLOCK_LINEARS
-from parallel.schedules.orders import ONE_F_ONE_B, ZB_V, Costs
+from parallel.schedules.orders import INTERLEAVED, ONE_F_ONE_B, ZB_V, Costs
 from train.planner import comm as plan_comm
 from train.planner.activations import (
     ActivationBytes,
@@ -119,10 +119,11 @@ OPTIMIZER_BYTES = 64  # memory traffic per updated element: AdamW (p, g, m, v re
 SELECTIVE_KERNELS = 3  # kernels selective recomputation adds per block: two LayerNorms and a GELU
 LOSS_BYTES = 32  # memory traffic per logit: float copy, log-softmax, its backward, cast back
 # Memory traffic per parameter element and micro batch of DeepSpeed's BF16_Optimizer (ZeRO ≤ 1 with bf16
-# weights) adding the micro batch's bf16 gradient to its fp32 one (update_hp_grads: the bf16 gradient read
-# 2 and cast to an fp32 temporary 4, then the fp32 gradient read 4, the temporary read 4, the sum written 4),
-# under either schedule; beside the clearing and accumulation of the bf16 gradient (_per_weight_bytes)
-BF16_OPTIMIZER_UPDATE_BYTES = 18
+# weights) adding the micro batch's bf16 gradient to its fp32 one, as gpt3d runs it (train/run/bf16_optimizer.py:
+# one add that casts as it reads, a kernel a parameter: the bf16 gradient read 2, the fp32 one read 4 and
+# written 4; DeepSpeed's own casts to a temporary first, 18 bytes in two kernels), under either schedule; beside
+# the clearing and accumulation of the bf16 gradient (_per_weight_bytes)
+BF16_OPTIMIZER_UPDATE_BYTES = 10
 
 
 # Bytes of memory traffic per element of x, W and g of a linear layer, per micro batch, for its float8 casts
@@ -290,8 +291,8 @@ def _stage_compute(model_cfg: GPTConfig, layout: Layout, impl: Implementation, h
     Beyond the blocks (_blocks_compute): the weights' traffic in B; the head's three unembedding products
     and its loss traffic, all in F with the fused loss (it makes both gradients in its forward), else one
     product and half the traffic in F; the embedding's traffic, half in F; under DeepSpeed's BF16_Optimizer
-    each gradient's addition to its fp32 copy (BF16_OPTIMIZER_UPDATE_BYTES, two
-    kernels a parameter); under gpt3d's own pipeline schedules (zb-h1, interleaved, zb-v: ScheduleEngine) every
+    each gradient's addition to its fp32 copy (BF16_OPTIMIZER_UPDATE_BYTES, a
+    kernel a parameter); under gpt3d's own pipeline schedules (zb-h1, interleaved, zb-v: ScheduleEngine) every
     bf16 gradient is written fresh, nothing cleared or accumulated (parallel/schedules/engine.py drops them
     once added), the addition in W for the parameters W computes (the block linears' weights and the column
     layers' biases) and in B for the rest."""
@@ -308,7 +309,7 @@ def _stage_compute(model_cfg: GPTConfig, layout: Layout, impl: Implementation, h
     bf16_optimizer = uses_bf16_optimizer(layout.zero_stage, impl)
     per_weight = _per_weight_bytes(impl) + (BF16_OPTIMIZER_UPDATE_BYTES if bf16_optimizer else 0)
     if bf16_optimizer:
-        host_kernels += 2 * len(params)  # the update's cast and add, a parameter at a time
+        host_kernels += len(params)  # the update's add, a parameter at a time
     if layout.own_engine and bf16_optimizer:  # fresh bf16 gradients every pass, each added to its fp32 one
         deferred = len(blocks) * deferred_parameters_per_block(model_cfg, tp) if layout.defers_weight_grads else 0
         input_grad += (weights - deferred) * BF16_OPTIMIZER_UPDATE_BYTES / bandwidth  # in B (nothing cleared or +=)
@@ -441,12 +442,7 @@ def _stage_ranks(model_cfg: GPTConfig, layout: Layout, impl: Implementation, hw:
     deferred_bytes = sum(chunk_deferred)
     weight_casts = kept_weight_cast_bytes(model_cfg, tp, shape.blocks, ring8)
 
-    if impl.grad_reduce_bytes is not None:
-        grad_bytes = lambda p: impl.grad_reduce_bytes  # noqa: E731
-    elif bf16_weights:  # BF16_Optimizer (ZeRO ≤ 1) reduces its fp32 accumulation buffer
-        grad_bytes = lambda p: FP32 if layout.zero_stage <= 1 else 2  # noqa: E731
-    else:  # fp32 gradients; under autocast ZeRO ≥ 1 reduces plain nn.Linear ones in bf16
-        grad_bytes = lambda p: 2 if impl.autocast and p.linear and layout.zero_stage > 0 else FP32  # noqa: E731
+    grad_bytes = partial(dp_grad_bytes, impl, layout.zero_stage)
     transfers = (
         plan_comm.tensor_parallel(model_cfg, shape, tp, layout.micro_batch, m, sequence_parallel=layout.sequence_parallel,
                                   autocast=impl.autocast, residual_bytes=r, fused_loss=impl.fused_loss,
@@ -496,6 +492,11 @@ def _stage_ranks(model_cfg: GPTConfig, layout: Layout, impl: Implementation, hw:
     if impl.chunked_dp_overlap:  # the last chunk's reduction and the first chunk's gather stay on the path
         dp_group = [t for t in exposed if t not in hidden and t.group == "dp"]
         dp_s -= (1 - 1 / placement.virtual) * _comm_time(dp_group, hw, inter_node)
+    elif chunk_reductions_run(layout, impl):  # each chunk's reduction after its last B, but the first chunk's
+        reduction = [t for t in exposed if t.group == "dp" and t.op == "all_reduce"]
+        early = [sum(p.numel * grad_bytes(p) for p in c if not p.name.endswith("wte.weight")) for c in chunk_params]
+        dp_s -= _comm_time(reduction, hw, inter_node) - _exposed_chunk_reductions(
+            early, reduction[0].total, pp * passes.input_grad / len(chunks), dp, hw, inter_node)
     for t in hidden:  # ZeRO 2: each micro batch's reduction behind its backward; ZeRO 1: the last one's
         dp_s += t.count * max(0.0, _comm_time([t], hw, inter_node) / t.count - backward_s)
     micro_batch_s = compute_s + gather_s + tp_s + pp_s
@@ -631,6 +632,46 @@ def _exposed_behind_weight_gradients(model_cfg: GPTConfig, layout: Layout, impl:
         each = _comm_time([t], hw, inter_node) / t.count
         exposed += t.count / 2 * sum(max(0.0, each - gemm) for gemm in gemms)
     return exposed
+
+
+def dp_grad_bytes(impl: Implementation, zero_stage: int, param) -> int:
+    """Bytes an element of `param`'s gradient is reduced in over the data-parallel group: `grad_reduce_bytes` when
+    set; with bf16 weights 2 (BF16_Optimizer, ZeRO ≤ 1, casts its fp32 gradients to DeepSpeed's communication
+    dtype, bf16 under bf16, before the all-reduce; ZeRO 2 and 3 reduce the bf16 gradients); otherwise fp32, but
+    under autocast ZeRO ≥ 1 reduces plain nn.Linear gradients in bf16."""
+    if impl.grad_reduce_bytes is not None:
+        return impl.grad_reduce_bytes
+    if impl.bf16_weights:
+        return 2
+    return 2 if impl.autocast and param.linear and zero_stage > 0 else FP32
+
+
+def chunk_reductions_run(layout: Layout, impl: Implementation) -> bool:
+    """gpt3d's engine issues each chunk's data-parallel gradient reduction after its last B
+    (parallel/schedules/grad_reduction.py): under the interleaved schedule (several chunks, W not split off) with
+    DeepSpeed's BF16_Optimizer and other data-parallel ranks, parallel.overlap_communication on."""
+    return (impl.chunked_grad_reduction and layout.schedule == INTERLEAVED and layout.virtual_stages > 1
+            and uses_bf16_optimizer(layout.zero_stage, impl) and not layout.offload_optimizer and layout.dp > 1)
+
+
+def _exposed_chunk_reductions(early: list[float], total: float, window_s: float, dp: int, hw: Hardware,
+                              inter_node: dict) -> float:
+    """Seconds of a rank's gradient reduction left on the step's path when its chunks c = V − 1, …, 1 (bytes
+    early[c], the tied embedding left out) are reduced as each finishes its last B and the rest (chunk 0's, the
+    tied embedding's: total − Σ early[1:]) at the step's end. Chunk c finishes a window after chunk c + 1 (the pp
+    B passes of chunk c's last micro batches: window_s); issuing one waits for the one before it (the engine
+    holds two buffers at most), so a reduction longer than its window delays the backward by the difference,
+    and what the last early one has left when the backward ends is exposed, with the rest."""
+    def seconds(nbytes: float) -> float:
+        return _comm_time([plan_comm.Transfer("dp", "all_reduce", "step", nbytes, 1, dp, "gradients")], hw, inter_node)
+
+    issued_at, done_at, stalled = 0.0, 0.0, 0.0
+    for k, nbytes in enumerate(reversed(early[1:])):  # chunk V − 1 first
+        issued_at = max(k * window_s + stalled, done_at)
+        stalled = issued_at - k * window_s
+        done_at = issued_at + seconds(nbytes)
+    backward_end = (len(early) - 1) * window_s + stalled
+    return stalled + max(0.0, done_at - backward_end) + seconds(total - sum(early[1:]))
 
 
 def _exposed_in_ring_steps(model_cfg: GPTConfig, layout: Layout, impl: Implementation, hw: Hardware,

@@ -92,11 +92,14 @@ class Implementation:
     # the ring layers' kernels launched one by one from Python (gpt3d's parallel/overlap.py: RING_LAUNCHES); False
     # for a ring run from C++ (Transformer Engine's userbuffers), whose launches the block's count covers
     ring_launches: bool = True
-    # Megatron-Core's distributed optimizer (overlap_grad_reduce, overlap_param_gather), for published runs only
-    # (gpt3d reduces through DeepSpeed's engine, after the last backward): under the interleaved schedule each
-    # chunk's gradients reduce while later chunks run backward and its weights gather while earlier ones run
-    # forward, so 1/V of the data-parallel communication stays exposed (all of it at V = 1)
+    # Megatron-Core's distributed optimizer (overlap_grad_reduce, overlap_param_gather), for published runs only:
+    # under the interleaved schedule each chunk's gradients reduce while later chunks run backward and its weights
+    # gather while earlier ones run forward, so 1/V of the data-parallel communication stays exposed (all of it at
+    # V = 1)
     chunked_dp_overlap: bool = False
+    # gpt3d's engine under the interleaved schedule (parallel.overlap_communication; estimate.chunk_reductions_run):
+    # each chunk's gradient reduction issued after its last B, the updated weights gathered after the step
+    chunked_grad_reduction: bool = False
     overlap_dp: bool = False  # ZeRO 1/2 reduce gradients in buckets during the backward (overlap_comm)
     fused_loss: bool = True  # train.fused_loss: the loss unembeds chunk by chunk, no (n, Vp/p) logits kept
     # measured on this project's H100 (README, "How the step time is modelled"):
@@ -147,7 +150,8 @@ def for_precision(precision: str, overlap_communication: bool = True, fused_loss
                          "tp_comm_overlap=false")
     return Implementation(
         fp32_weights=precision in ("fp32", "autocast"), autocast=precision != "fp32",
-        overlap_tp=overlap_communication, overlap_dp=overlap_communication, fused_loss=fused_loss,
+        overlap_tp=overlap_communication, overlap_dp=overlap_communication, chunked_grad_reduction=overlap_communication,
+        fused_loss=fused_loss,
         fp8=fp8_recipe if precision == "fp8" else None, compiled=compiled,
         fp8_linears=tuple(fp8_linears) if isinstance(fp8_linears, (list, tuple)) else fp8_linears,
         ring_tp=tp_comm_overlap,

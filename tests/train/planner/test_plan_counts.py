@@ -13,6 +13,8 @@ The model has odd sizes on purpose (vocabulary 300, padded to 512 at tp=2; at dp
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 from distributed import run_distributed
 from plan_probe import probe
@@ -21,6 +23,8 @@ from model import GPTConfig
 from train.planner import comm as plan_comm
 from train.planner.activations import StageShape
 from train.planner.counts import FP32, rank_parameters, state_bytes
+from train.planner.estimate import dp_grad_bytes
+from train.planner.layout import for_precision
 
 MODEL_3D = dict(name="probe", n_layer=3, n_head=2, d_model=30, seq_len=16, vocab_size=300)
 MODEL_DP = dict(name="probe", n_layer=2, n_head=3, d_model=27, seq_len=16, vocab_size=300)
@@ -41,6 +45,12 @@ def run_3d():
 @pytest.fixture(scope="module")
 def run_dp():
     return run_distributed(probe, 2, MODEL_DP, 1, 1, [2, 3], GLOBAL_BATCH, MICRO_BATCH, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def run_dp_bf16():
+    """dp=2 in bf16 at ZeRO 1: DeepSpeed's bf16 optimizer, as on a GPU."""
+    return run_distributed(probe, 2, MODEL_DP, 1, 1, [1], GLOBAL_BATCH, MICRO_BATCH, "bf16", timeout=600)
 
 
 def _expected_state(model: dict, tp: int, pp: int, dp: int, result: dict):
@@ -80,11 +90,13 @@ def _planned(model: dict, tp: int, pp: int, dp: int, result: dict) -> list:
     params = rank_parameters(cfg, tp, pp, stage)
     m = GLOBAL_BATCH // (MICRO_BATCH * dp)
     tied = sum(p.numel for p in params if p.name.endswith("wte.weight"))
-    flat = state_bytes(params, zero, dp).details.get("flat", 0)
+    impl = for_precision(result["precision"])
+    flat = state_bytes(params, zero, dp, bf16_weights=impl.bf16_weights).details.get("flat", 0)
     return (
         plan_comm.tensor_parallel(cfg, shape, tp, MICRO_BATCH, m, autocast=False)
         + plan_comm.pipeline(cfg, shape, tp, pp, MICRO_BATCH, m, tied)
-        + plan_comm.data_parallel(params, dp, zero, m, flat_elements=flat)
+        + plan_comm.data_parallel(params, dp, zero, m, flat_elements=flat, grad_bytes=partial(dp_grad_bytes, impl, zero),
+                                  weight_bytes=2 if impl.bf16_weights else FP32)
     )
 
 
@@ -118,6 +130,12 @@ def test_communication_per_step_equals_the_counters_at_tp2_pp2_dp2(run_3d):
 
 def test_communication_per_step_equals_the_counters_at_dp2_zero2_and_zero3(run_dp):
     _assert_comm(MODEL_DP, 1, 1, 2, run_dp)
+
+
+def test_bf16_data_parallel_bytes_equal_deepspeeds_bf16_optimizer(run_dp_bf16):
+    """Under bf16 DeepSpeed's bf16 optimizer reduces its fp32 gradients cast to its communication dtype, bf16
+    (train/planner/estimate.py: dp_grad_bytes), and all-gathers the updated bf16 weights."""
+    _assert_comm(MODEL_DP, 1, 1, 2, run_dp_bf16)
 
 
 def test_zero_partitions_shrink_the_optimizer_state_by_dp():

@@ -134,11 +134,11 @@ def test_nemo_fp8_gpt3_175b_is_reproduced_within_15_percent():
     plan = build_plan(cfg, layout, preset("h100-80g"), implementation=NEMO_FP8)
     predicted = plan.model_flops_per_step / plan.step_time_s / layout.gpus / 1e12
     assert predicted == pytest.approx((842 + 895) / 2, rel=0.15), predicted
-    # the overlaps carry weight: without the chunked data-parallel overlap the prediction falls below the published
-    # range, and without the ring overlap more than 15% below its middle
+    # the overlaps carry weight: without the chunked data-parallel overlap the prediction falls by more than 8%, and
+    # without the ring overlap by more than 15%
     def without(**change) -> float:
         plan = build_plan(cfg, layout, preset("h100-80g"), implementation=dataclasses.replace(NEMO_FP8, **change))
         return plan.model_flops_per_step / plan.step_time_s / layout.gpus / 1e12
 
-    assert without(chunked_dp_overlap=False) < 842
-    assert without(ring_tp=False) < 0.85 * (842 + 895) / 2
+    assert without(chunked_dp_overlap=False) < 0.92 * predicted
+    assert without(ring_tp=False) < 0.85 * predicted
