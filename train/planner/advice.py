@@ -11,7 +11,7 @@ from train.planner.estimate import Plan
 from train.planner.from_config import layout_overrides
 from train.planner.search import search
 
-RECIPE_GPUS = re.compile(r"x(\d+)$")  # a recipe's name ends with its GPU count: gpt3-175b-h100x1024
+RECIPE_GPUS = re.compile(r"x(\d+)(?:-|$)")  # a recipe's name has its GPU count: gpt3-175b-h100x1024(-fp8)
 
 
 def what_fits(plan: Plan, fitting: list[Plan] | None = None) -> str:
@@ -30,7 +30,8 @@ def what_fits(plan: Plan, fitting: list[Plan] | None = None) -> str:
     none = f"no layout of {model.name} fits on {where} with a global batch of {lay.global_batch}"
     recipes = recipes_for(model.name)
     if recipes:
-        return f"{none}; its recipe does: " + "; ".join(f"python -m train.plan {recipe}" for recipe in recipes)
+        commands = " or ".join(f"python -m train.plan {recipe}" for recipe in recipes)
+        return f"{none}; its recipe{' does' if len(recipes) == 1 else 's do'}: {commands}"
     return f"{none}; add GPUs (plan.gpus), with a global batch they can split (train.global_batch_size)"
 
 

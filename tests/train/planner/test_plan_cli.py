@@ -155,14 +155,19 @@ def test_search_ranks_valid_layouts_by_throughput():
 
 
 def test_175b_without_a_recipe_does_not_fit_says_what_would_and_exits_1():
-    """The default one GPU: the plan ends DOES NOT FIT and names the model's recipe, which fits."""
+    """The default one GPU: the plan ends DOES NOT FIT and names the model's recipes (bf16 and fp8), each of which
+    fits on its GPUs."""
     proc = plan("model=gpt3-175b", check=False)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     last = proc.stdout.splitlines()[-1]
     assert last.startswith("DOES NOT FIT; instead: no layout of gpt3-175b fits on 1 GPU(s) of h100-80g with a global "
-                           "batch of 8; its recipe does: python -m train.plan +recipe="), last
-    suggested = plan_here(*last.rsplit("python -m train.plan ", 1)[1].split())
-    assert suggested.returncode == 0 and "174.60B parameters" in suggested.stdout and ": fits" in suggested.stdout
+                           "batch of 8; its recipes do: python -m train.plan +recipe="), last
+    commands = last.split("recipes do: ", 1)[1].split(" or ")
+    assert len(commands) == 2
+    for command in commands:
+        suggested = plan_here(*command.removeprefix("python -m train.plan ").split())
+        assert suggested.returncode == 0 and "174.60B parameters" in suggested.stdout and ": fits" in suggested.stdout
+        assert "plan.gpus=1024" in command
 
 
 def test_a_layout_that_does_not_fit_names_the_fastest_that_does_on_the_same_gpus():
