@@ -30,7 +30,8 @@ the step time is modelled"):
            parallel.pipeline_schedule (train/planner/pipeline_time.py: 1f1b, zb-h1, interleaved, zb-v);
            a rank holding V chunks (interleaved, zb-v) is timed chunk by chunk, each chunk as a virtual
            stage of the layout's P = pp·V (its layers, sends and tied matrix), and summed
-  step     = pipeline + the data-parallel collectives, tied-embedding all-reduce and optimizer (not overlapped)
+  step     = pipeline + the data-parallel collectives, tied-embedding all-reduce and optimizer (not overlapped,
+           but the chunk reductions below)
 
 Activation memory at a rank's peak: under 1F1B, min(pp − s, m) micro batches' saved activations;
 under ZB-H1 also the deferred W passes, each holding every block linear's input x and output
@@ -63,6 +64,10 @@ plus a fixed latency each. Only what the code overlaps is hidden:
     batch's compute (its GEMM FLOPs are twice the forward's; recomputation only lengthens it). Under
     DeepSpeed's pipeline engine the reduction waits for the end of the last backward
     (PipeEngine._exec_reduce_grads is the only gradient-accumulation boundary), so nothing hides;
+  - with `Implementation.chunked_grad_reduction` (parallel.overlap_communication) under the interleaved
+    schedule with BF16_Optimizer and dp > 1, each chunk's reduction is issued after its last B
+    (parallel/schedules/grad_reduction.py) and hides in the backward passes of the chunks after it
+    (`chunk_reductions_run`, `_exposed_chunk_reductions`);
 Nothing else overlaps: not the other tensor-parallel collectives (the next matmul needs their
 result), not DeepSpeed's 1F1B sends (they block), not ZeRO 1's all-gather of the updated parameters, and not ZeRO-3's parameter
 gathers (its prefetching hides little: Narayanan et al.'s ZeRO-3 runs match the model only without
