@@ -30,10 +30,10 @@ engine._do_optimizer_sanity_check hands to BF16_Optimizer) the weights take 2 by
 master copy appears:
 
   ZeRO 0, 1   BF16_Optimizer (bf16_optimizer.py): each group flattened and padded as ZeRO 1's;
-              weights 2·flat; gradients: the bf16 ones autograd writes (2 bytes a parameter; its
-              immediate_grad_update is off, so they live until the step) and the flat fp32
-              accumulation buffer (4·flat); fp32 master and moments of partition r only (4 and 8
-              bytes · flat/dp).
+              weights 2·flat; gradients: the flat fp32 accumulation buffer (4·flat); fp32 master and
+              moments of partition r only (4 and 8 bytes · flat/dp). The bf16 gradients autograd writes
+              are not state: how long they live depends on the engine (train/planner/estimate.py,
+              `bf16_gradient_bytes`).
   ZeRO 2      DeepSpeed's ZeRO optimizer, gradients accumulated in bf16: weights 2·flat, gradients
               2 bytes of each parameter overlapping the partition, master 4·flat/dp, moments 8·flat/dp.
   ZeRO 3      pieces and persistent copies at 2 bytes, the gradient partition buffer in the
@@ -216,8 +216,8 @@ def state_bytes(
         flat, part, grads = _zero12(params, dp, dp_rank)
         if not bf16_weights:
             gradients = FP32 * grads
-        else:  # ZeRO 0/1: bf16 gradients plus the fp32 accumulation buffer; ZeRO 2: bf16 partitions
-            gradients = 2 * n + FP32 * flat if zero_stage < 2 else 2 * grads
+        else:  # ZeRO 0/1: the fp32 accumulation buffer; ZeRO 2: bf16 partitions
+            gradients = FP32 * flat if zero_stage < 2 else 2 * grads
         return _with_optimizer(width * flat, gradients, part, offload, details={"flat": flat})
     if zero_stage == 3:
         pieces = sum(-(-p.numel // dp) for p in params)

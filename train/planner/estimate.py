@@ -386,11 +386,13 @@ def _sizes(params: tuple) -> tuple[int, int]:
 
 
 def _memory(layout: Layout, impl: Implementation, params, state: StateBytes, acts: ActivationBytes,
-            held: tuple[int, int, int], reduce_bucket: int, weight_casts: int = 0) -> dict:
+            held: tuple[int, int, int], reduce_bucket: int, weight_casts: int = 0,
+            bf16_grads: tuple[int, int] = (0, 0)) -> dict:
     """Bytes by kind at the rank's peak: the larger of the backward phase (`held`: the activations and weight
     copies of the micro batches in flight and the deferred W passes' inputs, at their peak; gradients as they
     accumulate) and the optimizer step (gradients as ZeRO hands them over, AdamW's foreach temporaries,
-    DeepSpeed's flattened buffers); in both the float8 weight casts kept through the step (`weight_casts`)."""
+    DeepSpeed's flattened buffers); in both the float8 weight casts kept through the step (`weight_casts`) and
+    BF16_Optimizer's bf16 gradients alive then (`bf16_grads`: backward, step; `bf16_gradient_bytes`)."""
     dp, zero = layout.dp, layout.zero_stage
     n_local, decayed = _sizes(params)
     common = {"weights": state.weights, "master": state.master, "moments": state.moments, "buffers": state.buffers}
@@ -400,7 +402,7 @@ def _memory(layout: Layout, impl: Implementation, params, state: StateBytes, act
     bf16_optimizer = uses_bf16_optimizer(zero, impl)  # its gradients are all there from the start
     grads_backward = {0: state.gradients, 1: state.gradients if bf16_optimizer else g * n_local,
                       2: state.gradients + g * min(reduce_bucket, n_local),
-                      3: state.gradients}[zero]
+                      3: state.gradients}[zero] + bf16_grads[0]
     activations, copies, deferred = held
     backward = {**common, "gradients": grads_backward, "activations": activations,
                 "weight_copies": copies, "deferred_weight_grads": deferred,
@@ -412,7 +414,7 @@ def _memory(layout: Layout, impl: Implementation, params, state: StateBytes, act
         step_extra += FP32 * state.partition  # the flattened fp32 gradient partition
     if zero == 0 and dp > 1:
         step_extra += FP32 * min(REDUCE_BUCKET_SIZE, n_local)  # the flattened all-reduce bucket
-    step = {**common, "gradients": state.gradients, "optimizer_transient": step_extra}
+    step = {**common, "gradients": state.gradients + bf16_grads[1], "optimizer_transient": step_extra}
     return backward if sum(backward.values()) >= sum(step.values()) else step
 
 
@@ -531,7 +533,8 @@ def _stage_ranks(model_cfg: GPTConfig, layout: Layout, impl: Implementation, hw:
                 layout.schedule, placement, m, s, saved, dict(zip(own, chunk_deferred)) if deferred_bytes else {},
                 order_costs or Costs(*passes.shares()))
             held = (activations, copies, w_bytes)
-        memory = _memory(layout, impl, params, state, acts, held, bucket, weight_casts)
+        memory = _memory(layout, impl, params, state, acts, held, bucket, weight_casts,
+                         bf16_gradient_bytes(layout, impl, params, chunk_params))
         ranks.append(RankPlan(s, parameters, state, acts, in_flight, deferred, deferred_bytes, held, memory,
                               sum(memory.values()), flops * m, transfers, time, placement.stages_of(s),
                               tuple(p.total for p, _ in computed)))
@@ -637,6 +640,23 @@ def _exposed_behind_weight_gradients(model_cfg: GPTConfig, layout: Layout, impl:
         each = _comm_time([t], hw, inter_node) / t.count
         exposed += t.count / 2 * sum(max(0.0, each - gemm) for gemm in gemms)
     return exposed
+
+
+def bf16_gradient_bytes(layout: Layout, impl: Implementation, params, chunk_params) -> tuple[int, int]:
+    """Bytes of the bf16 gradients autograd writes that are alive under BF16_Optimizer (bf16 weights, ZeRO ≤ 1)
+    at the backward's peak and at the optimizer step, beside its fp32 accumulation buffer: with one pipeline
+    stage DeepSpeed adds each to its fp32 one as backward makes it and drops it (bf16.immediate_grad_update,
+    train/run/engine.py): one parameter's, none at the step; gpt3d's own schedules drop them after each B (and
+    W) pass (parallel/schedules/engine.py): one chunk's, none at the step; DeepSpeed's 1F1B keeps and accumulates
+    them until the step: all of them. (0, 0) without BF16_Optimizer."""
+    if not uses_bf16_optimizer(layout.zero_stage, impl):
+        return 0, 0
+    if layout.pp == 1:
+        return 2 * max(p.numel for p in params), 0
+    if layout.own_engine:
+        return 2 * max(sum(p.numel for p in chunk) for chunk in chunk_params), 0
+    every = 2 * sum(p.numel for p in params)
+    return every, every
 
 
 def dp_grad_bytes(impl: Implementation, zero_stage: int, param) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from train.planner.estimate import GIB, Plan, build_plan, zero_optimizer_reduces
+from train.planner.estimate import GIB, Plan, build_plan, uses_bf16_optimizer, zero_optimizer_reduces
 from train.planner.fp8_rule import HEAD_IN_BF16, choice_for
 
 STAGE_NAMES = {1: ["every stage"], 2: ["first stage", "last stage"], 3: ["first stage", "middle stage", "last stage"]}
@@ -46,14 +46,17 @@ def format_plan(plan: Plan) -> str:
     ranks = plan.ranks
     names = STAGE_NAMES[len(ranks)]
     peak_total = {r.stage: r.peak_bytes for r in ranks}
-    weights = "bf16" if plan.implementation.precision == "bf16" else "fp32"
+    impl = plan.implementation
+    weights = "bf16" if impl.bf16_weights else "fp32"  # fp8 computes from bf16 weights
+    # BF16_Optimizer's gradients at the step are its fp32 accumulation buffer (its bf16 ones: estimate.bf16_gradient_bytes)
+    grads = "fp32" if uses_bf16_optimizer(plan.layout.zero_stage, impl) else weights
     rows = [
         ("pipeline stage", [str(r.stage) for r in ranks]),
         *([("virtual stages", [",".join(map(str, r.chunks)) for r in ranks])] if lay.placement.virtual > 1 else []),
         ("transformer blocks", [str(_blocks(plan, r)) for r in ranks]),
         ("parameters", [_count(r.parameters) for r in ranks]),
         (f"weights ({weights})", [_gib(r.state.weights) for r in ranks]),
-        (f"gradients ({weights}) at the step", [_gib(r.state.gradients) for r in ranks]),
+        (f"gradients ({grads}) at the step", [_gib(r.state.gradients) for r in ranks]),
         ("fp32 master weights", [_gib(r.state.master) for r in ranks]),
         ("Adam moments", [_gib(r.state.moments) for r in ranks]),
         ("ZeRO buffers", [_gib(r.state.buffers) for r in ranks]),

@@ -56,7 +56,7 @@ def run_dp_bf16():
 def _expected_state(model: dict, tp: int, pp: int, dp: int, result: dict):
     stage, dp_rank, _ = result["coords"]
     params = rank_parameters(GPTConfig(**model), tp, pp, stage)
-    return params, state_bytes(params, result["zero_stage"], dp, dp_rank)
+    return params, state_bytes(params, result["zero_stage"], dp, dp_rank, bf16_weights=result["precision"] == "bf16")
 
 
 def _assert_state(model, tp, pp, dp, results):
@@ -132,9 +132,12 @@ def test_communication_per_step_equals_the_counters_at_dp2_zero2_and_zero3(run_d
     _assert_comm(MODEL_DP, 1, 1, 2, run_dp)
 
 
-def test_bf16_data_parallel_bytes_equal_deepspeeds_bf16_optimizer(run_dp_bf16):
-    """Under bf16 DeepSpeed's bf16 optimizer reduces its fp32 gradients cast to its communication dtype, bf16
-    (train/planner/estimate.py: dp_grad_bytes), and all-gathers the updated bf16 weights."""
+def test_bf16_state_and_data_parallel_bytes_equal_deepspeeds_bf16_optimizer(run_dp_bf16):
+    """Under bf16 at ZeRO 1 DeepSpeed's bf16 optimizer holds bf16 weights, its fp32 gradient buffer (the bf16
+    gradients dropped as they are added: train/planner/estimate.py's bf16_gradient_bytes), fp32 masters and moments
+    of its partition; it reduces the fp32 gradients cast to its communication dtype, bf16 (dp_grad_bytes), and
+    all-gathers the updated bf16 weights."""
+    _assert_state(MODEL_DP, 1, 1, 2, run_dp_bf16)
     _assert_comm(MODEL_DP, 1, 1, 2, run_dp_bf16)
 
 

@@ -22,8 +22,8 @@ TOY = GPTConfig(name="toy", n_layer=2, n_head=4, d_model=128, seq_len=64)
 
 @pytest.mark.parametrize("zero, expected", [
     # weights, gradients, master, moments (bytes)
-    (0, (2 * 36, 2 * 36 + 4 * 36, 4 * 18, 8 * 18)),  # BF16_Optimizer: bf16 grads + fp32 accumulation buffer
-    (1, (2 * 36, 2 * 36 + 4 * 36, 4 * 18, 8 * 18)),  # the same optimizer (DeepSpeed runs both at stage 1)
+    (0, (2 * 36, 4 * 36, 4 * 18, 8 * 18)),  # BF16_Optimizer: its fp32 accumulation buffer (bf16 grads: the engine's)
+    (1, (2 * 36, 4 * 36, 4 * 18, 8 * 18)),  # the same optimizer (DeepSpeed runs both at stage 1)
     (2, (2 * 36, 2 * 36, 4 * 18, 8 * 18)),  # ZeRO optimizer: rank 0's partitions overlap both parameters
     (3, (2 * (18 + 36), 2 * 18, 4 * 18, 8 * 18)),  # pieces + both persistent (≤ 1e5) in full
 ])
@@ -174,3 +174,24 @@ def test_the_kernels_an_fp8_linear_adds_are_the_ones_its_code_launches(recipe):
         return sum(op.kernels for op in ledger.ops)
 
     assert kernels(Float8(recipe=recipe)) - kernels(None) == FP8_KERNELS_PER_LINEAR[recipe]
+
+
+def test_bf16_gradients_live_as_long_as_the_engine_keeps_them():
+    """BF16_Optimizer's bf16 gradients beside its fp32 buffer (estimate.bf16_gradient_bytes), by hand for the toy
+    model: one pipeline stage drops each as it is added (the largest parameter's at once: the tied embedding,
+    50304 × 128, bf16); gpt3d's own schedules after each pass (one chunk's: a rank's stage of one block and the
+    head's LayerNorm); DeepSpeed's 1F1B keeps them all to the step. Under autocast there are none."""
+    from train.planner.counts import rank_parameters
+    from train.planner.estimate import bf16_gradient_bytes
+
+    bf16 = for_precision("bf16")
+    one = Layout(1, 1, 1, 8, 2)
+    assert bf16_gradient_bytes(one, bf16, rank_parameters(TOY, 1, 1, 0), []) == (2 * 50304 * 128, 0)
+    params = rank_parameters(TOY, 1, 2, 1)  # the last stage: a block, ln_f, the head (tied)
+    everything = 2 * sum(p.numel for p in params)
+    pipelined = Layout(1, 2, 1, 8, 2)
+    assert bf16_gradient_bytes(pipelined, bf16, params, [params]) == (everything, everything)
+    own = Layout(1, 2, 1, 8, 2, schedule="zb-h1")
+    assert bf16_gradient_bytes(own, bf16, params, [params[:3], params[3:]]) == (
+        2 * max(sum(p.numel for p in params[:3]), sum(p.numel for p in params[3:])), 0)
+    assert bf16_gradient_bytes(pipelined, for_precision("autocast"), params, [params]) == (0, 0)
