@@ -147,7 +147,8 @@ def _searched(sections: Sections, plan_cfg: PlanConfig, model_cfg: GPTConfig):
     plans = search(model_cfg, gpus_of(plan_cfg, parallel), train.global_batch_size, hardware_from_config(plan_cfg),
                    gpus_per_node=plan_cfg.gpus_per_node, reserved_gib=float(plan_cfg.reserved_gib),
                    tokens=float(plan_cfg.tokens),
-                   implementation=implementation_from_config(train, parallel, model_cfg.compile))
+                   implementation=implementation_from_config(train, parallel, model_cfg.compile,
+                                                             deepspeed=sections.deepspeed))
     try:
         return plan_from_config(sections, plan_cfg, model_cfg), plans, None
     except ValueError as problem:

@@ -63,16 +63,27 @@ def stage_split(parallel: ParallelConfig):
     return StageSplit(placement_of(schedule, parallel.pp, parallel.virtual_stages), blocks)
 
 
+# DeepSpeed's communication_data_type (the deepspeed group): the bytes of a gradient element it reduces in
+COMMUNICATION_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+
 def implementation_from_config(train: TrainConfig, parallel: ParallelConfig, compiled: bool,
-                               fp8_linears=None) -> Implementation:
+                               fp8_linears=None, deepspeed: dict | None = None) -> Implementation:
     """gpt3d's implementation under the run's train.precision (auto: what it is on a GPU, bf16; the
     planner always predicts for a GPU), train.fp8_recipe and train.fp8_linears (or `fp8_linears`, the names
-    a run resolved: train/run/spec.py), parallel.overlap_communication, parallel.tp_comm_overlap and train.fused_loss, and
-    model.compile as the run takes it (`compiled`: train.runtime.precision.fp8_compile)."""
+    a run resolved: train/run/spec.py), parallel.overlap_communication, parallel.tp_comm_overlap and train.fused_loss,
+    model.compile as the run takes it (`compiled`: train.runtime.precision.fp8_compile), and DeepSpeed's
+    communication_data_type from the deepspeed group (`deepspeed`), which sets the gradients' reduction dtype."""
     precision = "bf16" if train.precision == "auto" else train.precision
-    return for_precision(precision, bool(parallel.overlap_communication), train.fused_loss, train.fp8_recipe,
-                         compiled, train.fp8_linears if fp8_linears is None else tuple(fp8_linears),
-                         bool(parallel.tp_comm_overlap))
+    implementation = for_precision(precision, bool(parallel.overlap_communication), train.fused_loss, train.fp8_recipe,
+                                   compiled, train.fp8_linears if fp8_linears is None else tuple(fp8_linears),
+                                   bool(parallel.tp_comm_overlap))
+    dtype = (deepspeed or {}).get("communication_data_type")
+    if dtype is None:
+        return implementation
+    if dtype not in COMMUNICATION_BYTES:
+        raise ValueError(f"deepspeed.communication_data_type={dtype!r}: must be one of {list(COMMUNICATION_BYTES)}")
+    return dataclasses.replace(implementation, grad_reduce_bytes=COMMUNICATION_BYTES[dtype])
 
 
 def hardware_from_config(plan_cfg: PlanConfig) -> Hardware:
@@ -90,16 +101,17 @@ def plan_from_config(sections: Sections, plan_cfg: PlanConfig, model_cfg: GPTCon
     train, parallel = sections.train, sections.parallel
     layout = layout_from_config(train, parallel, model_cfg, gpus_of(plan_cfg, parallel))
     return build_plan(
-        model_cfg, layout, hardware_from_config(plan_cfg), implementation=implementation_from_config(train, parallel, model_cfg.compile),
+        model_cfg, layout, hardware_from_config(plan_cfg),
+        implementation=implementation_from_config(train, parallel, model_cfg.compile, deepspeed=sections.deepspeed),
         gpus_per_node=plan_cfg.gpus_per_node, reserved_gib=float(plan_cfg.reserved_gib), tokens=float(plan_cfg.tokens),
     )
 
 
 def plan_for_run(train: TrainConfig, parallel: ParallelConfig, model_cfg: GPTConfig,
-                 hardware: Hardware | None = None, fp8_linears=None) -> Plan:
+                 hardware: Hardware | None = None, fp8_linears=None, deepspeed: dict | None = None) -> Plan:
     """The prediction for a training run's own config: its layout on WORLD_SIZE GPUs of
     LOCAL_WORLD_SIZE per node, on the visible GPU (or `hardware`; without CUDA the h100-80g preset), with
-    the block linears in float8 the run resolved (`fp8_linears`, under fp8).
+    the block linears in float8 the run resolved (`fp8_linears`, under fp8), DeepSpeed's settings `deepspeed`.
     Plan.to_json() is what to log with the run; Plan.predicted_mfu is the step log's comparison."""
     if hardware is None:
         import torch
@@ -109,7 +121,8 @@ def plan_for_run(train: TrainConfig, parallel: ParallelConfig, model_cfg: GPTCon
     world = int(os.environ.get("WORLD_SIZE", 1))
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", min(world, 8)))
     return build_plan(model_cfg, layout_from_config(train, parallel, model_cfg, world), hardware,
-                      implementation=implementation_from_config(train, parallel, model_cfg.compile, fp8_linears),
+                      implementation=implementation_from_config(train, parallel, model_cfg.compile, fp8_linears,
+                                                                deepspeed),
                       gpus_per_node=per_node)
 
 

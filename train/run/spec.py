@@ -226,7 +226,7 @@ def _plan(sections: Sections, model_cfg: GPTConfig, runtime: Runtime, fp8):
 
     try:
         plan = plan_for_run(sections.train, sections.parallel, model_cfg,
-                            fp8_linears=fp8.linears if fp8 is not None else None)
+                            fp8_linears=fp8.linears if fp8 is not None else None, deepspeed=sections.deepspeed)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     preflight(plan)

@@ -195,3 +195,23 @@ def test_bf16_gradients_live_as_long_as_the_engine_keeps_them():
     assert bf16_gradient_bytes(own, bf16, params, [params[:3], params[3:]]) == (
         2 * max(sum(p.numel for p in params[:3]), sum(p.numel for p in params[3:])), 0)
     assert bf16_gradient_bytes(pipelined, for_precision("autocast"), params, [params]) == (0, 0)
+
+
+def test_deepspeeds_communication_dtype_sets_the_gradient_reduction_bytes():
+    """deepspeed.communication_data_type (the deepspeed group) is the dtype DeepSpeed reduces gradients in: under
+    bf16 its default is bf16 (2 bytes), fp32 doubles the data-parallel all-reduce's bytes; a value DeepSpeed does not
+    take fails, naming those it does."""
+    from train.plan import load
+    from train.planner.from_config import plan_from_config
+
+    base = ["model=gpt3-1.3b", "plan.gpus=8", "train.global_batch_size=64", "train.micro_batch_size=4",
+            "train.precision=bf16", "parallel.zero_stage=1"]
+
+    def reduced(*overrides) -> int:
+        plan = plan_from_config(*load([*base, *overrides]))
+        return sum(t.total for t in plan.ranks[0].transfers if t.group == "dp" and t.op == "all_reduce")
+
+    assert reduced("+deepspeed.communication_data_type=fp32") == 2 * reduced() == 2 * reduced(
+        "+deepspeed.communication_data_type=bf16")
+    with pytest.raises(ValueError, match=r"communication_data_type='fp64': must be one of \['fp32', 'fp16', 'bf16'\]"):
+        plan_from_config(*load([*base, "+deepspeed.communication_data_type=fp64"]))
