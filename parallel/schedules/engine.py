@@ -33,8 +33,9 @@ What the engine adds:
   PostRecv*                irecv into fresh buffers, waited on by the pass that uses them
   WaitSends                every send done, every W run, before ReduceTiedGrads, ReduceGrads, OptimizerStep
   ReduceGrads              with `reduce_chunks` (interleaved, DeepSpeed's bf16 optimizer, dp > 1) each chunk's
-                           data-parallel reduction was issued after its last B (parallel/schedules/grad_reduction.py):
-                           it waits for those and reduces the rest as DeepSpeed does; else DeepSpeed's, all at once
+                           data-parallel reduction was issued at the start of the pass after its last B
+                           (parallel/schedules/grad_reduction.py): it waits for those and reduces the rest as
+                           DeepSpeed does; else DeepSpeed's, all at once
 
 The shapes of what goes between stages (every stage's output has the same: hidden states and targets,
 or their tensor-parallel partition) are broadcast over the pipeline group once per step by the rank of
@@ -244,6 +245,13 @@ class ScheduleEngine(PipelineEngine):
             work.wait()
         self._sends = []
 
+    def _before_pass(self) -> None:
+        """The sends issued so far released, then the chunk reductions that are due issued: after the last B's input
+        gradient has gone, so that no send waits behind a reduction."""
+        self._release_sends()
+        if self.chunk_reductions is not None:
+            self.chunk_reductions.issue_due()
+
     def _outputs(self, buffer_id: int) -> tuple:
         outputs = self.pipe_buffers["outputs"][buffer_id]
         return outputs if isinstance(outputs, tuple) else (outputs,)
@@ -280,7 +288,7 @@ class ScheduleEngine(PipelineEngine):
     # ---- passes ----
 
     def _exec_forward(self, buffer_id: int, stage: int) -> None:
-        self._release_sends()
+        self._before_pass()
         if stage > 0:
             received = self._received("act", buffer_id)
             for tensor in received:
@@ -296,7 +304,7 @@ class ScheduleEngine(PipelineEngine):
                 self._exec_post_recv_activation(held_buffer, peer)
 
     def _exec_input_grad_pass(self, buffer_id: int, stage: int) -> None:
-        self._release_sends()
+        self._before_pass()
         last = stage == self.placement.stages - 1
         if last:
             self.loss = self._losses.pop(buffer_id)
@@ -328,7 +336,7 @@ class ScheduleEngine(PipelineEngine):
             self._stage = None
 
     def _exec_weight_grad_pass(self) -> None:
-        self._release_sends()
+        self._before_pass()
         after_each = None
         if self.using_bf16_optimizer:
             for param in self.weight_grads.oldest_parameters():

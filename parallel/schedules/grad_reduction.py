@@ -7,15 +7,19 @@ optimizer it flattens the fp32 gradients, casts them to the communication dtype 
 copies them back. Under the interleaved schedule a rank's chunks finish their backward one after another: once
 chunk c has run B for all m micro batches of the step, its gradients are final, and the other chunks still have
 backward passes to run. `ChunkReductions` then issues chunk c's reduction (asynchronous: NCCL's stream on CUDA,
-gloo's thread on the CPU), the same operations on the same values as DeepSpeed's, so the result is the same
-bit for bit; the engine's ReduceGrads waits for them and reduces only what is left: the tied embedding's
-gradient (its pipeline all-reduce comes first, in ReduceTiedGrads) and the chunk that finished last.
+gloo's thread on the CPU) at the start of the rank's next pass, once that B's input gradient has been sent (so
+the send never waits behind the reduction): the same operations on the same values as DeepSpeed's, so the
+result is the same bit for bit where the sum's order cannot differ (dp = 2, as tested; at dp > 2 up to the order
+in which the all-reduce adds a buffer of another size). The engine's ReduceGrads waits for them and reduces only
+what is left: the tied embedding's gradient (its pipeline all-reduce comes first, in ReduceTiedGrads).
 
-Per chunk, in issue order ("dp grads <virtual stage>" in parallel/comm.py's record_overlap):
-  issue    b = cast(g_c) (one copy a run of adjacent gradients in the flat fp32 buffers), b ·= 1/predivide,
-           all-reduce(b) without waiting; a chunk's earlier reduction is finished first, so at most two
-           chunks' buffers are held (2 bytes a parameter of the chunk in bf16)
-  finish   wait, b ·= predivide/dp, g_c ← b (cast back into the fp32 gradients)
+With g_c^r chunk c's fp32 gradients on data-parallel rank r, f DeepSpeed's gradient_predivide_factor and the
+communication dtype's cast q (bf16 under bf16), each rank ends with g_c = fp32((Σ_r q(g_c^r) / f) · f / dp), in
+these steps ("dp grads <virtual stage>" in parallel/comm.py's record_overlap):
+  issue    b = q(g_c) (one copy a run of adjacent gradients in the flat fp32 buffers), b ·= 1/f, all-reduce(b)
+           without waiting; a chunk's earlier reduction is finished first, so at most two chunks' buffers are
+           held (2 bytes a parameter of the chunk in bf16)
+  finish   wait, b ·= f/dp, g_c ← b (cast back into the fp32 gradients)
 """
 
 from __future__ import annotations
@@ -42,25 +46,36 @@ class ChunkReductions:
         self.average, self.postscale = engine.gradient_average, engine.postscale_gradients()
         self.predivide = engine.gradient_predivide_factor()
         self.reduced: set[int] = set()  # id() of the fp32 gradients reduced this step
-        self._backwards: dict[int, int] = {}
-        self._pending: list[tuple[int, list, torch.Tensor, object]] = []
+        self._backwards: dict[int, int] = {}  # virtual stage → the B passes it has run this step
+        self._due: list[int] = []  # virtual stages whose gradients are final, their reduction not yet issued
+        self._pending: list[tuple[int, list, torch.Tensor, object]] = []  # (stage, runs, buffer, work) in flight
 
     def start_step(self) -> None:
-        """A step begins: no B has run, nothing is reduced."""
-        if self._pending:
-            raise RuntimeError(f"data-parallel reductions of stages {[p[0] for p in self._pending]} never finished")
+        """A step begins: no B has run, nothing is reduced. A step that raised with reductions still in flight
+        leaves gradients half reduced: the next one refuses to start on them."""
+        if self._pending or self._due:
+            raise RuntimeError(f"data-parallel reductions of stages {[p[0] for p in self._pending] + self._due} "
+                               "never finished: the step that issued them did not end")
         self._backwards, self.reduced = {}, set()
 
     def after_backward(self, stage: int, micro_batches: int) -> None:
-        """Virtual stage `stage` ran a B; after its `micro_batches`-th this step its gradients are reduced."""
+        """Virtual stage `stage` ran a B; after its `micro_batches`-th this step its gradients are final, and their
+        reduction is due (issued by `issue_due`, at the start of the next pass)."""
         self._backwards[stage] = self._backwards.get(stage, 0) + 1
         if self._backwards[stage] == micro_batches and stage in self.runs:
+            self._due.append(stage)
+
+    def issue_due(self) -> None:
+        """Issue the reductions that are due, each once the one before it has finished."""
+        for stage in self._due:
             self._finish_pending()
             self._issue(stage)
+        self._due = []
 
     def finish(self) -> set[int]:
-        """Wait for every reduction issued this step and write the results into the fp32 gradients; returns the
-        id() of every gradient reduced (ReduceGrads reduces the others)."""
+        """Issue what is due, wait for every reduction issued this step and write the results into the fp32
+        gradients; returns the id() of every gradient reduced (ReduceGrads reduces the others)."""
+        self.issue_due()
         self._finish_pending()
         return self.reduced
 

@@ -4,8 +4,9 @@ DeepSpeed's own reduction at the step's end bit for bit, and runs while the othe
 4 gloo ranks: pp = 2 × dp = 2, the interleaved schedule with 2 chunks a rank, bf16 (DeepSpeed's bf16 optimizer, as
 on a GPU), two steps each way from the same weights and data. Every rank's bf16 weights and fp32 master weights
 after the second step equal those of the same run reduced all at once; the recorded order shows, each step, an
-issue for each chunk whose gradients were final before the last B, a B of the rank's other chunk after the first
-issue, and every wait before the optimizer's step.
+issue for each chunk, a B of the rank's other chunk after the first issue, and every wait before the optimizer's
+step; the reduction at the step's end then takes the tied embedding's gradient alone (a gradient reduced twice would
+leave the weights as they are at dp = 2, where the mean of two equal values is that value: counted instead).
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ CFG = dict(name="chunk-reduction", n_layer=4, n_head=2, d_model=32, seq_len=16, 
 PP, VIRTUAL, MICRO_BATCHES, MICRO_BATCH = 2, 2, 4, 1
 
 
-def _train(reduce_chunks: bool) -> tuple[list[torch.Tensor], list[tuple[str, str]], bool]:
+def _train(reduce_chunks: bool) -> tuple[list[torch.Tensor], list[tuple[str, str]], bool, int, int]:
     """(this rank's parameters and fp32 masters after two steps, the recorded order of the second, whether the
-    engine reduced chunk by chunk)."""
+    engine reduced chunk by chunk, the gradient elements the second step's ReduceGrads handed DeepSpeed's reduction,
+    this rank's tied embedding's elements)."""
     from deepspeed.runtime.pipe.schedule import OptimizerStep
 
     from model import GPTConfig
@@ -57,6 +59,15 @@ def _train(reduce_chunks: bool) -> tuple[list[torch.Tensor], list[tuple[str, str
 
     runs = {kind: ScheduleEngine._INSTRUCTIONS.get(kind) or ScheduleEngine._INSTRUCTION_MAP[kind]
             for kind in (InputGradPass, OptimizerStep)}
+    at_end = []  # elements of the gradients each call of DeepSpeed's reduction takes
+    reduce_rest = engine.buffered_allreduce_fallback
+
+    def counted(grads=None, **kwargs):
+        held = grads if grads is not None else engine.optimizer.get_grads_for_reduction()[0]
+        at_end.append(sum(g.numel() for g in held))
+        return reduce_rest(grads=grads, **kwargs)
+
+    engine.buffered_allreduce_fallback = counted
     with record_overlap() as order:
         def backward(self, buffer_id, stage):
             order.append(("B", str(stage)))  # as it starts: a chunk's reduction is issued at the end of its last
@@ -74,7 +85,8 @@ def _train(reduce_chunks: bool) -> tuple[list[torch.Tensor], list[tuple[str, str
             del ScheduleEngine._INSTRUCTIONS[OptimizerStep]
     state = [p.detach().clone() for p in model.parameters()]
     state += [t.detach().clone() for t in engine.optimizer.fp32_groups_flat_partition]
-    return state, order, engine.chunk_reductions is not None
+    tied = sum(weight.numel() for weight, _ in model.get_tied_weights_and_groups())
+    return state, order, engine.chunk_reductions is not None, sum(at_end), tied
 
 
 def _both_ways() -> dict:
@@ -84,8 +96,9 @@ def _both_ways() -> dict:
 def test_chunk_reductions_equal_deepspeeds_and_overlap_the_backward():
     ranks = run_distributed(_both_ways, PP * 2, timeout=600)
     for rank, runs in enumerate(ranks):
-        (plain, plain_order, plain_chunked), (chunked, order, was_chunked) = runs[False], runs[True]
+        (plain, plain_order, plain_chunked, plain_end, tied), (chunked, order, was_chunked, at_end, _) = runs[False], runs[True]
         assert not plain_chunked and was_chunked, rank
+        assert at_end == tied > 0 and plain_end > 5 * tied, (rank, at_end, tied, plain_end)  # all of them, without
         assert not any(step == "issue" for step, _ in plain_order)
         for a, b in zip(plain, chunked, strict=True):
             assert torch.equal(a, b), f"rank {rank}: a weight differs from DeepSpeed's reduction at the step's end"

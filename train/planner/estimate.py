@@ -499,7 +499,7 @@ def _stage_ranks(model_cfg: GPTConfig, layout: Layout, impl: Implementation, hw:
     if impl.chunked_dp_overlap:  # the last chunk's reduction and the first chunk's gather stay on the path
         dp_group = [t for t in exposed if t not in hidden and t.group == "dp"]
         dp_s -= (1 - 1 / placement.virtual) * _comm_time(dp_group, hw, inter_node)
-    elif chunk_reductions_run(layout, impl):  # each chunk's reduction after its last B, but the first chunk's
+    elif chunk_reductions_run(layout, impl):  # each chunk's reduction after its last B, but chunk 0's (the last to finish)
         reduction = [t for t in exposed if t.group == "dp" and t.op == "all_reduce"]
         early = [sum(p.numel * grad_bytes(p) for p in c if not p.name.endswith("wte.weight")) for c in chunk_params]
         dp_s -= _comm_time(reduction, hw, inter_node) - _exposed_chunk_reductions(
@@ -686,17 +686,18 @@ def _exposed_chunk_reductions(early: list[float], total: float, window_s: float,
     tied embedding's: total − Σ early[1:]) at the step's end. Chunk c finishes a window after chunk c + 1 (the pp
     B passes of chunk c's last micro batches: window_s); issuing one waits for the one before it (the engine
     holds two buffers at most), so a reduction longer than its window delays the backward by the difference,
-    and what the last early one has left when the backward ends is exposed, with the rest."""
+    and what the last early one has left when the backward ends is exposed, with the rest (counted as one call;
+    a rank holding the tied embedding makes two, chunk 0's and the tied one's)."""
     def seconds(nbytes: float) -> float:
         return _comm_time([plan_comm.Transfer("dp", "all_reduce", "step", nbytes, 1, dp, "gradients")], hw, inter_node)
 
-    issued_at, done_at, stalled = 0.0, 0.0, 0.0
+    issued_at, done_at, delay_so_far = 0.0, 0.0, 0.0
     for k, nbytes in enumerate(reversed(early[1:])):  # chunk V − 1 first
-        issued_at = max(k * window_s + stalled, done_at)
-        stalled = issued_at - k * window_s
+        issued_at = max(k * window_s + delay_so_far, done_at)
+        delay_so_far = issued_at - k * window_s
         done_at = issued_at + seconds(nbytes)
-    backward_end = (len(early) - 1) * window_s + stalled
-    return stalled + max(0.0, done_at - backward_end) + seconds(total - sum(early[1:]))
+    backward_end = (len(early) - 1) * window_s + delay_so_far
+    return delay_so_far + max(0.0, done_at - backward_end) + seconds(total - sum(early[1:]))
 
 
 def _exposed_in_ring_steps(model_cfg: GPTConfig, layout: Layout, impl: Implementation, hw: Hardware,

@@ -81,6 +81,7 @@ def implementation_from_config(train: TrainConfig, parallel: ParallelConfig, com
     dtype = (deepspeed or {}).get("communication_data_type")
     if dtype is None:
         return implementation
+    dtype = str(dtype).lower()  # as DeepSpeed reads it
     if dtype not in COMMUNICATION_BYTES:
         raise ValueError(f"deepspeed.communication_data_type={dtype!r}: must be one of {list(COMMUNICATION_BYTES)}")
     return dataclasses.replace(implementation, grad_reduce_bytes=COMMUNICATION_BYTES[dtype])

@@ -386,7 +386,7 @@ def test_chunk_reductions_hide_every_chunks_reduction_but_the_first_and_the_tied
     its last B (parallel/schedules/grad_reduction.py), so on each rank only the chunk that finishes last (its virtual
     stage of lowest index) and the tied embedding's gradient are reduced at the step's end: the data-parallel time
     falls by the all-reduce of the other chunk's gradients, bf16 (2 bytes an element), wte left out (its bytes; the
-    step's end still makes one call). Nothing changes
+    planner counts the step's end as one call). Nothing changes
     where the engine reduces at the end: W split off (zb-h1), autocast (DeepSpeed's ZeRO optimizer), one chunk,
     dp = 1, parallel.overlap_communication=false."""
     from train.planner.comm import Transfer
@@ -400,7 +400,7 @@ def test_chunk_reductions_hide_every_chunks_reduction_but_the_first_and_the_tied
         early = rank_parameters(CFG, 1, 4, rank + 2)  # virtual stage rank + 2 finishes its backward first
         nbytes = 2 * sum(p.numel for p in early if not p.name.endswith("wte.weight"))
         hidden = _comm_time([Transfer("dp", "all_reduce", "step", nbytes, 1, 2, "gradients")], H100, {"dp": False})
-        hidden -= COLLECTIVE_LATENCY_S  # the end's one call stays: the early call's latency is hidden with it
+        hidden -= COLLECTIVE_LATENCY_S  # the end keeps a call of its own: the early call's latency is hidden
         assert plain.time["dp_comm_s"] - on.time["dp_comm_s"] == pytest.approx(hidden, rel=1e-9), rank
     for changed, implementation in ((dict(schedule=ZB_H1, virtual_stages=1), BF16), (dict(virtual_stages=1), BF16),
                                     (dict(dp=1, global_batch=16), BF16), ({}, AUTOCAST),

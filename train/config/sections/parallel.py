@@ -49,8 +49,9 @@ class ParallelConfig(Section):
            "only LayerNorm and GELU outputs (no GEMM or collective repeated)", RECOMPUTATION)
     overlap_communication: bool = setting(True, "with tp > 1: each input-gradient all-reduce runs while the "
                                                 "weight-gradient GEMM computes; under the interleaved schedule with "
-                                                "bf16 or fp8 and dp > 1: each chunk's data-parallel gradient "
-                                                "reduction runs while the other chunks' backward passes do", BOOLEAN)
+                                                "bf16 or fp8 at ZeRO ≤ 1 (the optimizer not offloaded) and dp > 1: "
+                                                "each chunk's data-parallel gradient reduction runs while the other "
+                                                "chunks' backward passes do", BOOLEAN)
     tp_comm_overlap: bool = setting(
         False, "with tp > 1 and sequence_parallel: each block linear's all-gather and reduce-scatter run as tp − 1 ring "
                "exchanges, each behind a chunk of the layer's GEMM, forward and backward (parallel/overlap.py); with "
