@@ -56,7 +56,7 @@ from deepspeed.runtime.pipe.engine import MEMORY_OPT_ALLREDUCE_SIZE, PipelineEng
 from deepspeed.runtime.utils import PartitionedTensor
 
 from model.weight_grads import WeightGradStore
-from parallel.schedules.grad_reduction import ChunkReductions
+from parallel.schedules.grad_reduction import ChunkReductions, reduces_chunks
 from parallel.schedules.orders import SPLIT_BACKWARD, Costs, placement_of
 from parallel.schedules.program import (
     Forward,
@@ -124,9 +124,9 @@ class ScheduleEngine(PipelineEngine):
         """ChunkReductions over this rank's chunks (the tied embedding left to ReduceGrads), or None where nothing
         would be reduced early: one chunk, W split off (a chunk's gradients are final only after its W passes),
         no bf16 optimizer, or no other data-parallel rank."""
-        if (self.placement.virtual == 1 or self.schedule in SPLIT_BACKWARD or not self.using_bf16_optimizer
-                or not self.pipeline_enable_backward_allreduce or self.has_moe_layers
-                or dist.get_world_size(self.mpu.get_data_parallel_group()) == 1):
+        dp = dist.get_world_size(self.mpu.get_data_parallel_group())
+        if (not reduces_chunks(self.schedule, self.placement.virtual, self.using_bf16_optimizer, dp)
+                or not self.pipeline_enable_backward_allreduce or self.has_moe_layers):
             return None
         tied = {id(weight) for weight, _ in self.module.get_tied_weights_and_groups()}
         chunk_params = {stage: [p for layer in self.module._chunks[self.placement.chunk_of(stage)]

@@ -28,6 +28,15 @@ import torch
 import torch.distributed as dist
 
 from parallel.comm import record_step
+from parallel.schedules.orders import SPLIT_BACKWARD
+
+
+def reduces_chunks(schedule: str, virtual_stages: int, bf16_optimizer: bool, dp: int) -> bool:
+    """Whether a rank's chunks have their gradients reduced one by one (`ChunkReductions`): several chunks a rank and W
+    not split off (the interleaved schedule: under zb-h1 and zb-v a chunk's gradients are final only after its W
+    passes), DeepSpeed's bf16 optimizer (whose fp32 gradients the reduction casts and sums), other data-parallel
+    ranks. The engine and the planner (train/planner/estimate.py: chunk_reductions_run) both ask this."""
+    return virtual_stages > 1 and schedule not in SPLIT_BACKWARD and bf16_optimizer and dp > 1
 
 
 class ChunkReductions:

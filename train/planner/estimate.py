@@ -87,7 +87,8 @@ from functools import lru_cache, partial
 
 from model import GPTConfig, flops_per_token
 from model.modes import BLOCK_LINEARS
-from parallel.schedules.orders import INTERLEAVED, ONE_F_ONE_B, ZB_V, Costs
+from parallel.schedules.grad_reduction import reduces_chunks
+from parallel.schedules.orders import ONE_F_ONE_B, ZB_V, Costs
 from train.planner import comm as plan_comm
 from train.planner.activations import (
     ActivationBytes,
@@ -675,8 +676,9 @@ def chunk_reductions_run(layout: Layout, impl: Implementation) -> bool:
     """gpt3d's engine issues each chunk's data-parallel gradient reduction after its last B
     (parallel/schedules/grad_reduction.py): under the interleaved schedule (several chunks, W not split off) with
     DeepSpeed's BF16_Optimizer and other data-parallel ranks, parallel.overlap_communication on."""
-    return (impl.chunked_grad_reduction and layout.schedule == INTERLEAVED and layout.virtual_stages > 1
-            and uses_bf16_optimizer(layout.zero_stage, impl) and not layout.offload_optimizer and layout.dp > 1)
+    bf16_optimizer = uses_bf16_optimizer(layout.zero_stage, impl) and not layout.offload_optimizer
+    return impl.chunked_grad_reduction and layout.pp > 1 and reduces_chunks(layout.schedule, layout.virtual_stages,
+                                                                             bf16_optimizer, layout.dp)
 
 
 def _exposed_chunk_reductions(early: list[float], total: float, window_s: float, dp: int, hw: Hardware,
