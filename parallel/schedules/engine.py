@@ -129,10 +129,10 @@ class ScheduleEngine(PipelineEngine):
                 or not self.pipeline_enable_backward_allreduce or self.has_moe_layers):
             return None
         tied = {id(weight) for weight, _ in self.module.get_tied_weights_and_groups()}
-        chunk_params = {stage: [p for layer in self.module._chunks[self.placement.chunk_of(stage)]
-                                for p in layer.parameters() if id(p) not in tied and p in self._fp32_index]
-                        for stage in self._own_stages}
-        return ChunkReductions(self, chunk_params)
+        placed = {stage: [self._fp32_index[p] for layer in self.module._chunks[self.placement.chunk_of(stage)]
+                          for p in layer.parameters() if id(p) not in tied and p in self._fp32_index]
+                  for stage in self._own_stages}
+        return ChunkReductions(self, placed)
 
     def _train_schedule(self):
         return PipelineProgram(self.schedule, self.placement, self.micro_batches, self.stage_id, self.zb_costs)

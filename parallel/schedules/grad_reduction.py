@@ -43,12 +43,11 @@ class ChunkReductions:
     """Issues each chunk's data-parallel gradient reduction when its last B of the step has run (module docstring).
 
     engine: the ScheduleEngine (its optimizer is DeepSpeed's bf16 optimizer, its data-parallel group has other
-    ranks); chunk_params: {virtual stage: the chunk's bf16 parameters}, the tied ones left out."""
+    ranks); placed: {virtual stage: (group, index) in the bf16 optimizer of each of the chunk's parameters}, the
+    tied ones left out."""
 
-    def __init__(self, engine, chunk_params: dict[int, list[torch.nn.Parameter]]):
-        optimizer = engine.optimizer
-        index = {p: (i, j) for i, group in enumerate(optimizer.bf16_groups) for j, p in enumerate(group)}
-        self.runs = {stage: _runs(optimizer, [index[p] for p in params]) for stage, params in chunk_params.items() if params}
+    def __init__(self, engine, placed: dict[int, list[tuple[int, int]]]):
+        self.runs = {stage: _runs(engine.optimizer, at) for stage, at in placed.items() if at}
         self.group = engine.mpu.get_data_parallel_group()
         self.dp = dist.get_world_size(self.group)
         self.dtype = engine.communication_data_type

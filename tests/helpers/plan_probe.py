@@ -70,7 +70,6 @@ def probe(model: dict, tp: int, pp: int, zero_stages: list[int], global_batch: i
     from parallel.build import BuildOptions, build_model
     from parallel.comm import record_comm
     from parallel.topology import Topology
-    from train.run import bf16_optimizer
     from train.run import engine as engines
     from train.run.optimizer import GIVEN_NORM, TokenLR, make_optimizer, make_schedule
     from train.run.step import pipeline_inputs
@@ -101,8 +100,8 @@ def probe(model: dict, tp: int, pp: int, zero_stages: list[int], global_batch: i
         ds_config = engines.deepspeed_config(cfg.train, cfg.parallel, cfg.optim, OmegaConf.to_container(cfg.deepspeed),
                                               topology.dp_size, runtime)
         engine = engines.create_engine(model_obj, optimizer, scheduler, ds_config, mpu=None if pipelined else mpu)
-        if engines.clipping(cfg.parallel, runtime) == GIVEN_NORM:  # DeepSpeed's bf16 optimizer, as train/run/build.py
-            optimizer.take_norm_from(bf16_optimizer.adopt(engine.optimizer))
+        if engines.clipping(cfg.parallel, runtime) == GIVEN_NORM:  # as train/run/build.py
+            engines.take_norm(optimizer, engine)
         captured = {}
         zero = engine.optimizer
         original_step = zero.step

@@ -34,8 +34,7 @@ def _train(reduce_chunks: bool) -> tuple[list[torch.Tensor], list[tuple[str, str
     from parallel.topology import Topology
     from train.config.sections import ParallelConfig, TrainConfig
     from train.config.sections.optim import OptimConfig
-    from train.run import bf16_optimizer
-    from train.run.engine import clipping, create_engine, deepspeed_config
+    from train.run.engine import clipping, create_engine, deepspeed_config, take_norm
     from train.run.optimizer import make_optimizer
     from train.run.step import micro_batch_split, pipeline_inputs
     from train.runtime.resolve import Runtime
@@ -52,7 +51,7 @@ def _train(reduce_chunks: bool) -> tuple[list[torch.Tensor], list[tuple[str, str
     optimizer = make_optimizer(model, OptimConfig(), 1e-3, clip=clipping(parallel, runtime), mpu=model.mpu())
     engine = create_engine(model, optimizer, None, deepspeed_config(train, parallel, OptimConfig(), {}, dp, runtime))
     engine = ScheduleEngine.adopt(engine, "interleaved", VIRTUAL, reduce_chunks=reduce_chunks)
-    optimizer.take_norm_from(bf16_optimizer.adopt(engine.optimizer))
+    take_norm(optimizer, engine)
     generator = torch.Generator().manual_seed(topology.dp_rank)
     windows = torch.randint(0, config.vocab_size, (2, MICRO_BATCHES * MICRO_BATCH, config.seq_len + 1), generator=generator)
     engine.train_batch(data_iter=pipeline_inputs(micro_batch_split(windows[0], MICRO_BATCH)))

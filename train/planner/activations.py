@@ -290,7 +290,7 @@ def _weight_casts(config: GPTConfig, tp: int, pp: int, stage, shape: StageShape,
     block_matrices = sum(p.numel for p in in_blocks if p.decay) // max(shape.blocks, 1)
     block_vectors = sum(p.numel for p in in_blocks if not p.decay)
     autocast_unembedding = shape.head and not fused_loss
-    unembedding = sum(p.numel for p in params if p.name.endswith("wte.weight")) if autocast_unembedding else 0
+    unembedding = sum(p.numel for p in params if p.tied) if autocast_unembedding else 0
     saved = 2 * (block_matrices * (shape.blocks - ckpt_blocks) + unembedding)
     transient = 2 * (block_matrices * shape.blocks + block_vectors + unembedding)
     return saved, transient, 2 * block_matrices

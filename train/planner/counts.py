@@ -85,6 +85,11 @@ class ParamShape:
         """In the weight-decay group: matrices (train/optimizer.param_groups)."""
         return len(self.shape) >= 2
 
+    @cached_property
+    def tied(self) -> bool:
+        """The token embedding, which the head shares (its copy on the last pipeline stage has the same name)."""
+        return self.name.endswith("wte.weight")
+
 
 @lru_cache(maxsize=None)
 def stage_layers(n_layer: int, pp: int, stage: int, blocks: tuple[int, ...] | None = None) -> range:
@@ -150,8 +155,8 @@ def chunked_rank_parameters(config: GPTConfig, tp: int, placement, rank: int,
     embedding and the head (zb-v's first rank) the head's copy of the tied matrix is the embedding's Parameter."""
     chunks = [rank_parameters(config, tp, placement.stages, v, blocks) for v in placement.stages_of(rank)]
     params = [p for chunk in chunks for p in chunk]
-    if len(chunks) > 1 and any(p.name.endswith("wte.weight") for p in chunks[0]):
-        params = params[: len(chunks[0])] + [p for p in params[len(chunks[0]):] if not p.name.endswith("wte.weight")]
+    if len(chunks) > 1 and any(p.tied for p in chunks[0]):
+        params = params[: len(chunks[0])] + [p for p in params[len(chunks[0]):] if not p.tied]
     return tuple(params)
 
 

@@ -310,7 +310,7 @@ def _stage_compute(model_cfg: GPTConfig, layout: Layout, impl: Implementation, h
     passes, flops, host_kernels = _blocks_compute(model_cfg, layout, impl, hw, blocks, recomputed)
     forward, input_grad, weight_grad = passes.forward, passes.input_grad, passes.weight_grad
     params = [p for p in rank_parameters(model_cfg, tp, split[0], stage, split[1])
-              if not (drop_tied and shape.head and p.name.endswith("wte.weight"))]
+              if not (drop_tied and shape.head and p.tied)]
     weights = sum(p.numel for p in params)
     bf16_optimizer = uses_bf16_optimizer(layout.zero_stage, impl)
     per_weight = _per_weight_bytes(impl) + (BF16_OPTIMIZER_UPDATE_BYTES if bf16_optimizer else 0)
@@ -502,7 +502,7 @@ def _stage_ranks(model_cfg: GPTConfig, layout: Layout, impl: Implementation, hw:
         dp_s -= (1 - 1 / placement.virtual) * _comm_time(dp_group, hw, inter_node)
     elif chunk_reductions_run(layout, impl):  # each chunk's reduction after its last B, but chunk 0's (the last to finish)
         reduction = [t for t in exposed if t.group == "dp" and t.op == "all_reduce"]
-        early = [sum(p.numel * grad_bytes(p) for p in c if not p.name.endswith("wte.weight")) for c in chunk_params]
+        early = [sum(p.numel * grad_bytes(p) for p in c if not p.tied) for c in chunk_params]
         dp_s -= _comm_time(reduction, hw, inter_node) - _exposed_chunk_reductions(
             early, reduction[0].total, pp * passes.input_grad / len(chunks), dp, hw, inter_node)
     for t in hidden:  # ZeRO 2: each micro batch's reduction behind its backward; ZeRO 1: the last one's
@@ -605,7 +605,7 @@ def _pipeline_transfers(model_cfg: GPTConfig, layout: Layout, rank: int, chunk_p
     holds_both = placement.stages > 1 and 0 in chunks and placement.stages - 1 in chunks
     out = []
     for v, params, shape in zip(chunks, chunk_params, chunk_shapes):
-        tied = sum(p.numel for p in params if p.name.endswith("wte.weight"))
+        tied = sum(p.numel for p in params if p.tied)
         local_next = v + 1 < placement.stages and placement.rank_of(v + 1) == rank
         local_previous = v > 0 and placement.rank_of(v - 1) == rank
         for t in plan_comm.pipeline(model_cfg, shape, layout.tp, placement.stages, layout.micro_batch,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from train.planner.estimate import GIB, Plan, build_plan, uses_bf16_optimizer, zero_optimizer_reduces
+from train.planner.estimate import GIB, Plan, build_plan, ring_runs, uses_bf16_optimizer, zero_optimizer_reduces
 from train.planner.fp8_rule import HEAD_IN_BF16, choice_for
 
 STAGE_NAMES = {1: ["every stage"], 2: ["first stage", "last stage"], 3: ["first stage", "middle stage", "last stage"]}
@@ -145,7 +145,7 @@ def _overlaps(plan: Plan) -> str:
     lay = plan.layout
     if impl.overlap_tp and lay.tp > 1 and not lay.sequence_parallel and not lay.defers_weight_grads:
         parts.append("tensor-parallel input gradients behind weight gradients")
-    if impl.ring_tp and lay.tp > 1 and lay.sequence_parallel:
+    if ring_runs(lay, impl):
         parts.append("tensor-parallel gathers and reduce-scatters in ring steps behind the GEMM chunks"
                      + (" (the gathers in float8)" if impl.fp8 == "tensorwise" else ""))
     if impl.overlap_dp and lay.dp > 1 and lay.pp == 1 and zero_optimizer_reduces(lay.zero_stage, impl) and lay.zero_stage < 3:

@@ -36,7 +36,6 @@ from train.monitor import metrics, report
 from train.monitor.metrics import full_shapes_model
 from train.run import batch_ramp
 from train.run import engine as engines
-from train.run import bf16_optimizer
 from train.run.optimizer import GIVEN_NORM, OWN_NORM, TokenLR, make_optimizer
 from train.run.spec import RunSpec
 from train.run.step import TrainStep
@@ -108,8 +107,6 @@ class Trainer:
 def build(spec: RunSpec) -> Trainer:
     """Device, process group, layout, this rank's model in a DeepSpeed engine, its data, and its
     checkpointer with the parts its checkpoints hold."""
-    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-
     from model.float8_weights import WeightCasts
     from model.weight_grads import WeightGradStore
     from parallel.build import BuildOptions, build_model
@@ -169,10 +166,7 @@ def build(spec: RunSpec) -> Trainer:
                                       reduce_chunks=par.overlap_communication)
     on_device = clip == OWN_NORM  # the step's skip decided on the device, and reported so (train/run/step.py)
     if clip == GIVEN_NORM:  # the optimizer DeepSpeed wraps ours in computes the norm
-        holder = engine.optimizer
-        if isinstance(holder, BF16_Optimizer):  # on the device (train/run/bf16_optimizer.py)
-            holder, on_device = bf16_optimizer.adopt(holder), True
-        optimizer.take_norm_from(holder)
+        on_device = engines.take_norm(optimizer, engine)
     # Ranks of one data-parallel replica (its tp and pp ranks) read the same windows.
     train, dp = settings.train, (topology.dp_rank, topology.dp_size)
     speaks = topology.tp_rank == 0 and topology.pp_rank == 0  # one warning per data-parallel replica

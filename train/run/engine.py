@@ -144,6 +144,21 @@ def clipping(parallel: ParallelConfig, runtime: Runtime) -> str:
     return GIVEN_NORM if bf16_weights(runtime.precision) and int(parallel.zero_stage) <= 1 else ELSEWHERE
 
 
+def take_norm(optimizer, engine) -> bool:
+    """Our optimizer (train/run/optimizer.py, clipping GIVEN_NORM) takes ‖g‖ from the one DeepSpeed wraps it in:
+    DeepSpeed's bf16 optimizer, made to step on the device (train/run/bf16_optimizer.py), or its ZeRO-1 optimizer
+    (offloaded). Returns whether the step's skip is then decided on the device."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+    from train.run import bf16_optimizer
+
+    holder, on_device = engine.optimizer, False
+    if isinstance(holder, BF16_Optimizer):
+        holder, on_device = bf16_optimizer.adopt(holder), True
+    optimizer.take_norm_from(holder)
+    return on_device
+
+
 def create_engine(model, optimizer, lr_scheduler, ds_config: dict, mpu=None):
     """deepspeed.initialize with our optimizer and scheduler; a PipelineModule gives a PipelineEngine.
 
