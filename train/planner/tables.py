@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 
-from train.planner.estimate import GIB, Plan, build_plan, ring_runs, uses_bf16_optimizer, zero_optimizer_reduces
+from train.planner.estimate import (
+    GIB,
+    Plan,
+    build_plan,
+    chunk_reductions_run,
+    ring_runs,
+    uses_bf16_optimizer,
+    zero_optimizer_reduces,
+)
 from train.planner.fp8_rule import HEAD_IN_BF16, choice_for
 
 STAGE_NAMES = {1: ["every stage"], 2: ["first stage", "last stage"], 3: ["first stage", "middle stage", "last stage"]}
@@ -150,6 +158,8 @@ def _overlaps(plan: Plan) -> str:
                      + (" (the gathers in float8)" if impl.fp8 == "tensorwise" else ""))
     if impl.overlap_dp and lay.dp > 1 and lay.pp == 1 and zero_optimizer_reduces(lay.zero_stage, impl) and lay.zero_stage < 3:
         parts.append("ZeRO gradient reduction behind the backward")
+    if chunk_reductions_run(lay, impl):
+        parts.append("data-parallel gradients reduced chunk by chunk behind the backward")
     return ", ".join(parts)
 
 

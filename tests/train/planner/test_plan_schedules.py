@@ -402,6 +402,8 @@ def test_chunk_reductions_hide_every_chunks_reduction_but_the_first_and_the_tied
         hidden = _comm_time([Transfer("dp", "all_reduce", "step", nbytes, 1, 2, "gradients")], H100, {"dp": False})
         hidden -= COLLECTIVE_LATENCY_S  # the end keeps a call of its own: the early call's latency is hidden
         assert plain.time["dp_comm_s"] - on.time["dp_comm_s"] == pytest.approx(hidden, rel=1e-9), rank
+    said = "data-parallel gradients reduced chunk by chunk behind the backward"  # the plan's overlap line
+    assert said in format_plan(on_plan) and said not in format_plan(off_plan)
     for changed, implementation in ((dict(schedule=ZB_H1, virtual_stages=1), BF16), (dict(virtual_stages=1), BF16),
                                     (dict(dp=1, global_batch=16), BF16), ({}, AUTOCAST),
                                     ({}, for_precision("bf16", overlap_communication=False))):
