@@ -7,7 +7,7 @@ gpt3-125m step at its real shape costs seconds on a laptop), an `OpLedger` sees 
 below autograd, as the GPU's stream would receive it, and keeps one `Op` for it:
 
   kind      query (a tensor's metadata, dispatched only because the tensors are fake, or a profiler's mark:
-            nothing on a GPU), view (an alias: no kernel), alloc (empty memory, or a Python number wrapped
+            nothing on a GPU), view (an alias, _unsafe_view too: no kernel), alloc (empty memory, or a Python number wrapped
             as a 0-d host tensor: no kernel), gemm (a matrix
             product), attention (gpt3d's attention ops: model/attention_op.py), loss (gpt3d's loss rows:
             model/loss_kernel.py), multi_tensor (torch's _foreach_* and fused optimizer kernels), collective
@@ -57,8 +57,10 @@ TENSORS_PER_LAUNCH = {1: 110, 2: 64, 3: 48, 4: 36, 5: 30}  # and tensors per lau
 # preprocess, the key-block kernel and the dQ pass (a cast, or the deterministic kernel).
 LAUNCHES = {"gpt3d::attention": 1, "gpt3d::attention_backward": 3}
 WRITE_ONLY = {"copy_", "fill_", "zero_", "normal_", "uniform_", "random_", "bernoulli_", "exponential_"}
+# Operators that launch no kernel: allocations, bookkeeping, and _unsafe_view (a view of a tensor its caller just made,
+# as matmul and reshape return theirs; its schema declares no alias, so _is_view does not see it)
 NO_KERNEL = {"empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like", "lift_fresh", "record_stream",
-             "set_", "resize_"}
+             "set_", "resize_", "_unsafe_view"}
 GEMMS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_addmm_activation"}
 LOCATIONS = ("model", "parallel", "train")  # gpt3d's own code, where a line is named in the bill
 PLUMBING = ("torch/nn/modules/", "torch/nn/functional.py", "torch/_tensor.py", "torch/autograd/", "torch/utils/",
@@ -247,7 +249,7 @@ def _custom(full: str, name: str, args, site: str, moved: float, dtype: str) -> 
         flops = 2.5 * forward if name == "attention_backward" else forward
         detail = {"head_dim": head_dim, "backward": name == "attention_backward"}
         return Op(full, "attention", LAUNCHES[full], moved, flops, site, dtype=dtype, detail=detail)
-    if name == "float8_cast":  # model/float8.py: one elementwise kernel (the operand read, its float8 written)
+    if name in ("float8_cast", "float8_scales"):  # model/float8.py: one elementwise kernel each
         return Op(full, "memory", 1, moved, 0.0, site, dtype=dtype)
     return Op(full, "loss", LAUNCHES.get(full, 1), moved, 0.0, site, dtype=dtype)
 

@@ -264,6 +264,36 @@ def _(t, scale, dtype, transposed):
     return t.new_empty((cols, rows) if transposed else (rows, cols), dtype=dtype)
 
 
+def float8_scales(amax: torch.Tensor, dtype: torch.dtype, power_of_2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, 1/s) for fp32 amaxes (a few numbers): s = amax_to_scale(amax) (torchao's, with its power-of-two
+    rounding when asked), 1/s the inverse scale torch._scaled_mm multiplies by. Eager without the rounding, one
+    kernel (scales_in_one_kernel); compiled, or rounded to powers of two, torch's ops."""
+    if power_of_2 or torch.compiler.is_compiling():
+        return _scales_in_torch(amax, dtype, power_of_2)
+    return scales_in_one_kernel(amax, dtype)
+
+
+@torch.library.custom_op("gpt3d::float8_scales", mutates_args=())
+def scales_in_one_kernel(amax: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """float8_scales' eager form: on CUDA one Triton kernel (model/float8_scale_triton.py, equal to torch's ops bit
+    for bit); elsewhere torch's ops."""
+    if amax.is_cuda:
+        from model import float8_scale_triton  # triton is imported only when the kernel runs
+
+        return float8_scale_triton.scales(amax, dtype)
+    return _scales_in_torch(amax, dtype, False)
+
+
+def _scales_in_torch(amax: torch.Tensor, dtype: torch.dtype, power_of_2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = amax_to_scale(amax, dtype, power_of_2)
+    return scale, scale.reciprocal()
+
+
+@scales_in_one_kernel.register_fake
+def _(amax, dtype):
+    return amax.new_empty(amax.shape), amax.new_empty(amax.shape)
+
+
 def _amax(t: torch.Tensor, dim: int | None) -> torch.Tensor:
     """max |t| over all of t (dim None: a 0-dim tensor) or along dim (kept as size 1), in fp32: one reduction
     (the infinity norm; torchao's tensor_to_amax takes |t| first, a pass more), the same value exactly."""

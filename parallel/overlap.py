@@ -129,9 +129,9 @@ class _GatheredLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # grad (B, T, n/p)
         *state, gathered = ctx.saved_tensors
-        sent, product, grad_scale = ctx.ops.backward(grad, state)
+        sent, product, grad_scales = ctx.ops.backward(grad, state)
         grad_x = ctx.ring.scattered(sent, product, "input grad", "backward")  # (B, T/p, k)
-        products = ctx.ops.weight_products(sent.reshape(-1, sent.shape[-1]), state, grad_scale)
+        products = ctx.ops.weight_products(sent.reshape(-1, sent.shape[-1]), state, grad_scales)
         g, x = grad.reshape(-1, grad.shape[-1]), gathered.reshape(-1, gathered.shape[-1])  # (N, n/p), (N, k)
         grad_w, grad_b = _weight_grads(ctx, products, g.to(state[0].dtype), x)  # g in the weight state's dtype
         return grad_x.to(ctx.input_dtype), grad_w, grad_b, None, None, None
@@ -157,12 +157,12 @@ class _ScatteredLinear(torch.autograd.Function):
     def backward(ctx, grad):  # grad (B, T/p, n)
         saved = ctx.saved_tensors
         state, kept = saved[: ctx.state_size], saved[ctx.state_size :]
-        sent, product, grad_scale = ctx.ops.backward(grad, state)
+        sent, product, grad_scales = ctx.ops.backward(grad, state)
         grad_x, gathered = ctx.ring.gathered(sent, product, "input grad", "backward")
         if ctx.recompute is not None:
             with torch.no_grad():
                 kept = [ctx.ops.recast(ctx.recompute.fn(*kept), state)]
-        products = ctx.ops.weight_products(gathered.reshape(-1, gathered.shape[-1]), state, grad_scale)  # (N, n)
+        products = ctx.ops.weight_products(gathered.reshape(-1, gathered.shape[-1]), state, grad_scales)  # (N, n)
         x = kept[0].reshape(-1, kept[0].shape[-1])  # (N, k/p)
         grad_w, _ = _weight_grads(ctx, products, None, x)
         return grad_x.to(ctx.input_dtype), grad_w, None, None, None, None  # grad_x (B, T, k/p)

@@ -16,8 +16,10 @@ products) travel in the output dtype.
     row (in)        ĝ pieces (input grad)   x̂ (forward)                    ĝ_gatheredᵀ x̂
 
 Each operations object: forward(x, W, b) → (x sent, the product of its rows, the weight state backward keeps);
-backward(grad, weight state) → (g sent, the product of its rows, g's scale or None); weight_products(g whole
-(N, n), weight state, g's scale) → an object whose weight_grad(x (N, k)) is gᵀ x; recast(x, weight state) → a recomputed input as forward sent it.
+backward(grad, weight state) → (g sent, the product of its rows, g's scale and inverse scale or None);
+weight_products(g whole (N, n), weight state, those scales) → an object whose weight_grad(x (N, k)) is gᵀ x;
+recast(x, weight state) → a recomputed input as forward sent it. A scale's inverse, which torch._scaled_mm multiplies
+by, is made with it (model/float8.py's float8_scales: one kernel on a GPU) and used by every product of its operand.
 """
 
 from __future__ import annotations
@@ -25,8 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from model.float8 import Float8Matmuls, _amax, _padded, _tensorwise, cast_to_float8, inverse_scaled_mm
-from model.float8_library import amax_to_scale
+from model.float8 import Float8Matmuls, _amax, _padded, _tensorwise, cast_to_float8, float8_scales, inverse_scaled_mm
 from model.recompute import MATMULS, Grads, autocast_dtype
 
 
@@ -43,7 +44,7 @@ class PlainOperands:
         (w_cast,) = state
         return grad.to(w_cast.dtype), lambda rows: rows.matmul(w_cast), None
 
-    def weight_products(self, g: torch.Tensor, state: tuple, grad_scale: None) -> Grads:
+    def weight_products(self, g: torch.Tensor, state: tuple, grad_scales: None) -> Grads:
         return Grads(g)  # (N, n)
 
     def recast(self, x: torch.Tensor, state: tuple) -> torch.Tensor:
@@ -74,51 +75,52 @@ class Float8Operands:
         """x (…, k) this rank's part of the input (a sequence piece, or its k/p features), W (n, k): x̂ (…, k) and
         the product of its rows, x̂_rows Ŵᵀ + b. W's amax, scale and casts are kept through the step."""
         kept = self._kept(weight)
-        if kept is None:  # x's and W's amaxes in one reduction, their scales in one computation
+        if kept is None:  # x's and W's amaxes in one reduction, their scales and inverses in one computation
             amaxes = self.m.reduce_max(torch.stack([_amax(x, None), _amax(weight, None)]), "forward")  # (2,)
-            scales = amax_to_scale(amaxes, self.x_dtype, self.m.power_of_2)  # (2,)
-            scale_x, scale_w = scales[0], scales[1]
-            kept = {"scale": scale_w, "inverse": scale_w.reciprocal(),
-                    "forward": cast_to_float8(weight, scale_w, self.x_dtype, transposed=False).t()}  # (k, n) col-major
+            scales, inverses = float8_scales(amaxes, self.x_dtype, self.m.power_of_2)  # (2,), (2,)
+            scale_x, inverse_x = scales[0], inverses[0]
+            kept = {"scale": scales[1], "inverse": inverses[1],
+                    "forward": cast_to_float8(weight, scales[1], self.x_dtype, transposed=False).t()}  # (k, n) col-major
             if self.m.weight_casts is not None:
                 self.m.weight_casts.keep(weight, kept)
         else:
-            scale_x = amax_to_scale(self.m.reduce_max(_amax(x, None).reshape(1), "forward")[0], self.x_dtype,
-                                    self.m.power_of_2)
+            amax_x = self.m.reduce_max(_amax(x, None).reshape(1), "forward")  # (1,)
+            scale_x, inverse_x = (s[0] for s in float8_scales(amax_x, self.x_dtype, self.m.power_of_2))
         x8 = cast_to_float8(x.reshape(-1, x.shape[-1]), scale_x, self.x_dtype, transposed=False).view(x.shape)
-        fast, inverse_x = self.m.forward_configs[2].use_fast_accum, scale_x.reciprocal()
+        fast = self.m.forward_configs[2].use_fast_accum
 
         def product(rows: torch.Tensor) -> torch.Tensor:  # rows (…, k) float8 → (…, n)
             y = self._multiply(rows.reshape(-1, rows.shape[-1]), scale_x, inverse_x, kept["forward"], kept["scale"],
                                kept["inverse"], x.dtype, fast, bias)
             return y.view(*rows.shape[:-1], weight.shape[0])
 
-        return x8, product, (weight, scale_x)
+        return x8, product, (weight, scale_x, inverse_x)
 
     def backward(self, grad: torch.Tensor, state: tuple) -> tuple:
-        """grad (…, n) this rank's part of ∂L/∂y: ĝ (…, n), the product of its rows, ĝ_rows Ŵ (…, k), and g's scale."""
-        weight, _ = state
-        amax_g = self.m.reduce_max(_amax(grad, None).reshape(1), "backward")
-        scale_g = amax_to_scale(amax_g[0], self.g_dtype, self.m.power_of_2)  # ()
+        """grad (…, n) this rank's part of ∂L/∂y: ĝ (…, n), the product of its rows, ĝ_rows Ŵ (…, k), and g's scale
+        and its inverse."""
+        weight = state[0]
+        amax_g = self.m.reduce_max(_amax(grad, None).reshape(1), "backward")  # (1,)
+        scale_g, inverse_g = (s[0] for s in float8_scales(amax_g, self.g_dtype, self.m.power_of_2))  # (), ()
         g8 = cast_to_float8(grad.reshape(-1, grad.shape[-1]), scale_g, self.g_dtype, transposed=False).view(grad.shape)
         kept = self._weight_for_input_grad(weight)
-        fast, inverse_g = self.m.input_grad_configs[2].use_fast_accum, scale_g.reciprocal()
+        fast = self.m.input_grad_configs[2].use_fast_accum
 
         def product(rows: torch.Tensor) -> torch.Tensor:  # rows (…, n) float8 → (…, k)
             out = self._multiply(rows.reshape(-1, rows.shape[-1]), scale_g, inverse_g, kept["backward"],
                                  kept["scale"], kept["inverse"], weight.dtype, fast)
             return out.view(*rows.shape[:-1], weight.shape[1])
 
-        return g8, product, scale_g
+        return g8, product, (scale_g, inverse_g)
 
     def _weight_for_input_grad(self, weight: torch.Tensor) -> dict:
         """W's operands with its input-gradient layout, Ŵ (n, k) column-major: kept from this step's forward, or
         (outside a step, or a forward in no step) made again from W's amax, reduced over the ranks."""
         kept = self._kept(weight)
         if kept is None:
-            scale_w = amax_to_scale(self.m.reduce_max(_amax(weight, None).reshape(1), "backward")[0], self.x_dtype,
-                                    self.m.power_of_2)
-            kept = {"scale": scale_w, "inverse": scale_w.reciprocal()}
+            amax_w = self.m.reduce_max(_amax(weight, None).reshape(1), "backward")  # (1,)
+            scale_w, inverse_w = (s[0] for s in float8_scales(amax_w, self.x_dtype, self.m.power_of_2))
+            kept = {"scale": scale_w, "inverse": inverse_w}
         if "backward" not in kept:
             kept["backward"] = cast_to_float8(weight, kept["scale"], self.x_dtype, transposed=True).t()
         return kept
@@ -127,10 +129,10 @@ class Float8Operands:
         """W's operands kept in this step (model/float8_weights.py), or None."""
         return self.m.weight_casts.kept(weight) if self.m.weight_casts is not None else None
 
-    def weight_products(self, g8: torch.Tensor, state: tuple, scale_g: torch.Tensor) -> "_Float8WeightGrad":
-        """g8 (N, n) the whole ĝ, scale_g its scale (backward's third value)."""
-        weight, scale_x = state
-        return _Float8WeightGrad(self, g8, scale_g, scale_x, weight.dtype)
+    def weight_products(self, g8: torch.Tensor, state: tuple, scales_g: tuple) -> "_Float8WeightGrad":
+        """g8 (N, n) the whole ĝ, scales_g its scale and inverse (backward's third value)."""
+        weight, *scales_x = state
+        return _Float8WeightGrad(self, g8, scales_g, tuple(scales_x), weight.dtype)
 
     def recast(self, x: torch.Tensor, state: tuple) -> torch.Tensor:
         """A recomputed input x (…, k) quantized as forward quantized it (its scale kept)."""
@@ -154,15 +156,15 @@ class Float8Operands:
 class _Float8WeightGrad:
     """∂L/∂W = ĝᵀ x̂ from the float8 operands the ring already holds: ĝ (N, n) and x̂ (N, k)."""
 
-    def __init__(self, ops: Float8Operands, g8: torch.Tensor, scale_g, scale_x, dtype: torch.dtype):
-        self.ops, self.g8, self.scale_g, self.scale_x, self.dtype = ops, g8, scale_g, scale_x, dtype
+    def __init__(self, ops: Float8Operands, g8: torch.Tensor, scales_g: tuple, scales_x: tuple, dtype: torch.dtype):
+        """scales_g, scales_x: (scale, inverse) of ĝ and of x̂."""
+        self.ops, self.g8, self.scales_g, self.scales_x, self.dtype = ops, g8, scales_g, scales_x, dtype
 
     def weight_grad(self, x8: torch.Tensor) -> torch.Tensor:
         a8 = self.g8.t().contiguous()  # (n, N) row-major
         b8 = x8.t().contiguous().t()  # (N, k) column-major
         fast = self.ops.m.weight_grad_configs[2].use_fast_accum
-        return self.ops._multiply(a8, self.scale_g, self.scale_g.reciprocal(), b8, self.scale_x,
-                                  self.scale_x.reciprocal(), self.dtype, fast)  # (n, k)
+        return self.ops._multiply(a8, *self.scales_g, b8, *self.scales_x, self.dtype, fast)  # (n, k)
 
 
 def _padded_bias(bias: torch.Tensor | None, columns: int) -> torch.Tensor | None:
