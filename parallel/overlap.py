@@ -93,7 +93,7 @@ class Ring:
         if whole.shape[SEQUENCE_DIM] % p:
             raise ValueError(f"{self.tag}: a sequence of {whole.shape[SEQUENCE_DIM]} tokens does not split into "
                              f"{p} tensor-parallel pieces")
-        pieces = whole.chunk(p, dim=SEQUENCE_DIM)  # p × (B, T/p, k')
+        pieces = _pieces(whole, p)  # (p, B, T/p, k')
         partial = product(pieces[(self.rank - 1) % p]).contiguous()  # the partial sum this rank starts
         for s in range(p - 1):
             label = f"{self.tag}:{what} {s + 1}/{p - 1}"
@@ -104,6 +104,14 @@ class Ring:
             partial = received + own
         record_collective("reduce_scatter", self.tag, phase, partial.numel() * partial.element_size() * p)
         return partial  # (B, T/p, n)
+
+
+def _pieces(whole: torch.Tensor, p: int) -> torch.Tensor:
+    """whole (B, T, k) as its p sequence pieces, each contiguous: (p, B, T/p, k), one copy of the whole (none at
+    B = 1, where the pieces already are). A piece of (B, T, k) itself is strided when B > 1, and each GEMM chunk
+    would copy its rows to multiply them: p copies, a launch each."""
+    b, t, k = whole.shape
+    return whole.reshape(b, p, t // p, k).transpose(0, 1).contiguous()  # (p, B, T/p, k)
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:

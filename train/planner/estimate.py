@@ -140,23 +140,28 @@ BF16_OPTIMIZER_UPDATE_BYTES = 10
 FP8_CAST_BYTES = {"tensorwise": 8, "rowwise": 10}
 
 
-def ring_fp8_cast_bytes(column: bool, tp: int, micro_batches: int) -> tuple[float, float, float]:
+def ring_fp8_cast_bytes(column: bool, tp: int, micro_batches: int, micro_batch: int) -> tuple[float, float, float]:
     """FP8_CAST_BYTES under parallel.tp_comm_overlap (parallel/ring_operands.py, tensorwise only), per element of
     the whole operand and micro batch, (x, W, g) of a column layer (column) or a row layer: x and g cast once (the
     amax 2, the cast 3) and copied into their other layout for the weight gradient (a float8 byte read and
-    written, 2), the pieces that travel cast before the ring (1/p of the whole on each rank); W's amax and two
-    casts (8) made once a step and kept (model/float8_weights.py): 8 over the step's micro batches."""
-    piece = 5 / tp + 2
-    return (piece, 8 / micro_batches, 7) if column else (7, 8 / micro_batches, piece)
+    written, 2), the pieces that travel cast before the ring (1/p of the whole on each rank); the operand the ring
+    scatters (a column layer's g, a row layer's x) copied once more into sequence-major pieces when a micro batch
+    holds several sequences (parallel/overlap.py's _pieces, 2); W's amax and two casts (8) made once a step and
+    kept (model/float8_weights.py): 8 over the step's micro batches."""
+    piece, whole = 5 / tp + 2, 7 + (2 if micro_batch > 1 else 0)
+    return (piece, 8 / micro_batches, whole) if column else (whole, 8 / micro_batches, piece)
 
 
 # Launches a block linear under parallel.tp_comm_overlap adds, per micro batch (forward and backward), to the same
 # linear under plain sequence parallelism: a + b·p at tp = p, by (float8, column layer). Counted by
-# bench/op_ledger.py on the layers themselves at p = 2 and 4 (tests/train/planner/test_plan_ring_launches.py):
-# each ring step's exchange (a send and a receive), GEMM chunk and partial-sum addition, the gathers' joins; in
-# float8 also the layer's amaxes, scales and casts, outside any compiled graph (the ring layers run eager),
-# counted with the weight cast every micro batch (a step's later micro batches skip a few).
-RING_LAUNCHES = {(False, True): (-5, 10), (False, False): (-12, 11), (True, True): (30, 9), (True, False): (24, 8.5)}
+# bench/op_ledger.py on the layers themselves at p = 2 and 4, inside a training step whose float8 weight casts are
+# kept (tests/train/planner/test_plan_ring_launches.py): each ring step's exchanges (a send and a receive each way),
+# GEMM chunks and partial-sum addition, the gathers' joins, the scattered operand's one sequence-major copy; in
+# float8 also the layer's amaxes, scales (one kernel with their inverses) and casts, outside any compiled graph
+# (the ring layers run eager). A float8 layer's first micro batch of a step also makes its weight's amax, scale
+# and two casts: RING_WEIGHT_CAST_LAUNCHES more, once a step.
+RING_LAUNCHES = {(False, True): (-4, 7), (False, False): (-9, 7), (True, True): (6, 7), (True, False): (1, 7)}
+RING_WEIGHT_CAST_LAUNCHES = 4
 
 
 # All-reduces of amaxes per float8 linear and micro batch under tensor parallelism (model/float8.py's table):
@@ -228,8 +233,8 @@ def _blocks_compute(model_cfg: GPTConfig, layout: Layout, impl: Implementation, 
     gemms = [(n, d, 3 * d // tp), (n, d // tp, d), (n, d, f // tp), (n, f // tp, d)]  # in BLOCK_LINEARS' order
     in_fp8 = linears_at(model_cfg, layout, impl, hw)  # the block linears in float8 (none without fp8)
     ring = ring_runs(layout, impl)  # float8 operands cast once (ring_fp8_cast_bytes)
-    casts = {name: ring_fp8_cast_bytes(name in COLUMN_PARALLEL, tp, layout.micro_batches) if ring else None
-             for name in BLOCK_LINEARS}
+    casts = {name: ring_fp8_cast_bytes(name in COLUMN_PARALLEL, tp, layout.micro_batches, layout.micro_batch)
+             if ring else None for name in BLOCK_LINEARS}
     fwd_gemm_t = sum(_linear_time(hw, impl, *g, fp8=name in in_fp8, cast_bytes=casts[name])
                      for name, g in zip(BLOCK_LINEARS, gemms))
     fwd_gemm_f = sum(2 * x * y * z for x, y, z in gemms)
@@ -241,6 +246,12 @@ def _blocks_compute(model_cfg: GPTConfig, layout: Layout, impl: Implementation, 
     weight_grad = len(blocks) * (fwd_gemm_t + bias_sums)
     input_grad = len(blocks) * (fwd_gemm_t + 2 * block_traffic / bandwidth - bias_sums)
     input_grad += sum(2.5 * x for x in attn_f) / attn_rate
+    if ring and layout.micro_batch > 1:  # the scattered operand's sequence-major copy (parallel/overlap.py's _pieces),
+        for name, (rows, k, m) in zip(BLOCK_LINEARS, gemms):  # in float8 counted with the casts
+            if name not in in_fp8 and name in COLUMN_PARALLEL:  # g (rows × m), in the input gradient
+                input_grad += len(blocks) * 2 * _matmul_bytes(impl) * rows * m / bandwidth
+            elif name not in in_fp8:  # x (rows × k), in the forward
+                forward += len(blocks) * 2 * _matmul_bytes(impl) * rows * k / bandwidth
     attn_recomputed = recomputed * sum(attn_f) / max(len(blocks), 1)
     input_grad += recomputed * (fwd_gemm_t + block_traffic / bandwidth) + attn_recomputed / attn_rate
     kernels = impl.kernels_per_block * (len(blocks) + 0.35 * recomputed)
@@ -250,7 +261,8 @@ def _blocks_compute(model_cfg: GPTConfig, layout: Layout, impl: Implementation, 
         kernels += SELECTIVE_KERNELS * kept
     if ring and impl.ring_launches:  # the ring layers run eager, compiled blocks or not
         added = (RING_LAUNCHES[name in in_fp8, name in COLUMN_PARALLEL] for name in BLOCK_LINEARS)
-        kernels += len(blocks) * sum(a + b * tp for a, b in added)
+        weight_casts = len(in_fp8) * RING_WEIGHT_CAST_LAUNCHES / layout.micro_batches  # a step's first micro batch
+        kernels += len(blocks) * (sum(a + b * tp for a, b in added) + weight_casts)
     if impl.fp8 is not None:
         if not impl.compiled and not (ring and impl.ring_launches):
             kernels += len(in_fp8) * FP8_KERNELS_PER_LINEAR[impl.fp8] * (len(blocks) + recomputed)

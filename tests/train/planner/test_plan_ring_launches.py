@@ -1,9 +1,11 @@
-"""The planner's RING_LAUNCHES (train/planner/estimate.py): the kernels a block linear under
-parallel.tp_comm_overlap launches a micro batch beyond the same linear under plain sequence parallelism, counted by
-bench/op_ledger.py on the layers themselves (forward and backward, bf16 weights) at tp = 2 and 4 on gloo: a + b·p
-for a column and a row layer, in bf16 and in float8 (torch._scaled_mm and the fused cast as on a GPU, one kernel
-each), each layer's second call (its first may do one-time work). Within one launch: the plain row layer's
-count has been seen to differ by one between runs."""
+"""The planner's RING_LAUNCHES and RING_WEIGHT_CAST_LAUNCHES (train/planner/estimate.py): the kernels a block linear
+under parallel.tp_comm_overlap launches a micro batch beyond the same linear under plain sequence parallelism,
+counted by bench/op_ledger.py on the layers themselves (forward and backward, bf16 weights, micro batches of two
+sequences) at tp = 2 and 4 on gloo: a + b·p for a column and a row layer, in bf16 and in float8 (torch._scaled_mm,
+the fused cast and the scales as on a GPU, one kernel each), inside a training step whose float8 weight casts are
+kept (model/float8_weights.py) as the trainer runs it: its second micro batch, and the first's extra launches (the
+weight's amax, scale and casts). Within one launch: the plain row layer's count has been seen to differ by one
+between runs."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from train.planner.estimate import RING_LAUNCHES
+from train.planner.estimate import RING_LAUNCHES, RING_WEIGHT_CAST_LAUNCHES
 
 IN, OUT, BATCH = 64, 64, 2
 
@@ -26,15 +28,16 @@ def _launches(layer, x) -> int:
     return sum(op.kernels for op in ledger.ops)
 
 
-def count_worker(tp: int) -> dict:
+def count_worker(tp: int) -> tuple[dict, dict]:
+    from model.float8_weights import WeightCasts
     from model.modes import Float8
     from parallel.tensor import ColumnParallelLinear, RowParallelLinear
     from parallel.topology import Topology
 
-    group, tokens = Topology.create(tp=tp).tp_group, 16 * tp
-    counts = {}
+    group, tokens, casts = Topology.create(tp=tp).tp_group, 16 * tp, WeightCasts()
+    counts, first = {}, {}
     for fp8 in (False, True):
-        mode = Float8() if fp8 else None
+        mode = Float8(weight_casts=casts) if fp8 else None
         for column in (True, False):
             kind = ColumnParallelLinear if column else RowParallelLinear
             for ring in (False, True):
@@ -47,12 +50,16 @@ def count_worker(tp: int) -> dict:
                     shape = (BATCH, tokens, IN // tp)
                 x = torch.randn(*shape, dtype=torch.bfloat16, requires_grad=True)
                 _launches(layer, x)  # a first call's one-time work left out
-                counts[fp8, column, ring] = _launches(layer, x)
-    return {key: counts[key + (True,)] - counts[key + (False,)] for key in RING_LAUNCHES}
+                with casts.step():
+                    first[fp8, column, ring] = _launches(layer, x)
+                    counts[fp8, column, ring] = _launches(layer, x)
+    added = {key: counts[key + (True,)] - counts[key + (False,)] for key in RING_LAUNCHES}
+    return added, {key: first[key + (True,)] - counts[key + (True,)] for key in RING_LAUNCHES}
 
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_ring_launches_are_the_layers_own(tp):
-    added = run_distributed(count_worker, tp, tp)[0]
+    added, step_first = run_distributed(count_worker, tp, tp)[0]
     for (fp8, column), (a, b) in RING_LAUNCHES.items():
         assert abs(added[fp8, column] - (a + b * tp)) <= 1, ((fp8, column), added[fp8, column], a + b * tp)
+        assert step_first[fp8, column] == (RING_WEIGHT_CAST_LAUNCHES if fp8 else 0), ((fp8, column), step_first)

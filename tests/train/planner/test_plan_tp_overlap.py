@@ -17,7 +17,7 @@ import dataclasses
 import pytest
 
 from model import GPTConfig
-from train.planner.estimate import COLLECTIVE_LATENCY_S, RING_LAUNCHES, build_plan
+from train.planner.estimate import COLLECTIVE_LATENCY_S, RING_LAUNCHES, RING_WEIGHT_CAST_LAUNCHES, build_plan
 from train.planner.hardware import preset
 from train.planner.layout import Layout, for_precision
 
@@ -60,7 +60,12 @@ def test_ring_overlap_hides_what_the_hand_count_says_and_changes_nothing_else(sl
     without, with_ring = build_plan(CFG, LAYOUT, H100, implementation=plain), build_plan(CFG, LAYOUT, H100, implementation=ring)
     (a,), (b,) = without.ranks, with_ring.ranks
     assert a.time["tp_comm_s"] - b.time["tp_comm_s"] == pytest.approx(_hand_tp_seconds_saved(slowdown), rel=1e-9)
-    assert b.time["compute_s"] == a.time["compute_s"] and b.peak_bytes == a.peak_bytes
+    n, d, f, p = MICRO * CFG.seq_len, CFG.d_model, 4 * CFG.d_model, TP
+    # the operand each ring scatters (qkv's and fc's g, proj's and mlp.proj's x) copied into sequence-major pieces
+    # once (micro batches of 8 sequences): a bf16 read and write of each element
+    copies = CFG.n_layer * 2 * 2 * n * (3 * d / p + f / p + d / p + f / p) / H100.memory_bandwidth
+    assert b.time["compute_s"] - a.time["compute_s"] == pytest.approx(copies, rel=1e-9)
+    assert b.peak_bytes == a.peak_bytes
     assert b.time["tp_comm_s"] > 0  # the embedding's, the head's and the LayerNorm gradients' stay exposed
     # a GEMM twice as slow beside an exchange loses more than the ring hides: the plan then says so
     assert (with_ring.step_time_s < without.step_time_s) == (_hand_tp_seconds_saved(slowdown) > 0)
@@ -80,14 +85,14 @@ def test_float8_under_the_ring_gathers_a_byte_an_element_casts_once_and_keeps_fl
     - the gathers of the block linears move n·d bytes (a byte an element) where the plain path's LayerNorms
       gather bf16 (2·n·d); the reduce-scatters stay bf16;
     - the casts: per element of x, W and g, 8 bytes each without the ring; with it a column layer's x
-      5/p + 2 (its piece cast, its gathered float8 copied into the weight gradient's layout) and g 7, a row
-      layer's x 7 and g 5/p + 2, W 8 once a step (model/float8_weights.py: 4 a micro batch here); and a row layer
+      5/p + 2 (its piece cast, its gathered float8 copied into the weight gradient's layout) and g 7 + 2 (copied
+      into sequence-major pieces too: micro batches of 8 sequences), a row layer's x 7 + 2 and g 5/p + 2, W 8 once a step (model/float8_weights.py: 4 a micro batch here); and a row layer
       reduces one more amax (its g's) in the backward;
     - memory: each block keeps its two column inputs in float8 (d a token instead of 2d each, gathered),
       attn.proj its input in float8 beside the attention's bf16 output (d/p more a token), and mlp.proj its input
       in float8 instead of GELU's bf16 output (f/p less a token).
     The GPU's time compared with no time for the host's launches; with 30 µs a launch, the eager ring layers'
-    launches (100 a block and RING_LAUNCHES) bound the fp8 micro batch here."""
+    launches (100 a block and RING_LAUNCHES) bound the fp8 micro batch of one sequence."""
     n, d, f, p = MICRO * CFG.seq_len, CFG.d_model, 4 * CFG.d_model, TP
     x_w_g = {"attn.qkv": (d, 3 * d // p, True), "attn.proj": (d // p, d, False),
              "mlp.fc": (d, f // p, True), "mlp.proj": (f // p, d, False)}
@@ -108,7 +113,7 @@ def test_float8_under_the_ring_gathers_a_byte_an_element_casts_once_and_keeps_fl
     assert gathered(a) - gathered(b) == CFG.n_layer * micro_batches * 4 * (2 * n * d - n * d)
     saved = 0.0
     for k, m, column in x_w_g.values():
-        cx, cg = (5 / p + 2, 7) if column else (7, 5 / p + 2)
+        cx, cg = (5 / p + 2, 7 + 2) if column else (7 + 2, 5 / p + 2)  # the scattered operand copied in pieces
         cw = 8 / 2  # W's amax and casts kept through the step: once in its 2 micro batches
         saved += ((8 - cx) * n * k + (8 - cw) * k * m + (8 - cg) * n * m) / H100.memory_bandwidth
     extra_reductions = 2 * COLLECTIVE_LATENCY_S  # one per row layer
@@ -117,5 +122,9 @@ def test_float8_under_the_ring_gathers_a_byte_an_element_casts_once_and_keeps_fl
     kept = CFG.n_layer * n * (2 * d - d / p + f / p)  # bytes a micro batch saves less
     assert a.activations.saved - b.activations.saved == pytest.approx(kept, abs=CFG.n_layer)
     launches = 100 + sum(a + b * p for a, b in (RING_LAUNCHES[True, column] for column in (True, False, True, False)))
-    launched = build_plan(CFG, LAYOUT, H100, implementation=for_precision("fp8", compiled=True, tp_comm_overlap=True))
-    assert launched.ranks[0].time["compute_s"] >= CFG.n_layer * launches * 30e-6 > b.time["compute_s"]
+    launches += 4 * RING_WEIGHT_CAST_LAUNCHES / micro_batches  # the weights' casts, in a step's first micro batch
+    one_sequence = dataclasses.replace(LAYOUT, global_batch=2, micro_batch=1)  # a GPU's work an eighth of the above
+    small = build_plan(CFG, one_sequence, H100, implementation=dataclasses.replace(
+        for_precision("fp8", compiled=True, tp_comm_overlap=True), host_seconds_per_kernel=0)).ranks[0]
+    launched = build_plan(CFG, one_sequence, H100, implementation=for_precision("fp8", compiled=True, tp_comm_overlap=True))
+    assert launched.ranks[0].time["compute_s"] >= CFG.n_layer * launches * 30e-6 > small.time["compute_s"]
