@@ -353,7 +353,7 @@ def test_the_175b_recipe_is_the_fastest_layout_with_4_gib_to_spare():
     fastest layout interleaves 12 chunks of one block on 8 ranks without recomputation, 59.2% MFU at 76.1 GiB, 1.5
     GiB short of 80 with pre-flight's 2 GiB reserve; the recipe, the fastest that leaves 4 GiB more, is the same
     with selective recomputation: 59.0% with a bubble of 1.7% of the step. Its schedule beside the others at that
-    layout: V=6 57.8%, 1F1B 45.4% (a 16.9% bubble), ZB-H1 and ZB-V over the memory (97.6 and 104.0 GiB); without
+    layout: V=6 57.8%, 1F1B 45.4% (a 17.0% bubble), ZB-H1 and ZB-V over the memory (97.6 and 104.0 GiB); without
     the ring overlap 52.1%. model.compile=true changes no bf16 figure."""
     plan = _recipe_175b()
     assert plan.layout.describe() == "tp=8 pp=8 dp=16 zero=1 micro=3 ckpt=selective sp interleaved V=12"
