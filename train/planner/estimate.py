@@ -140,15 +140,15 @@ BF16_OPTIMIZER_UPDATE_BYTES = 10
 FP8_CAST_BYTES = {"tensorwise": 8, "rowwise": 10}
 
 
-def ring_fp8_cast_bytes(column: bool, tp: int, micro_batches: int, micro_batch: int) -> tuple[float, float, float]:
+def ring_fp8_cast_bytes(column: bool, tp: int, micro_batches: int, copied: bool) -> tuple[float, float, float]:
     """FP8_CAST_BYTES under parallel.tp_comm_overlap (parallel/ring_operands.py, tensorwise only), per element of
     the whole operand and micro batch, (x, W, g) of a column layer (column) or a row layer: x and g cast once (the
     amax 2, the cast 3) and copied into their other layout for the weight gradient (a float8 byte read and
     written, 2), the pieces that travel cast before the ring (1/p of the whole on each rank); the operand the ring
-    scatters (a column layer's g, a row layer's x) copied once more into sequence-major pieces when a micro batch
-    holds several sequences (parallel/overlap.py's _pieces, 2); W's amax and two casts (8) made once a step and
-    kept (model/float8_weights.py): 8 over the step's micro batches."""
-    piece, whole = 5 / tp + 2, 7 + (2 if micro_batch > 1 else 0)
+    scatters (a column layer's g, a row layer's x) copied once more into sequence-major pieces (`copied`:
+    scattered_copies; parallel/overlap.py's _pieces, 2); W's amax and two casts (8) made once a step and kept
+    (model/float8_weights.py): 8 over the step's micro batches."""
+    piece, whole = 5 / tp + 2, 7 + (2 if copied else 0)
     return (piece, 8 / micro_batches, whole) if column else (whole, 8 / micro_batches, piece)
 
 
@@ -224,8 +224,8 @@ def _blocks_compute(model_cfg: GPTConfig, layout: Layout, impl: Implementation, 
 
     Per block, with G the time of one product of each of its four linears (a linear's three products
     have the same FLOPs and matrices of the same three sizes, so the model times them alike), X its
-    forward traffic and A its attention's forward (QKᵀ and PV): F = G + X + A; W = G + the column
-    layers' bias sums (read g, a·n·(3d + f)/p bytes); B = G + 2X + 2.5A − the bias sums, plus
+    forward traffic and A its attention's forward (QKᵀ and PV; `_attention`): F = G + X + A; W = G + the column
+    layers' bias sums (read g, a·n·(3d + f)/p bytes); B = G + 2X + the attention's backward − the bias sums, plus
     recomputation and the fp8 amax reductions. F + B + W is the block's whole micro batch as before."""
     tp, sigma = layout.tp, layout.tp if layout.sequence_parallel else 1
     d, f, n = model_cfg.d_model, model_cfg.d_ff, layout.micro_batch * model_cfg.seq_len
@@ -233,27 +233,27 @@ def _blocks_compute(model_cfg: GPTConfig, layout: Layout, impl: Implementation, 
     gemms = [(n, d, 3 * d // tp), (n, d // tp, d), (n, d, f // tp), (n, f // tp, d)]  # in BLOCK_LINEARS' order
     in_fp8 = linears_at(model_cfg, layout, impl, hw)  # the block linears in float8 (none without fp8)
     ring = ring_runs(layout, impl)  # float8 operands cast once (ring_fp8_cast_bytes)
-    casts = {name: ring_fp8_cast_bytes(name in COLUMN_PARALLEL, tp, layout.micro_batches, layout.micro_batch)
+    copied = ring and scattered_copies(layout, impl)
+    casts = {name: ring_fp8_cast_bytes(name in COLUMN_PARALLEL, tp, layout.micro_batches, copied)
              if ring else None for name in BLOCK_LINEARS}
     fwd_gemm_t = sum(_linear_time(hw, impl, *g, fp8=name in in_fp8, cast_bytes=casts[name])
                      for name, g in zip(BLOCK_LINEARS, gemms))
     fwd_gemm_f = sum(2 * x * y * z for x, y, z in gemms)
-    attn_f = [4 * n * d / tp * _visible_keys(model_cfg, i) for i in blocks]  # QKᵀ and PV
-    attn_rate = hw.peak_tflops * 1e12 * impl.attention_efficiency
+    attention = [_attention(model_cfg, layout, impl, hw, i) for i in blocks]  # (forward s, backward s, their FLOPs)
     block_traffic = _block_traffic_per_token(d, f, tp, sigma, impl) * n
     bias_sums = _matmul_bytes(impl) * n * (3 * d + f) / tp / bandwidth
-    forward = len(blocks) * (fwd_gemm_t + block_traffic / bandwidth) + sum(attn_f) / attn_rate
+    forward = len(blocks) * (fwd_gemm_t + block_traffic / bandwidth) + sum(a[0] for a in attention)
     weight_grad = len(blocks) * (fwd_gemm_t + bias_sums)
     input_grad = len(blocks) * (fwd_gemm_t + 2 * block_traffic / bandwidth - bias_sums)
-    input_grad += sum(2.5 * x for x in attn_f) / attn_rate
-    if ring and layout.micro_batch > 1:  # the scattered operand's sequence-major copy (parallel/overlap.py's _pieces),
+    input_grad += sum(a[1] for a in attention)
+    if copied:  # the scattered operand's sequence-major copy (parallel/overlap.py's _pieces),
         for name, (rows, k, m) in zip(BLOCK_LINEARS, gemms):  # in float8 counted with the casts
             if name not in in_fp8 and name in COLUMN_PARALLEL:  # g (rows × m), in the input gradient
                 input_grad += len(blocks) * 2 * _matmul_bytes(impl) * rows * m / bandwidth
             elif name not in in_fp8:  # x (rows × k), in the forward
                 forward += len(blocks) * 2 * _matmul_bytes(impl) * rows * k / bandwidth
-    attn_recomputed = recomputed * sum(attn_f) / max(len(blocks), 1)
-    input_grad += recomputed * (fwd_gemm_t + block_traffic / bandwidth) + attn_recomputed / attn_rate
+    per_block = max(len(blocks), 1)  # a recomputed block's attention forward: the blocks' mean
+    input_grad += recomputed * (fwd_gemm_t + block_traffic / bandwidth + sum(a[0] for a in attention) / per_block)
     kernels = impl.kernels_per_block * (len(blocks) + 0.35 * recomputed)
     if layout.selective_recompute:
         kept = len(blocks) - recomputed
@@ -270,8 +270,44 @@ def _blocks_compute(model_cfg: GPTConfig, layout: Layout, impl: Implementation, 
             column, row = RING_FP8_AMAX_REDUCTIONS if ring else FP8_AMAX_REDUCTIONS[impl.fp8]
             reductions = sum(column if name in COLUMN_PARALLEL else row for name in in_fp8)
             input_grad += len(blocks) * reductions * COLLECTIVE_LATENCY_S
-    flops = len(blocks) * 3 * fwd_gemm_f + sum(3.5 * x for x in attn_f) + recomputed * fwd_gemm_f + attn_recomputed
+    flops = len(blocks) * 3 * fwd_gemm_f + sum(a[2] + a[3] for a in attention)
+    flops += recomputed * (fwd_gemm_f + sum(a[2] for a in attention) / per_block)
     return Passes(forward, input_grad, weight_grad), flops, kernels
+
+
+# Bytes a score element of a materialized attention (Implementation.materialized_attention) moves through the
+# elementwise kernels between its products, in 2-byte scores: forward, the softmax (read S, write P: 4) and the
+# attention dropout (read P, write P' and its 1-byte mask: 5); backward, the dropout's (read dP' and the mask, write
+# dP: 5) and the softmax's (read P and dP, write dS: 6)
+MATERIALIZED_SCORE_BYTES = (4 + 5, 5 + 6)
+
+
+def scattered_copies(layout: Layout, impl: Implementation) -> bool:
+    """Whether the ring copies the operand it scatters into sequence-major pieces (parallel/overlap.py's _pieces):
+    with (B, T, d) activations and several sequences a micro batch, where a sequence piece is strided; not where
+    the activations are laid out sequence first (Implementation.sequence_first: Megatron's (T, B, d))."""
+    return layout.micro_batch > 1 and not impl.sequence_first
+
+
+def _attention(model_cfg: GPTConfig, layout: Layout, impl: Implementation, hw: Hardware,
+               block: int) -> tuple[float, float, float, float]:
+    """(forward s, backward s, forward FLOPs, backward FLOPs) of block `block`'s attention core on a rank, one micro
+    batch. The fused kernel (gpt3d's): QKᵀ and PV over the visible query-key pairs, 4·n·(d/p)·keys FLOPs forward and
+    2.5 times that backward, at `attention_efficiency` of peak. Materialized (Megatron-LM before fused attention
+    kernels): each of the heads/p heads' T × T scores written out, so QKᵀ and PV (forward) and the backward's four
+    products (dP', dV, dQ, dK) are batched GEMMs over all T² pairs (the causal mask applied in the softmax), each
+    2·T²·d_head FLOPs a head, at the GEMM rate or its bytes (the scores in 2 bytes, two (T, d_head) operands), and
+    the softmax and dropout between them move MATERIALIZED_SCORE_BYTES a score (the softmax over the whole square)."""
+    if not impl.materialized_attention:
+        flops = 4 * layout.micro_batch * model_cfg.seq_len * model_cfg.d_model / layout.tp * _visible_keys(model_cfg, block)
+        rate = hw.peak_tflops * 1e12 * impl.attention_efficiency
+        return flops / rate, 2.5 * flops / rate, flops, 2.5 * flops
+    t, heads = model_cfg.seq_len, layout.micro_batch * model_cfg.n_head // layout.tp
+    head_dim = model_cfg.d_model // model_cfg.n_head
+    scores, product_flops = heads * t * t, 2 * heads * t * t * head_dim
+    product = max(product_flops / hw.flops, (2 * scores + 2 * 2 * heads * t * head_dim) / hw.memory_bandwidth)
+    elementwise = [b * scores / hw.memory_bandwidth for b in MATERIALIZED_SCORE_BYTES]
+    return 2 * product + elementwise[0], 4 * product + elementwise[1], 2 * product_flops, 4 * product_flops
 
 
 def deferred_parameters_per_block(model_cfg: GPTConfig, tp: int) -> int:

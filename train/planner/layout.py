@@ -104,6 +104,12 @@ class Implementation:
     fused_loss: bool = True  # train.fused_loss: the loss unembeds chunk by chunk, no (n, Vp/p) logits kept
     # measured on this project's H100 (README, "How the step time is modelled"):
     attention_efficiency: float = 0.21  # the fused attention's forward+backward, 212 of 989 TFLOP/s
+    # for published runs only: the attention as Megatron-LM ran it before fused attention kernels, its T × T scores
+    # written out between batched GEMMs, a softmax and the attention dropout (estimate._attention)
+    materialized_attention: bool = False
+    # for published runs only: activations laid out sequence first (Megatron's (T, B, d)), so that a sequence piece is
+    # contiguous and the ring copies nothing (estimate.scattered_copies)
+    sequence_first: bool = False
     unaligned_gemm_efficiency: float = 0.1  # a GEMM with a dimension not a multiple of 8 (vocab 50257)
     kernels_per_block: int = 100  # kernels one block launches per micro batch, forward and backward
     host_seconds_per_kernel: float = 30e-6  # Python and launch time per kernel: the GPU cannot run ahead

@@ -65,6 +65,8 @@ def test_ring_overlap_hides_what_the_hand_count_says_and_changes_nothing_else(sl
     # once (micro batches of 8 sequences): a bf16 read and write of each element
     copies = CFG.n_layer * 2 * 2 * n * (3 * d / p + f / p + d / p + f / p) / H100.memory_bandwidth
     assert b.time["compute_s"] - a.time["compute_s"] == pytest.approx(copies, rel=1e-9)
+    sequence_first = dataclasses.replace(ring, sequence_first=True)  # (T, B, d) activations: the pieces contiguous
+    assert build_plan(CFG, LAYOUT, H100, implementation=sequence_first).ranks[0].time["compute_s"] == a.time["compute_s"]
     assert b.peak_bytes == a.peak_bytes
     assert b.time["tp_comm_s"] > 0  # the embedding's, the head's and the LayerNorm gradients' stay exposed
     # a GEMM twice as slow beside an exchange loses more than the ring hides: the plan then says so
