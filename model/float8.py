@@ -267,21 +267,29 @@ def _(t, scale, dtype, transposed):
 def float8_scales(amax: torch.Tensor, dtype: torch.dtype, power_of_2: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(s, 1/s) for fp32 amaxes (a few numbers): s = amax_to_scale(amax) (torchao's, with its power-of-two
     rounding when asked), 1/s the inverse scale torch._scaled_mm multiplies by. Eager without the rounding, one
-    kernel (scales_in_one_kernel); compiled, or rounded to powers of two, torch's ops."""
+    kernel (scales_in_one_kernel); compiled, or rounded to powers of two, torch's ops. Either way each of the
+    scales starts 16 bytes from the next (_aligned_like)."""
     if power_of_2 or torch.compiler.is_compiling():
-        return _scales_in_torch(amax, dtype, power_of_2)
+        return tuple(_aligned_like(amax).copy_(value) for value in _scales_in_torch(amax, dtype, power_of_2))
     return scales_in_one_kernel(amax, dtype)
+
+
+SCALE_APART = 4  # floats between two scales of one float8_scales call: each 16-byte aligned, as cuBLAS may need
 
 
 @torch.library.custom_op("gpt3d::float8_scales", mutates_args=())
 def scales_in_one_kernel(amax: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """float8_scales' eager form: on CUDA one Triton kernel (model/float8_scale_triton.py, equal to torch's ops bit
-    for bit); elsewhere torch's ops."""
+    for bit); elsewhere torch's ops. Each scale a product takes starts 16 bytes from the next (_aligned_like)."""
+    scale, inverse = _aligned_like(amax), _aligned_like(amax)
     if amax.is_cuda:
         from model import float8_scale_triton  # triton is imported only when the kernel runs
 
-        return float8_scale_triton.scales(amax, dtype)
-    return _scales_in_torch(amax, dtype, False)
+        float8_scale_triton.scales_into(amax, dtype, scale, inverse)
+    else:
+        for out, value in zip((scale, inverse), _scales_in_torch(amax, dtype, False)):
+            out.copy_(value)
+    return scale, inverse
 
 
 def _scales_in_torch(amax: torch.Tensor, dtype: torch.dtype, power_of_2: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -289,9 +297,14 @@ def _scales_in_torch(amax: torch.Tensor, dtype: torch.dtype, power_of_2: bool) -
     return scale, scale.reciprocal()
 
 
+def _aligned_like(amax: torch.Tensor) -> torch.Tensor:
+    """An fp32 tensor shaped like `amax`, its elements SCALE_APART floats apart."""
+    return amax.new_empty((amax.numel(), SCALE_APART), dtype=torch.float32)[:, 0].view(amax.shape)
+
+
 @scales_in_one_kernel.register_fake
 def _(amax, dtype):
-    return amax.new_empty(amax.shape), amax.new_empty(amax.shape)
+    return _aligned_like(amax), _aligned_like(amax)
 
 
 def _amax(t: torch.Tensor, dim: int | None) -> torch.Tensor:

@@ -23,23 +23,24 @@ EPS = tl.constexpr(1e-12)  # torchao's floor under an amax (float8_utils.EPS)
 
 
 @triton.jit
-def _scales_kernel(AMAX, SCALE, INVERSE, n, F_MAX: tl.constexpr, BLOCK: tl.constexpr):
+def _scales_kernel(AMAX, SCALE, INVERSE, n, stride, F_MAX: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.arange(0, BLOCK)
     inside = i < n
     amax = tl.load(AMAX + i, mask=inside, other=1.0).to(tl.float64)  # (BLOCK,)
     amax = tl.where(amax < EPS, EPS, amax)  # torch.clamp(amax, min=EPS): NaN compares false and stays
     scale = ((1.0 / amax) * F_MAX).to(tl.float32)  # f_max / amax as torch runs it: 1/amax (div.rn.f64), then · f_max
     inverse = tl.math.div_rn(tl.full((BLOCK,), 1.0, tl.float32), scale)
-    tl.store(SCALE + i, scale, mask=inside)
-    tl.store(INVERSE + i, inverse, mask=inside)
+    tl.store(SCALE + i * stride, scale, mask=inside)
+    tl.store(INVERSE + i * stride, inverse, mask=inside)
 
 
-def scales(amax: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(s, 1/s) in float32, each shaped like `amax` (a few fp32 amaxes), for float8 `dtype`."""
+def scales_into(amax: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor, inverse: torch.Tensor) -> None:
+    """Writes s and 1/s (float32) for the fp32 amaxes `amax` (a few numbers), float8 `dtype`, into `scale` and
+    `inverse`: shaped like `amax`, their elements evenly strided (model/float8.py keeps each 16 bytes apart)."""
     if dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
         raise ValueError(f"float8 scales for {dtype}: must be torch.float8_e4m3fn or torch.float8_e5m2")
-    flat = amax.reshape(-1).contiguous()
-    scale, inverse = torch.empty_like(flat, dtype=torch.float32), torch.empty_like(flat, dtype=torch.float32)
-    _scales_kernel[(1,)](flat, scale, inverse, flat.numel(), F_MAX=torch.finfo(dtype).max,
+    flat, stride = amax.reshape(-1).contiguous(), scale.reshape(-1).stride(0)
+    if inverse.reshape(-1).stride(0) != stride:
+        raise ValueError("float8 scales: the scales and their inverses must be strided alike")
+    _scales_kernel[(1,)](flat, scale, inverse, flat.numel(), stride, F_MAX=torch.finfo(dtype).max,
                          BLOCK=triton.next_power_of_2(max(flat.numel(), 2)))
-    return scale.view(amax.shape), inverse.view(amax.shape)

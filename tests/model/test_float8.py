@@ -154,3 +154,20 @@ def test_a_block_computes_in_float8_exactly_the_linears_it_is_built_with():
     assert block.attn.proj.fp8 == Float8("rowwise", True) and block.attn.qkv.fp8 is None
     with pytest.raises(ValueError, match=r"fp8_linears=\['head'\]: must be distinct names of a block's linears"):
         LayerModes(fp8_linears=["head"])
+
+
+@pytest.mark.parametrize("power_of_2", [False, True], ids=["exact", "power-of-2"])
+def test_the_scales_op_gives_the_definitions_scale_and_inverse_16_bytes_apart(power_of_2):
+    """model/float8.py's float8_scales against the definition above (s = f_max / max(amax, 1e-12), rounded down to
+    a power of two when asked, an fp32 number; 1/s in fp32): equal, each element 16 bytes from the next (as cuBLAS may
+    need a scale's pointer); the custom op passes torch.library.opcheck (its fake tensors agree with it)."""
+    from model.float8 import float8_scales, scales_in_one_kernel
+
+    amax = torch.tensor([3.0, 0.0, 448.0, 1e-30, 7.25e5])
+    for dtype in (E4M3, E5M2):
+        scale, inverse = float8_scales(amax, dtype, power_of_2)
+        want = torch.finfo(dtype).max / amax.double().clamp(min=1e-12)
+        want = (2.0 ** torch.floor(torch.log2(want)) if power_of_2 else want).float()
+        assert torch.equal(scale, want) and torch.equal(inverse, want.reciprocal())
+        assert all(element.data_ptr() % 16 == 0 for element in (*scale, *inverse))
+    torch.library.opcheck(scales_in_one_kernel, (amax, E4M3))

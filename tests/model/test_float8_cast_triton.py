@@ -18,7 +18,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from model import float8_cast_triton, float8_scale_triton  # noqa: E402
-from model.float8 import quantize  # noqa: E402
+from model.float8 import _aligned_like, quantize  # noqa: E402
 from model.float8_library import amax_to_scale  # noqa: E402
 
 FORMATS = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
@@ -63,22 +63,23 @@ def test_an_unknown_format_is_refused():
 @pytest.mark.parametrize("fp8", list(FORMATS), ids=["e4m3", "e5m2"])
 def test_the_scales_kernel_equals_torchaos_scale_and_torchs_reciprocal_bit_for_bit(fp8):
     """Amaxes over all binades (where 1/a·f_max and f_max/a round differently: torchao's two roundings are kept),
-    under ε (floored to it), zero, infinite (s = 0, 1/s = inf) and NaN (kept), one to seventeen at a time (the
-    block's ragged end)."""
+    under ε (floored to it), zero, infinite (s = 0, 1/s = inf) and NaN (kept); one, two, seventeen (a ragged block)
+    and all 4,008 at a time; written 16 bytes apart, as model/float8.py lays them out."""
     g = torch.Generator().manual_seed(3)
     amax = torch.rand(4000, generator=g, dtype=torch.float64) * torch.exp2(torch.randint(-60, 60, (4000,), generator=g))
     amax = torch.cat([amax.float(), torch.tensor([0.0, 1e-13, 1e-12, 3e-12, float("inf"), float("nan"), 448.0, 1.0])])
     differ = (1 / amax.double()) * FORMATS[fp8] != FORMATS[fp8] / amax.double()
     assert differ.any()  # the two orders of rounding are told apart by these amaxes
     for count in (1, 2, 17, amax.numel()):
-        scale, inverse = float8_scale_triton.scales(amax[:count], fp8)
+        scale, inverse = _aligned_like(amax[:count]), _aligned_like(amax[:count])
+        float8_scale_triton.scales_into(amax[:count], fp8, scale, inverse)
         want = amax_to_scale(amax[:count], fp8)
-        assert torch.equal(scale.view(torch.int32), want.view(torch.int32)), count
-        assert torch.equal(inverse.view(torch.int32), want.reciprocal().view(torch.int32)), count
-    scale, inverse = float8_scale_triton.scales(amax[:2].reshape(2, 1), fp8)
-    assert scale.shape == inverse.shape == (2, 1)
+        assert torch.equal(scale.view(-1, 1).view(torch.int32), want.view(-1, 1).view(torch.int32)), count
+        assert torch.equal(inverse.view(-1, 1).view(torch.int32), want.reciprocal().view(-1, 1).view(torch.int32)), count
+        assert all(element.data_ptr() % 16 == 0 for element in (*scale, *inverse))
 
 
 def test_the_scales_kernel_refuses_a_format_it_has_no_range_for():
     with pytest.raises(ValueError, match="float8 scales for torch.float16: must be"):
-        float8_scale_triton.scales(torch.ones(2), torch.float16)
+        float8_scale_triton.scales_into(torch.ones(2), torch.float16, _aligned_like(torch.ones(2)),
+                                        _aligned_like(torch.ones(2)))

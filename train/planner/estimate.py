@@ -159,9 +159,11 @@ def ring_fp8_cast_bytes(column: bool, tp: int, micro_batches: int, copied: bool)
 # GEMM chunks and partial-sum addition, the gathers' joins, the scattered operand's one sequence-major copy; in
 # float8 also the layer's amaxes, scales (one kernel with their inverses) and casts, outside any compiled graph
 # (the ring layers run eager). A float8 layer's first micro batch of a step also makes its weight's amax, scale
-# and two casts: RING_WEIGHT_CAST_LAUNCHES more, once a step.
+# and two casts: RING_WEIGHT_CAST_LAUNCHES more, once a step. With one sequence a micro batch the scattered operand's
+# pieces are contiguous already: RING_COPY_LAUNCHES fewer (scattered_copies).
 RING_LAUNCHES = {(False, True): (-4, 7), (False, False): (-9, 7), (True, True): (6, 7), (True, False): (1, 7)}
 RING_WEIGHT_CAST_LAUNCHES = 4
+RING_COPY_LAUNCHES = 1  # of RING_LAUNCHES (counted at two sequences a micro batch): the scattered operand's copy
 
 
 # All-reduces of amaxes per float8 linear and micro batch under tensor parallelism (model/float8.py's table):
@@ -226,7 +228,8 @@ def _blocks_compute(model_cfg: GPTConfig, layout: Layout, impl: Implementation, 
     have the same FLOPs and matrices of the same three sizes, so the model times them alike), X its
     forward traffic and A its attention's forward (QKᵀ and PV; `_attention`): F = G + X + A; W = G + the column
     layers' bias sums (read g, a·n·(3d + f)/p bytes); B = G + 2X + the attention's backward − the bias sums, plus
-    recomputation and the fp8 amax reductions. F + B + W is the block's whole micro batch as before."""
+    recomputation and the fp8 amax reductions; under the ring, its copies of the scattered operands (the row
+    layers' x in F, the column layers' g in B; scattered_copies). F + B + W is the block's whole micro batch."""
     tp, sigma = layout.tp, layout.tp if layout.sequence_parallel else 1
     d, f, n = model_cfg.d_model, model_cfg.d_ff, layout.micro_batch * model_cfg.seq_len
     bandwidth = hw.memory_bandwidth
@@ -246,14 +249,17 @@ def _blocks_compute(model_cfg: GPTConfig, layout: Layout, impl: Implementation, 
     weight_grad = len(blocks) * (fwd_gemm_t + bias_sums)
     input_grad = len(blocks) * (fwd_gemm_t + 2 * block_traffic / bandwidth - bias_sums)
     input_grad += sum(a[1] for a in attention)
-    if copied:  # the scattered operand's sequence-major copy (parallel/overlap.py's _pieces),
+    copy_forward = 0.0  # the scattered operand's sequence-major copy (parallel/overlap.py's _pieces), a block's
+    if copied:
         for name, (rows, k, m) in zip(BLOCK_LINEARS, gemms):  # in float8 counted with the casts
             if name not in in_fp8 and name in COLUMN_PARALLEL:  # g (rows × m), in the input gradient
                 input_grad += len(blocks) * 2 * _matmul_bytes(impl) * rows * m / bandwidth
-            elif name not in in_fp8:  # x (rows × k), in the forward
-                forward += len(blocks) * 2 * _matmul_bytes(impl) * rows * k / bandwidth
+            elif name not in in_fp8:  # x (rows × k), in the forward (and again where the block is recomputed)
+                copy_forward += 2 * _matmul_bytes(impl) * rows * k / bandwidth
+    forward += len(blocks) * copy_forward
     per_block = max(len(blocks), 1)  # a recomputed block's attention forward: the blocks' mean
-    input_grad += recomputed * (fwd_gemm_t + block_traffic / bandwidth + sum(a[0] for a in attention) / per_block)
+    input_grad += recomputed * (fwd_gemm_t + block_traffic / bandwidth + copy_forward
+                                + sum(a[0] for a in attention) / per_block)
     kernels = impl.kernels_per_block * (len(blocks) + 0.35 * recomputed)
     if layout.selective_recompute:
         kept = len(blocks) - recomputed
@@ -262,7 +268,8 @@ def _blocks_compute(model_cfg: GPTConfig, layout: Layout, impl: Implementation, 
     if ring and impl.ring_launches:  # the ring layers run eager, compiled blocks or not
         added = (RING_LAUNCHES[name in in_fp8, name in COLUMN_PARALLEL] for name in BLOCK_LINEARS)
         weight_casts = len(in_fp8) * RING_WEIGHT_CAST_LAUNCHES / layout.micro_batches  # a step's first micro batch
-        kernels += len(blocks) * (sum(a + b * tp for a, b in added) + weight_casts)
+        no_copy = 0 if copied else len(BLOCK_LINEARS) * RING_COPY_LAUNCHES
+        kernels += len(blocks) * (sum(a + b * tp for a, b in added) + weight_casts - no_copy)
     if impl.fp8 is not None:
         if not impl.compiled and not (ring and impl.ring_launches):
             kernels += len(in_fp8) * FP8_KERNELS_PER_LINEAR[impl.fp8] * (len(blocks) + recomputed)

@@ -17,9 +17,9 @@ RECIPES = {  # recipe: (GPUs, the model it sets, layout it must hold, blocks for
     # the whole 96 blocks: 12 chunks of one block on each of the 8 ranks
     "gpt3-175b-h100x1024": (1024, "gpt3-175b", "tp=8 pp=8 dp=16 zero=1 micro=3 ckpt=selective sp interleaved V=12",
                             None, "bf16"),
-    # 6 chunks of one block on each of the 16 ranks
+    # the bf16 recipe's layout with micro batches of 4
     "gpt3-175b-h100x1024-fp8": (1024, "gpt3-175b",
-                                "tp=4 pp=16 dp=16 zero=1 micro=2 ckpt=off sp interleaved V=6", None, "fp8"),
+                                "tp=8 pp=8 dp=16 zero=1 micro=4 ckpt=selective sp interleaved V=12", None, "fp8"),
     "gpt3-13b-h100x64": (64, "gpt3-13b", "tp=2 pp=1 dp=32 zero=2 micro=8 ckpt=selective", None, "bf16"),
 }
 

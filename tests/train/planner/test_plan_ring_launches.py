@@ -4,8 +4,9 @@ counted by bench/op_ledger.py on the layers themselves (forward and backward, bf
 sequences) at tp = 2 and 4 on gloo: a + b·p for a column and a row layer, in bf16 and in float8 (torch._scaled_mm,
 the fused cast and the scales as on a GPU, one kernel each), inside a training step whose float8 weight casts are
 kept (model/float8_weights.py) as the trainer runs it: its second micro batch, and the first's extra launches (the
-weight's amax, scale and casts). Within one launch: the plain row layer's count has been seen to differ by one
-between runs."""
+weight's amax, scale and casts); and at one sequence a micro batch, one launch fewer (RING_COPY_LAUNCHES: the
+scattered operand's copy into sequence pieces). Within one launch: the plain row layer's count has been seen to
+differ by one between runs."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from train.planner.estimate import RING_LAUNCHES, RING_WEIGHT_CAST_LAUNCHES
+from train.planner.estimate import RING_COPY_LAUNCHES, RING_LAUNCHES, RING_WEIGHT_CAST_LAUNCHES
 
 IN, OUT, BATCH = 64, 64, 2
 
@@ -35,7 +36,7 @@ def count_worker(tp: int) -> tuple[dict, dict]:
     from parallel.topology import Topology
 
     group, tokens, casts = Topology.create(tp=tp).tp_group, 16 * tp, WeightCasts()
-    counts, first = {}, {}
+    counts, first, one_sequence = {}, {}, {}
     for fp8 in (False, True):
         mode = Float8(weight_casts=casts) if fp8 else None
         for column in (True, False):
@@ -53,13 +54,20 @@ def count_worker(tp: int) -> tuple[dict, dict]:
                 with casts.step():
                     first[fp8, column, ring] = _launches(layer, x)
                     counts[fp8, column, ring] = _launches(layer, x)
+                if ring:  # one sequence a micro batch: the scattered operand's pieces need no copy
+                    x_one = x[:1].detach().requires_grad_()  # (1, T', k), a leaf as x is
+                    with casts.step():
+                        _launches(layer, x_one)
+                        one_sequence[fp8, column] = _launches(layer, x_one)
     added = {key: counts[key + (True,)] - counts[key + (False,)] for key in RING_LAUNCHES}
-    return added, {key: first[key + (True,)] - counts[key + (True,)] for key in RING_LAUNCHES}
+    copies = {key: counts[key + (True,)] - one_sequence[key] for key in RING_LAUNCHES}
+    return added, {key: first[key + (True,)] - counts[key + (True,)] for key in RING_LAUNCHES}, copies
 
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_ring_launches_are_the_layers_own(tp):
-    added, step_first = run_distributed(count_worker, tp, tp)[0]
+    added, step_first, copies = run_distributed(count_worker, tp, tp)[0]
     for (fp8, column), (a, b) in RING_LAUNCHES.items():
         assert abs(added[fp8, column] - (a + b * tp)) <= 1, ((fp8, column), added[fp8, column], a + b * tp)
         assert step_first[fp8, column] == (RING_WEIGHT_CAST_LAUNCHES if fp8 else 0), ((fp8, column), step_first)
+        assert copies[fp8, column] == RING_COPY_LAUNCHES, ((fp8, column), copies)

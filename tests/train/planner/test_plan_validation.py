@@ -53,7 +53,7 @@ PUBLISHED = [
     ("Narayanan 2021 Table 2, ZeRO-3, 384 GPUs", GPT3_175B, (1, 1, 384, 1536, 4, 3, 1), ZERO3, A100, 144, 0.25),
     ("Narayanan 2021 Table 2, ZeRO-3, 768 GPUs", GPT3_175B, (1, 1, 768, 1536, 2, 3, 1), ZERO3, A100, 88, 0.25),
     ("Narayanan 2021 Table 2, ZeRO-3, 1536 GPUs", GPT3_175B, (1, 1, 1536, 1536, 1, 3, 1), ZERO3, A100, 44, 0.25),
-    # MT-NLG is predicted 20–25% faster than it ran (docs/planner.md): checked against a looser bound
+    # MT-NLG is predicted 24–29% faster than it ran (docs/planner.md): checked against a looser bound
     ("MT-NLG 530B, 280 DGX nodes", MT_NLG_530B, (8, 35, 8, 1920, 1, 1, 1), MEGATRON, A100, 126, 0.45),
     ("MT-NLG 530B, 350 DGX nodes", MT_NLG_530B, (8, 35, 10, 1920, 1, 1, 1), MEGATRON, A100, 121, 0.45),
     ("MT-NLG 530B, 420 DGX nodes", MT_NLG_530B, (8, 35, 12, 1920, 1, 1, 1), MEGATRON, A100, 113, 0.45),
