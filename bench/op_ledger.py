@@ -6,14 +6,14 @@ Used inside torch's FakeTensorMode (tensors with shapes, dtypes and strides but 
 gpt3-125m step at its real shape costs seconds on a laptop), an `OpLedger` sees each aten operator
 below autograd, as the GPU's stream would receive it, and keeps one `Op` for it:
 
-  kind      query (a tensor's metadata, dispatched only because the tensors are fake, or a profiler's mark:
-            nothing on a GPU), view (an alias, _unsafe_view too: no kernel), alloc (empty memory, or a Python number wrapped
-            as a 0-d host tensor: no kernel), gemm (a matrix
-            product), attention (gpt3d's attention ops: model/attention_op.py), loss (gpt3d's loss rows:
-            model/loss_kernel.py), multi_tensor (torch's _foreach_* and fused optimizer kernels), collective
-            (c10d), memory (every other kernel: elementwise, reductions, copies, gathers), read (a device→host
-            read: `.item()`, `float()`, `int()`, `bool()` and `.tolist()` of a device tensor, a synchronize),
-            late read (a read of a tensor an earlier step made: it waits for that step's work only)
+  kind      query (a tensor's metadata, dispatched only because the tensors are fake, or a profiler's mark: nothing
+            on a GPU), view (an alias, _unsafe_view too: no kernel), alloc (empty memory, or a Python number wrapped
+            as a 0-d host tensor: no kernel), gemm (a matrix product), attention (gpt3d's attention ops:
+            model/attention_op.py), loss (gpt3d's loss rows: model/loss_kernel.py), multi_tensor (torch's _foreach_*
+            and fused optimizer kernels), collective (c10d), memory (every other kernel: elementwise, reductions,
+            copies, gathers), read (a device→host read: `.item()`, `float()`, `int()`, `bool()` and `.tolist()` of a
+            device tensor, a synchronize), late read (a read of a tensor an earlier step made: it waits for that
+            step's work only)
   kernels   launches on a CUDA GPU: 1, but multi_tensor (chunks of 65,536 elements, at most 320 chunks and a
             few dozen tensors a launch, as torch's multi_tensor_apply packs them) and the kernel counts of the
             custom ops (their `kernels` in LAUNCHES)

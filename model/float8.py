@@ -270,7 +270,7 @@ def float8_scales(amax: torch.Tensor, dtype: torch.dtype, power_of_2: bool) -> t
     kernel (scales_in_one_kernel); compiled, or rounded to powers of two, torch's ops. Either way each of the
     scales starts 16 bytes from the next (_aligned_like)."""
     if power_of_2 or torch.compiler.is_compiling():
-        return tuple(_aligned_like(amax).copy_(value) for value in _scales_in_torch(amax, dtype, power_of_2))
+        return _scales_in_torch(amax, dtype, power_of_2)
     return scales_in_one_kernel(amax, dtype)
 
 
@@ -281,20 +281,19 @@ SCALE_APART = 4  # floats between two scales of one float8_scales call: each 16-
 def scales_in_one_kernel(amax: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """float8_scales' eager form: on CUDA one Triton kernel (model/float8_scale_triton.py, equal to torch's ops bit
     for bit); elsewhere torch's ops. Each scale a product takes starts 16 bytes from the next (_aligned_like)."""
-    scale, inverse = _aligned_like(amax), _aligned_like(amax)
-    if amax.is_cuda:
-        from model import float8_scale_triton  # triton is imported only when the kernel runs
+    if not amax.is_cuda:
+        return _scales_in_torch(amax, dtype, False)
+    from model import float8_scale_triton  # triton is imported only when the kernel runs
 
-        float8_scale_triton.scales_into(amax, dtype, scale, inverse)
-    else:
-        for out, value in zip((scale, inverse), _scales_in_torch(amax, dtype, False)):
-            out.copy_(value)
+    scale, inverse = _aligned_like(amax), _aligned_like(amax)
+    float8_scale_triton.scales_into(amax, dtype, scale, inverse)
     return scale, inverse
 
 
 def _scales_in_torch(amax: torch.Tensor, dtype: torch.dtype, power_of_2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, 1/s) by torchao's amax_to_scale and torch's reciprocal, copied into _aligned_like's layout."""
     scale = amax_to_scale(amax, dtype, power_of_2)
-    return scale, scale.reciprocal()
+    return _aligned_like(amax).copy_(scale), _aligned_like(amax).copy_(scale.reciprocal())
 
 
 def _aligned_like(amax: torch.Tensor) -> torch.Tensor:

@@ -6,8 +6,8 @@ f_max (two roundings), then rounds s to float32; the product's inverse scale is 
 six kernels on a handful of numbers (a cast, the clamp, the reciprocal, the product, the cast back, the
 reciprocal); each is a launch the host pays for while the GPU waits on nothing. This kernel does all six in one
 program with IEEE-rounded divisions (float64's is always rounded; float32's by div_rn, as CUDA's `1 / x` is), so
-the values are the same. A NaN
-amax stays NaN (the clamp keeps it), an infinite one gives s = 0 and 1/s = inf, as in torch.
+the values are the same. A NaN amax stays NaN (the clamp keeps it), an infinite one gives s = 0 and 1/s = inf, as
+in torch.
 Run on the CPU through TRITON_INTERPRET=1 by its tests, where it must equal the torch ops bit for bit."""
 
 from __future__ import annotations

@@ -79,13 +79,12 @@ class Float8Operands:
             amaxes = self.m.reduce_max(torch.stack([_amax(x, None), _amax(weight, None)]), "forward")  # (2,)
             scales, inverses = float8_scales(amaxes, self.x_dtype, self.m.power_of_2)  # (2,), (2,)
             scale_x, inverse_x = scales[0], inverses[0]
-            kept = {"scale": scales[1], "inverse": inverses[1],
-                    "forward": cast_to_float8(weight, scales[1], self.x_dtype, transposed=False).t()}  # (k, n) col-major
+            forward = cast_to_float8(weight, scales[1], self.x_dtype, transposed=False).t()  # (k, n) col-major
+            kept = {"scale": scales[1], "inverse": inverses[1], "forward": forward}
             if self.m.weight_casts is not None:
                 self.m.weight_casts.keep(weight, kept)
         else:
-            amax_x = self.m.reduce_max(_amax(x, None).reshape(1), "forward")  # (1,)
-            scale_x, inverse_x = (s[0] for s in float8_scales(amax_x, self.x_dtype, self.m.power_of_2))
+            scale_x, inverse_x = self._scales(x, self.x_dtype, "forward")
         x8 = cast_to_float8(x.reshape(-1, x.shape[-1]), scale_x, self.x_dtype, transposed=False).view(x.shape)
         fast = self.m.forward_configs[2].use_fast_accum
 
@@ -97,11 +96,10 @@ class Float8Operands:
         return x8, product, (weight, scale_x, inverse_x)
 
     def backward(self, grad: torch.Tensor, state: tuple) -> tuple:
-        """grad (…, n) this rank's part of ∂L/∂y: ĝ (…, n), the product of its rows, ĝ_rows Ŵ (…, k), and g's scale
-        and its inverse."""
+        """grad (…, n) this rank's part of ∂L/∂y: ĝ (…, n), the product of its rows, ĝ_rows Ŵ (…, k), and g's
+        scale and its inverse."""
         weight = state[0]
-        amax_g = self.m.reduce_max(_amax(grad, None).reshape(1), "backward")  # (1,)
-        scale_g, inverse_g = (s[0] for s in float8_scales(amax_g, self.g_dtype, self.m.power_of_2))  # (), ()
+        scale_g, inverse_g = self._scales(grad, self.g_dtype, "backward")  # (), ()
         g8 = cast_to_float8(grad.reshape(-1, grad.shape[-1]), scale_g, self.g_dtype, transposed=False).view(grad.shape)
         kept = self._weight_for_input_grad(weight)
         fast = self.m.input_grad_configs[2].use_fast_accum
@@ -118,12 +116,17 @@ class Float8Operands:
         (outside a step, or a forward in no step) made again from W's amax, reduced over the ranks."""
         kept = self._kept(weight)
         if kept is None:
-            amax_w = self.m.reduce_max(_amax(weight, None).reshape(1), "backward")  # (1,)
-            scale_w, inverse_w = (s[0] for s in float8_scales(amax_w, self.x_dtype, self.m.power_of_2))
+            scale_w, inverse_w = self._scales(weight, self.x_dtype, "backward")
             kept = {"scale": scale_w, "inverse": inverse_w}
         if "backward" not in kept:
             kept["backward"] = cast_to_float8(weight, kept["scale"], self.x_dtype, transposed=True).t()
         return kept
+
+    def _scales(self, t: torch.Tensor, dtype: torch.dtype, phase: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(s, 1/s) of the whole operand `t` is a piece of: its amax reduced over the ranks (in `phase`), () each."""
+        amax = self.m.reduce_max(_amax(t, None).reshape(1), phase)  # (1,)
+        scale, inverse = float8_scales(amax, dtype, self.m.power_of_2)
+        return scale[0], inverse[0]
 
     def _kept(self, weight: torch.Tensor) -> dict | None:
         """W's operands kept in this step (model/float8_weights.py), or None."""

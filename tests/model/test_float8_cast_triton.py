@@ -74,8 +74,8 @@ def test_the_scales_kernel_equals_torchaos_scale_and_torchs_reciprocal_bit_for_b
         scale, inverse = _aligned_like(amax[:count]), _aligned_like(amax[:count])
         float8_scale_triton.scales_into(amax[:count], fp8, scale, inverse)
         want = amax_to_scale(amax[:count], fp8)
-        assert torch.equal(scale.view(-1, 1).view(torch.int32), want.view(-1, 1).view(torch.int32)), count
-        assert torch.equal(inverse.view(-1, 1).view(torch.int32), want.reciprocal().view(-1, 1).view(torch.int32)), count
+        for got, expected in ((scale, want), (inverse, want.reciprocal())):
+            assert torch.equal(got.view(-1, 1).view(torch.int32), expected.view(-1, 1).view(torch.int32)), count
         assert all(element.data_ptr() % 16 == 0 for element in (*scale, *inverse))
 
 

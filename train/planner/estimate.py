@@ -249,14 +249,18 @@ def _blocks_compute(model_cfg: GPTConfig, layout: Layout, impl: Implementation, 
     weight_grad = len(blocks) * (fwd_gemm_t + bias_sums)
     input_grad = len(blocks) * (fwd_gemm_t + 2 * block_traffic / bandwidth - bias_sums)
     input_grad += sum(a[1] for a in attention)
-    copy_forward = 0.0  # the scattered operand's sequence-major copy (parallel/overlap.py's _pieces), a block's
-    if copied:
-        for name, (rows, k, m) in zip(BLOCK_LINEARS, gemms):  # in float8 counted with the casts
-            if name not in in_fp8 and name in COLUMN_PARALLEL:  # g (rows × m), in the input gradient
-                input_grad += len(blocks) * 2 * _matmul_bytes(impl) * rows * m / bandwidth
-            elif name not in in_fp8:  # x (rows × k), in the forward (and again where the block is recomputed)
+    # a block's copies of the scattered operands into sequence-major pieces (parallel/overlap.py's _pieces), read and
+    # written: the row layers' x (rows × k) in the forward, again where the block is recomputed, the column layers'
+    # g (rows × m) in the input gradient; in float8 counted with the casts (ring_fp8_cast_bytes)
+    copy_forward = copy_backward = 0.0
+    for name, (rows, k, m) in zip(BLOCK_LINEARS, gemms):
+        if copied and name not in in_fp8:
+            if name in COLUMN_PARALLEL:
+                copy_backward += 2 * _matmul_bytes(impl) * rows * m / bandwidth
+            else:
                 copy_forward += 2 * _matmul_bytes(impl) * rows * k / bandwidth
     forward += len(blocks) * copy_forward
+    input_grad += len(blocks) * copy_backward
     per_block = max(len(blocks), 1)  # a recomputed block's attention forward: the blocks' mean
     input_grad += recomputed * (fwd_gemm_t + block_traffic / bandwidth + copy_forward
                                 + sum(a[0] for a in attention) / per_block)
@@ -299,14 +303,15 @@ def scattered_copies(layout: Layout, impl: Implementation) -> bool:
 def _attention(model_cfg: GPTConfig, layout: Layout, impl: Implementation, hw: Hardware,
                block: int) -> tuple[float, float, float, float]:
     """(forward s, backward s, forward FLOPs, backward FLOPs) of block `block`'s attention core on a rank, one micro
-    batch. The fused kernel (gpt3d's): QKᵀ and PV over the visible query-key pairs, 4·n·(d/p)·keys FLOPs forward and
-    2.5 times that backward, at `attention_efficiency` of peak. Materialized (Megatron-LM before fused attention
+    batch. The fused kernel (gpt3d's): QKᵀ and PV over the visible query-key pairs, 4·n·(d/p)·keys FLOPs forward
+    and 2.5 times that backward, at `attention_efficiency` of peak. Materialized (Megatron-LM before fused attention
     kernels): each of the heads/p heads' T × T scores written out, so QKᵀ and PV (forward) and the backward's four
     products (dP', dV, dQ, dK) are batched GEMMs over all T² pairs (the causal mask applied in the softmax), each
     2·T²·d_head FLOPs a head, at the GEMM rate or its bytes (the scores in 2 bytes, two (T, d_head) operands), and
     the softmax and dropout between them move MATERIALIZED_SCORE_BYTES a score (the softmax over the whole square)."""
     if not impl.materialized_attention:
-        flops = 4 * layout.micro_batch * model_cfg.seq_len * model_cfg.d_model / layout.tp * _visible_keys(model_cfg, block)
+        n = layout.micro_batch * model_cfg.seq_len
+        flops = 4 * n * model_cfg.d_model / layout.tp * _visible_keys(model_cfg, block)
         rate = hw.peak_tflops * 1e12 * impl.attention_efficiency
         return flops / rate, 2.5 * flops / rate, flops, 2.5 * flops
     t, heads = model_cfg.seq_len, layout.micro_batch * model_cfg.n_head // layout.tp

@@ -72,7 +72,8 @@ def test_ring_overlap_hides_what_the_hand_count_says_and_changes_nothing_else(sl
     copies = CFG.n_layer * 2 * 2 * n * (3 * d / p + f / p + d / p + f / p) / H100.memory_bandwidth
     assert b.time["compute_s"] - a.time["compute_s"] == pytest.approx(copies, rel=1e-9)
     sequence_first = dataclasses.replace(ring, sequence_first=True)  # (T, B, d) activations: the pieces contiguous
-    assert build_plan(CFG, LAYOUT, H100, implementation=sequence_first).ranks[0].time["compute_s"] == a.time["compute_s"]
+    (first,) = build_plan(CFG, LAYOUT, H100, implementation=sequence_first).ranks
+    assert first.time["compute_s"] == a.time["compute_s"]
     assert b.peak_bytes == a.peak_bytes
     assert b.time["tp_comm_s"] > 0  # the embedding's, the head's and the LayerNorm gradients' stay exposed
     # a GEMM twice as slow beside an exchange loses more than the ring hides: the plan then says so
@@ -94,8 +95,9 @@ def test_float8_under_the_ring_gathers_a_byte_an_element_casts_once_and_keeps_fl
       gather bf16 (2·n·d); the reduce-scatters stay bf16;
     - the casts: per element of x, W and g, 8 bytes each without the ring; with it a column layer's x
       5/p + 2 (its piece cast, its gathered float8 copied into the weight gradient's layout) and g 7 + 2 (copied
-      into sequence-major pieces too: micro batches of 8 sequences), a row layer's x 7 + 2 and g 5/p + 2, W 8 once a step (model/float8_weights.py: 4 a micro batch here); and a row layer
-      reduces one more amax (its g's) in the backward;
+      into sequence-major pieces too: micro batches of 8 sequences), a row layer's x 7 + 2 and g 5/p + 2, W 8
+      once a step (model/float8_weights.py: 4 a micro batch here); and a row layer reduces one more amax (its
+      g's) in the backward;
     - memory: each block keeps its two column inputs in float8 (d a token instead of 2d each, gathered),
       attn.proj its input in float8 beside the attention's bf16 output (d/p more a token), and mlp.proj its input
       in float8 instead of GELU's bf16 output (f/p less a token).
@@ -133,7 +135,8 @@ def test_float8_under_the_ring_gathers_a_byte_an_element_casts_once_and_keeps_fl
     launches += 4 * RING_WEIGHT_CAST_LAUNCHES / micro_batches  # the weights' casts, in a step's first micro batch
     launches -= 4 * RING_COPY_LAUNCHES  # one sequence a micro batch (below): no scattered operand is copied
     one_sequence = dataclasses.replace(LAYOUT, global_batch=2, micro_batch=1)  # a GPU's work an eighth of the above
-    small = build_plan(CFG, one_sequence, H100, implementation=dataclasses.replace(
-        for_precision("fp8", compiled=True, tp_comm_overlap=True), host_seconds_per_kernel=0)).ranks[0]
-    launched = build_plan(CFG, one_sequence, H100, implementation=for_precision("fp8", compiled=True, tp_comm_overlap=True))
+    eager_ring = for_precision("fp8", compiled=True, tp_comm_overlap=True)
+    small = build_plan(CFG, one_sequence, H100,
+                       implementation=dataclasses.replace(eager_ring, host_seconds_per_kernel=0)).ranks[0]
+    launched = build_plan(CFG, one_sequence, H100, implementation=eager_ring)
     assert launched.ranks[0].time["compute_s"] >= CFG.n_layer * launches * 30e-6 > small.time["compute_s"]

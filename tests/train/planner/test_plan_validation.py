@@ -72,8 +72,8 @@ def test_a_materialized_attention_moves_what_megatrons_kernels_move():
     from train.planner.estimate import MATERIALIZED_SCORE_BYTES, _attention
 
     cfg = GPTConfig(name="tiny", n_layer=1, n_head=4, d_model=64, seq_len=32)
-    layout, micro, tp = Layout(2, 1, 1, 2, 2), 2, 2
-    heads, t, head_dim = micro * cfg.n_head // tp, cfg.seq_len, cfg.d_model // cfg.n_head
+    layout = Layout(2, 1, 1, 2, 2)  # tp = 2, micro batches of 2 sequences
+    heads, t, head_dim = layout.micro_batch * cfg.n_head // layout.tp, cfg.seq_len, cfg.d_model // cfg.n_head
     q, v = (torch.randn(heads, t, head_dim, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     k_t = torch.randn(heads, head_dim, t, dtype=torch.bfloat16, requires_grad=True)  # Kᵀ, as the product takes it
     grad = torch.randn(heads, t, head_dim, dtype=torch.bfloat16)
